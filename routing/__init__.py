@@ -1,0 +1,1 @@
+"""Routing: learn which draft the target accepts most for each prompt."""

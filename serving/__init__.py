@@ -1,0 +1,1 @@
+"""Serving: the engine (models, sampling, KV cache, speculative loop) and the CLIs on it."""

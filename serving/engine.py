@@ -1,0 +1,335 @@
+"""The speculative engine: a static batch of slots that requests join and leave between steps.
+
+    engine = SpeculativeEngine(target, tokenizer, draft, EngineConfig(max_batch_size=4, k=4))
+    [out] = engine.generate([Request(tokenizer.encode("def add(a, b):"), max_new_tokens=32)])
+    out.text, out.token_ids, out.stats["acceptance_rate"]
+
+Every step runs all B slots through ``speculative_step`` (fixed shapes), then reads back one small
+tensor (accepted and committed counts, done flags, the new tokens): the step's single host sync.
+The host then applies stop strings, retires finished requests and admits waiting ones into free
+slots, so ``generate`` already batches continuously.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch._inductor.config
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from serving.bundled import choral_home
+from serving.devices import compile_backend, resolve_device, synchronize
+from serving.models import check_same_tokenizer, eos_token_ids, load_model, load_tokenizer
+from serving.runner import ModelRunner
+from serving.sampling import SamplingParams, SamplingTensors, probs_from_logits, sample
+from serving.speculative import DecodeState, StepRandom, speculative_step
+from serving.stats import RequestStats
+
+
+@dataclass
+class EngineConfig:
+    """max_batch_size: slots decoded together (the static batch).
+    max_len: per-slot context: prompt + new tokens + the largest K must fit.
+    k: draft tokens per step, or "auto" for Hugging Face's heuristic (+2 after a fully accepted
+        step, -1 otherwise) moving over ``k_buckets``.
+    k_buckets: the K values that exist as compiled shapes; a fixed k must be one of them.
+    compile_backend: None for eager, else the ``torch.compile`` backend of the per-shape forwards
+        ("inductor" on CPU/CUDA, "neuron" on Trainium); compiled shapes are warmed up at load.
+    """
+
+    max_batch_size: int = 1
+    max_len: int = 2048
+    k: int | str = 4
+    k_buckets: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
+    compile_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size={self.max_batch_size} must be >= 1")
+        if not self.k_buckets or min(self.k_buckets) < 1:
+            raise ValueError(f"k_buckets={self.k_buckets} must be non-empty positive integers")
+        self.k_buckets = tuple(sorted(set(self.k_buckets)))
+        if self.k != "auto" and self.k not in self.k_buckets and self.k != 0:
+            raise ValueError(f"k={self.k!r} must be 'auto' or one of k_buckets {self.k_buckets}")
+
+    @property
+    def k_max(self) -> int:
+        return max(self.k_buckets) if self.k == "auto" else int(self.k)
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    max_new_tokens: int = 128
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]  # generated tokens, EOS included when one ended the request
+    text: str  # decoded without special tokens, cut before a stop string
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    stats: dict
+
+
+@dataclass
+class _Slot:
+    index: int  # position of the request in the caller's list
+    request: Request
+    prompt_len: int
+    generator: torch.Generator
+    generated: list[int]
+    stats: RequestStats
+    started: float
+
+
+class SpeculativeEngine:
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        draft: PreTrainedModel | None = None,
+        config: EngineConfig | None = None,
+    ) -> None:
+        self.config = config = config or EngineConfig()
+        self.tokenizer = tokenizer
+        max_pos = getattr(target.config, "max_position_embeddings", None)
+        if max_pos is not None and config.max_len > max_pos:
+            raise ValueError(f"max_len={config.max_len} exceeds the target's max_position_embeddings={max_pos}")
+        B = config.max_batch_size
+        self.target = ModelRunner(target, batch_size=B, max_len=config.max_len)
+        self.draft = None
+        if draft is not None and config.k != 0:
+            self.draft = ModelRunner(
+                draft,
+                batch_size=B,
+                max_len=config.max_len,
+                vocab_size=self.target.vocab_size,
+            )
+        self.device = self.target.device
+        k_max = config.k_max if self.draft else 0
+        self.state = DecodeState(
+            tokens=torch.zeros(B, config.max_len + k_max + 1, dtype=torch.long, device=self.device),
+            # Empty slots look like finished two-token rows, so every gather stays in range.
+            lengths=torch.full((B,), 2, dtype=torch.long, device=self.device),
+            limits=torch.full((B,), 2, dtype=torch.long, device=self.device),
+            done=torch.ones(B, dtype=torch.bool, device=self.device),
+            eos_ids=torch.tensor(eos_token_ids(target, tokenizer), dtype=torch.long, device=self.device),
+        )
+        self._eos = set(self.state.eos_ids.tolist())
+        self._k_value = float(config.k_buckets[len(config.k_buckets) // 2] if config.k == "auto" else config.k)
+        if config.compile_backend is not None:
+            self.enable_compile(config.compile_backend)
+
+    @classmethod
+    def load(
+        cls,
+        target: str,
+        draft: str | None = None,
+        *,
+        device: str = "auto",
+        dtype: str = "float32",
+        config: EngineConfig | None = None,
+    ) -> "SpeculativeEngine":
+        """Load target and draft by reference (hub id, folder or bundled name), check that their
+        tokenizers agree, and build the engine on ``device`` in ``dtype``."""
+        dev = resolve_device(device)
+        tokenizer = load_tokenizer(target)
+        target_model = load_model(target, dtype=dtype, device=dev)
+        draft_model = None
+        if draft is not None:
+            check_same_tokenizer(tokenizer, load_tokenizer(draft), draft_name=f"draft {draft!r}")
+            draft_model = load_model(draft, dtype=dtype, device=dev)
+        return cls(target_model, tokenizer, draft_model, config)
+
+    # ---- public API ----------------------------------------------------------------------------
+
+    def generate(self, requests: list[Request]) -> list[Completion]:
+        """Decode all requests, B at a time, admitting each as a slot frees up."""
+        for r in requests:
+            self._check_fits(r)
+        results: list[Completion | None] = [None] * len(requests)
+        pending = deque(enumerate(requests))
+        slots: list[_Slot | None] = [None] * self.config.max_batch_size
+        while pending or any(slots):
+            for b in range(len(slots)):
+                while slots[b] is None and pending:
+                    index, request = pending.popleft()
+                    slots[b], finished = self._admit(b, index, request)
+                    if finished:
+                        results[index] = self._retire(b, slots)
+            if any(slots):
+                for b in self._step(slots):
+                    index = slots[b].index
+                    results[index] = self._retire(b, slots)
+        return results  # type: ignore[return-value]
+
+    def enable_compile(self, backend: str | None = None) -> None:
+        """Compile the draft and verify forwards (the device's backend unless named) and warm
+        every shape up now. Compiled graphs are cached on disk by torch (TORCHINDUCTOR_CACHE_DIR,
+        set under CHORAL_HOME), so later processes skip most of the compile time."""
+        backend = backend or compile_backend(self.device)
+        if backend == "inductor":
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(choral_home() / "compile-cache"))
+            # Freezing folds the weights into the graph as constants so the CPU GEMMs use
+            # prepacked layouts; inference only, which is all the engine does.
+            torch._inductor.config.freezing = True
+        for runner in (self.target, self.draft):
+            if runner is not None:
+                runner.compile(backend)
+        self.warmup()
+
+    def warmup(self) -> None:
+        """Run every compiled shape once (draft: 1 and 2 tokens; target: K+1 per bucket) so the
+        compile cost is paid at load; with the on-disk compile cache later loads are quick."""
+        B, dev = self.config.max_batch_size, self.device
+        ks = self.config.k_buckets if self.config.k == "auto" else (self.config.k,)
+        widths = [k + 1 for k in ks] if self.draft else [1]
+        for width in widths:
+            tokens = torch.zeros(B, width, dtype=torch.long, device=dev)
+            self.target.forward(tokens, torch.arange(width, device=dev).expand(B, width))
+        if self.draft is not None:
+            for width in (1, 2):
+                tokens = torch.zeros(B, width, dtype=torch.long, device=dev)
+                self.draft.forward(tokens, torch.arange(width, device=dev).expand(B, width), last_only=True)
+        synchronize(dev)
+
+    # ---- admission and retirement --------------------------------------------------------------
+
+    def _check_fits(self, r: Request) -> None:
+        if not r.prompt_ids:
+            raise ValueError("empty prompt: give at least one token")
+        if r.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={r.max_new_tokens} must be >= 1")
+        k_max = self.config.k_max if self.draft else 0
+        need = len(r.prompt_ids) + r.max_new_tokens + k_max + 1
+        if need > self.config.max_len:
+            raise ValueError(
+                f"prompt of {len(r.prompt_ids)} tokens + max_new_tokens={r.max_new_tokens} (+{k_max + 1} for "
+                f"speculation) exceeds the context max_len={self.config.max_len}: shorten the prompt, "
+                "lower max_new_tokens, or raise max_len"
+            )
+
+    def _admit(self, b: int, index: int, request: Request) -> tuple[_Slot, bool]:
+        """Prefill the request into slot b and draw its first token from the target; returns the
+        slot and whether the request is already finished (EOS, one-token limit or stop string)."""
+        started = time.perf_counter()
+        seed = request.params.seed if request.params.seed is not None else torch.seed()
+        generator = torch.Generator().manual_seed(seed)
+        ids = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)  # [1, L]
+        L = ids.shape[1]
+        logits = self.target.prefill(ids, b)  # [1, 1, V]
+        probs = probs_from_logits(logits, SamplingTensors.build([request.params], self.device))
+        first = sample(probs[:, 0], torch.rand(1, generator=generator).to(self.device))  # [1]
+        if self.draft is not None:
+            self.draft.prefill(ids, b)
+        s = self.state
+        s.tokens[b, :L] = ids[0]
+        s.tokens[b, L] = first[0]
+        s.lengths[b] = L + 1
+        s.limits[b] = L + request.max_new_tokens
+        first_id = int(first)
+        s.done[b] = first_id in self._eos or request.max_new_tokens == 1
+        self._sampling = None  # the batch's sampling settings changed
+        stats = RequestStats(new_tokens=1)
+        stats.prefill_time_s = time.perf_counter() - started
+        slot = _Slot(index, request, L, generator, [first_id], stats, started)
+        return slot, bool(s.done[b]) or self._hit_stop(slot, 0)
+
+    def _retire(self, b: int, slots: list[_Slot | None]) -> Completion:
+        slot = slots[b]
+        slots[b] = None
+        self.state.done[b] = True
+        self._sampling = None
+        tokens = slot.generated
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        stop_at = min((i for i in (text.find(s) for s in slot.request.stop) if i >= 0), default=-1)
+        if stop_at >= 0:
+            text, reason = text[:stop_at], "stop"
+        elif tokens and tokens[-1] in self._eos:
+            reason = "stop"
+        else:
+            reason = "length"
+        slot.stats.new_tokens = len(tokens)
+        slot.stats.total_time_s = time.perf_counter() - slot.started
+        return Completion(tokens, text, reason, slot.stats.to_dict())
+
+    def _hit_stop(self, slot: _Slot, before: int) -> bool:
+        """True if a stop string appears in the text; cuts ``generated`` just after the token that
+        completed it (tokens the step committed past it are dropped). ``before``: tokens already
+        checked, so only the step's new ones are searched."""
+        stops = slot.request.stop
+        if not stops:
+            return False
+        for end in range(max(before, 1), len(slot.generated) + 1):
+            text = self.tokenizer.decode(slot.generated[:end], skip_special_tokens=True)
+            if any(s in text for s in stops):
+                del slot.generated[end:]
+                return True
+        return False
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def _batch_sampling(self, slots: list[_Slot | None]) -> SamplingTensors:
+        if getattr(self, "_sampling", None) is None:
+            params = [s.request.params if s else SamplingParams() for s in slots]
+            self._sampling = SamplingTensors.build(params, self.device)
+        return self._sampling
+
+    def _choose_k(self) -> int:
+        if self.draft is None:
+            return 0
+        if self.config.k != "auto":
+            return int(self.config.k)
+        fitting = [k for k in self.config.k_buckets if k <= self._k_value]
+        return fitting[-1] if fitting else self.config.k_buckets[0]
+
+    def _random(self, slots: list[_Slot | None], k: int) -> StepRandom:
+        draws = torch.rand(len(slots), 2 * k + 1)  # empty slots draw from a fresh unseeded stream
+        for b, slot in enumerate(slots):
+            if slot is not None:
+                draws[b] = torch.rand(2 * k + 1, generator=slot.generator)
+        draws = draws.to(self.device)
+        return StepRandom(draft=draws[:, :k], accept=draws[:, k : 2 * k], next=draws[:, 2 * k])
+
+    def _step(self, slots: list[_Slot | None]) -> list[int]:
+        """One speculative step over all slots; returns the slots whose request finished."""
+        k = self._choose_k()
+        s = self.state
+        n_before = s.lengths.clone()
+        times: dict[str, float] = {}
+        last = [time.perf_counter()]
+
+        def clock(phase: str) -> None:
+            synchronize(self.device)
+            now = time.perf_counter()
+            times[phase] = now - last[0]
+            last[0] = now
+
+        n_acc, n_new = speculative_step(
+            self.target, self.draft, s, self._batch_sampling(slots), self._random(slots, k), k, clock
+        )
+        committed = s.tokens.gather(1, n_before.unsqueeze(1) + torch.arange(k + 1, device=self.device))
+        # The single host sync of the step.
+        rows = torch.cat([n_acc[:, None], n_new[:, None], s.done[:, None].long(), committed], 1).tolist()
+
+        finished, all_accepted = [], True
+        for b, slot in enumerate(slots):
+            if slot is None:
+                continue
+            accepted, new, done, tokens = rows[b][0], rows[b][1], bool(rows[b][2]), rows[b][3:]
+            before = len(slot.generated)
+            slot.generated += tokens[:new]
+            slot.stats.record_step(k, accepted, new, times.get("draft", 0.0), times.get("target", 0.0))
+            all_accepted &= accepted == k
+            if done or self._hit_stop(slot, before):
+                finished.append(b)
+        if self.config.k == "auto" and self.draft is not None:
+            lo, hi = self.config.k_buckets[0], self.config.k_buckets[-1]
+            self._k_value = min(hi, self._k_value + 2) if all_accepted else max(lo, self._k_value - 1)
+        return finished

@@ -1,0 +1,94 @@
+"""A loaded causal LM bound to its static KV cache, with one compiled forward per input width.
+
+``ModelRunner.forward(tokens, positions)`` is the only way the engine calls a model. Shapes are
+fixed by (batch size, input width T); T takes few values (1 or 2 for the draft, K+1 for the
+target's verification, the prompt bucket for prefill), so each compiles once and is reused.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from serving.kv_cache import StaticKVCache
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        batch_size: int,
+        max_len: int,
+        vocab_size: int | None = None,
+    ) -> None:
+        """model: a Hugging Face causal LM (``base_model`` + output embeddings).
+        vocab_size: width of the returned logits. A draft whose embedding matrix is padded to a
+            different size than the target's is cut or padded (with -inf) to the target's width, so
+            p and q live on the same vocabulary; the padding ids are never real tokens.
+        """
+        config = model.config
+        layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+        if layer_types != {"full_attention"}:
+            raise ValueError(
+                f"{type(model).__name__} uses attention layer types {sorted(layer_types)}; Choral's static "
+                "cache supports full attention only (set use_sliding_window=False or pick another model)"
+            )
+        self.model = model
+        self.config = config
+        self.batch_size = batch_size
+        self.max_len = max_len
+        self.model_vocab = model.get_output_embeddings().weight.shape[0]
+        self.vocab_size = vocab_size or self.model_vocab
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.cache = StaticKVCache.for_model(config, batch_size, max_len, self.dtype, self.device)
+        self._forward = self._eager_forward
+
+    def compile(self, backend: str) -> None:
+        """Compile ``forward`` with ``fullgraph=True, dynamic=False``: one graph per input width,
+        built on first use (``SpeculativeEngine.warmup`` pays that at load)."""
+        self._forward = torch.compile(self._eager_forward, backend=backend, fullgraph=True, dynamic=False)
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """tokens, positions: [B, T] long. Writes their KV at ``positions`` and returns fp32 logits
+        [B, T, V] (or [B, 1, V] with ``last_only``: the draft's catch-up step needs only the last)."""
+        return self._forward(tokens, positions, last_only)
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, slot: int, pad_to: int | None = None) -> torch.Tensor:
+        """tokens: [1, L] one prompt. Fills batch row ``slot`` of the cache at positions 0..L-1 and
+        returns the logits after the last prompt token, [1, 1, V]. Other rows are untouched, so a
+        request can join a running batch. ``pad_to`` right-pads to a fixed width (a prompt bucket
+        for compiled backends); the padding lands past the prompt, hidden by the mask."""
+        L = tokens.shape[1]
+        if pad_to is not None and pad_to > L:
+            tokens = torch.cat([tokens, tokens.new_zeros(1, pad_to - L)], dim=1)
+        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)  # [1, L']
+        hidden = self._hidden(tokens, positions, self.cache.row(slot))  # [1, L', H]
+        return self._logits(hidden[:, L - 1 : L])
+
+    def _eager_forward(self, tokens: torch.Tensor, positions: torch.Tensor, last_only: bool) -> torch.Tensor:
+        hidden = self._hidden(tokens, positions, self.cache)
+        return self._logits(hidden[:, -1:] if last_only else hidden)
+
+    def _hidden(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+        cache.positions = positions
+        mask = cache.attention_mask(positions, self.dtype)
+        out = self.model.base_model(
+            input_ids=tokens,
+            position_ids=positions,
+            attention_mask={"full_attention": mask},
+            past_key_values=cache,
+            use_cache=True,
+        )
+        return out.last_hidden_state  # [B, T, H]
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.model.get_output_embeddings()(hidden).float()  # [B, T, V_model]
+        if self.vocab_size < self.model_vocab:
+            return logits[..., : self.vocab_size]
+        if self.vocab_size > self.model_vocab:
+            pad = logits.new_full((*logits.shape[:-1], self.vocab_size - self.model_vocab), float("-inf"))
+            return torch.cat([logits, pad], dim=-1)
+        return logits

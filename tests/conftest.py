@@ -1,0 +1,85 @@
+"""Shared fixtures: tiny random Qwen2 models built from configs and a real byte-level BPE tokenizer
+trained in milliseconds, saved as ordinary Hugging Face folders so every loader path is real."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog.",
+    "What is 12 + 30? The answer is 42.",
+    "import os\nfor name in os.listdir('.'):\n    print(name)\n",
+] * 20
+VOCAB = 384
+
+
+def make_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_qwen2(seed: int, layers: int = 2, vocab_size: int = VOCAB, eos_token_id: int = 2) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        eos_token_id=eos_token_id, pad_token_id=0, tie_word_embeddings=False,
+    )  # fmt: skip
+    return Qwen2ForCausalLM(config).eval()
+
+
+def perturbed(model: Qwen2ForCausalLM, scale: float, seed: int) -> Qwen2ForCausalLM:
+    """A draft that agrees with ``model`` often but not always: its weights plus noise."""
+    draft = Qwen2ForCausalLM(model.config).eval()
+    draft.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.std().clamp(min=1e-3))
+    return draft
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_target():
+    return tiny_qwen2(0)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(tiny_target):
+    return perturbed(tiny_target, 0.5, seed=1)
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory, tokenizer, tiny_target, tiny_draft):
+    """Target and draft saved as Hugging Face folders with the tokenizer."""
+    root = tmp_path_factory.mktemp("models")
+    dirs = {}
+    for name, model in (("target", tiny_target), ("draft", tiny_draft)):
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+        dirs[name] = root / name
+    return dirs

@@ -1,0 +1,45 @@
+"""The decode step is one static graph: the whole ``speculative_step`` (K draft forwards, the
+verification, accept/reject, commit) compiles with fullgraph=True, dynamic=False and runs steps that
+accept different numbers of tokens without a single recompile. Neuron's compiler needs exactly this."""
+
+import torch
+import torch._dynamo
+
+from serving.runner import ModelRunner
+from serving.sampling import SamplingParams, SamplingTensors
+from serving.speculative import DecodeState, StepRandom, speculative_step
+from tests.conftest import perturbed
+
+
+def test_decode_step_compiles_once_and_never_recompiles(tiny_target, monkeypatch):
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    torch._dynamo.reset()
+    draft_model = perturbed(tiny_target, 0.3, seed=4)
+    B, S, K = 3, 64, 3
+    target = ModelRunner(tiny_target, batch_size=B, max_len=S)
+    draft = ModelRunner(draft_model, batch_size=B, max_len=S)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 384, (n,), generator=g) for n in (4, 9, 6)]
+    state = DecodeState(
+        tokens=torch.zeros(B, S + K + 1, dtype=torch.long),
+        lengths=torch.tensor([len(p) for p in prompts]),
+        limits=torch.full((B,), 48),
+        done=torch.zeros(B, dtype=torch.bool),
+        eos_ids=torch.tensor([2]),
+    )
+    for b, p in enumerate(prompts):
+        state.tokens[b, : len(p)] = p
+        target.prefill(p[:-1].unsqueeze(0), b)
+        draft.prefill(p[:-1].unsqueeze(0), b)
+    # A greedy row, a sampled row and a filtered sampled row share the batch.
+    sampling = SamplingTensors.build(
+        [SamplingParams(), SamplingParams(temperature=0.9), SamplingParams(temperature=0.7, top_k=20, top_p=0.9)], "cpu"
+    )
+    step = torch.compile(speculative_step, backend="aot_eager", fullgraph=True, dynamic=False)
+    seen = set()
+    for _ in range(8):
+        u = torch.rand(B, 2 * K + 1, generator=g)
+        n_acc, _ = step(target, draft, state, sampling, StepRandom(u[:, :K], u[:, K : 2 * K], u[:, 2 * K]), K)
+        seen.update(n_acc.tolist())
+    assert len(seen) >= 2, f"steps accepted only {seen}; the test needs different acceptance counts"
+    assert int(state.lengths.min()) > 9

@@ -1,0 +1,105 @@
+"""Tier 3: tiny random Qwen2 target and draft end to end against transformers' own greedy generate."""
+
+import pytest
+import torch
+
+from serving.engine import EngineConfig, Request, SpeculativeEngine
+from serving.models import check_same_tokenizer
+from serving.sampling import SamplingParams
+from tests.conftest import make_tokenizer, perturbed
+
+EOS = 2
+
+
+def hf_greedy(model, prompt, max_new):
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=EOS, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def ragged_prompts(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 24, (n,), generator=g).tolist()
+    return [torch.randint(3, 384, (length,), generator=g).tolist() for length in lengths]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 7, "auto"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_identical_to_transformers_generate(tiny_target, tiny_draft, tokenizer, k, batch):
+    prompts = ragged_prompts(5, seed=batch * 10 + (k if k != "auto" else 0))
+    engine = SpeculativeEngine(tiny_target, tokenizer, tiny_draft, EngineConfig(max_batch_size=batch, max_len=96, k=k))
+    outs = engine.generate([Request(p, max_new_tokens=24) for p in prompts])
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(tiny_target, prompt, 24)
+    stats = outs[0].stats
+    assert stats["drafted"] > 0 and 0 <= stats["acceptance_rate"] <= 1
+    assert stats["target_calls"] < stats["new_tokens"]  # the draft did save target calls
+
+
+def test_eos_inside_accepted_block(tiny_target, tokenizer):
+    # A draft identical to the target accepts everything, so EOS arrives mid-block. Make EOS the
+    # token the target itself emits 5th, then the row must stop right there.
+    prompt = [5, 17, 33]
+    free = hf_greedy(tiny_target, prompt, 12)
+    eos = free[4]
+    engine = SpeculativeEngine(tiny_target, tokenizer, tiny_target, EngineConfig(max_len=64, k=8))
+    engine.state.eos_ids = torch.tensor([eos])
+    engine._eos = {eos}
+    [out] = engine.generate([Request(prompt, max_new_tokens=12)])
+    assert out.token_ids == free[: free.index(eos) + 1] and out.finish_reason == "stop"
+    assert out.stats["target_calls"] == 1  # one verification produced all of it
+
+
+def test_target_only_path_matches(tiny_target, tokenizer):
+    engine = SpeculativeEngine(tiny_target, tokenizer, None, EngineConfig(max_batch_size=2, max_len=64))
+    prompts = ragged_prompts(3, seed=5)
+    outs = engine.generate([Request(p, max_new_tokens=16) for p in prompts])
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(tiny_target, prompt, 16)
+        assert out.stats["target_calls"] == len(out.token_ids) - 1 and out.stats["drafted"] == 0
+
+
+def test_batch_rows_equal_their_batch_of_one_runs_when_sampling(tiny_target, tiny_draft, tokenizer):
+    # Each request draws from its own seeded generator, so batching does not change sampled output.
+    prompts = ragged_prompts(4, seed=9)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=i) for i in range(4)]
+    reqs = [Request(p, params=s, max_new_tokens=16) for p, s in zip(prompts, params)]
+    batched = SpeculativeEngine(tiny_target, tokenizer, tiny_draft, EngineConfig(max_batch_size=4, max_len=64, k=3))
+    single = SpeculativeEngine(tiny_target, tokenizer, tiny_draft, EngineConfig(max_batch_size=1, max_len=64, k=3))
+    assert [o.token_ids for o in batched.generate(reqs)] == [o.token_ids for o in single.generate(reqs)]
+
+
+def test_stop_string_cuts_text(tiny_target, tokenizer):
+    engine = SpeculativeEngine(tiny_target, tokenizer, tiny_target, EngineConfig(max_len=64, k=4))
+    prompt = tokenizer.encode("def add(a, b):")
+    [free] = engine.generate([Request(prompt, max_new_tokens=20)])
+    stop = free.text[5:8]
+    assert stop, "the tiny model produced too little text for this test"
+    [out] = engine.generate([Request(prompt, max_new_tokens=20, stop=(stop,))])
+    assert out.finish_reason == "stop" and stop not in out.text and free.text.startswith(out.text)
+    assert len(out.token_ids) <= len(free.token_ids)
+
+
+def test_prompt_longer_than_context_is_a_clear_error(tiny_target, tokenizer):
+    engine = SpeculativeEngine(tiny_target, tokenizer, tiny_target, EngineConfig(max_len=32, k=4))
+    with pytest.raises(ValueError, match=r"prompt of 30 tokens.*exceeds the context max_len=32"):
+        engine.generate([Request(list(range(3, 33)), max_new_tokens=4)])
+
+
+def test_draft_with_padded_vocabulary_works(tiny_target, tokenizer):
+    # Qwen sizes pad their embedding matrices differently; only the tokenizer has to agree.
+    from tests.conftest import tiny_qwen2
+
+    draft = tiny_qwen2(3, layers=1, vocab_size=448)
+    engine = SpeculativeEngine(tiny_target, tokenizer, draft, EngineConfig(max_len=64, k=3))
+    prompt = [4, 9, 16]
+    [out] = engine.generate([Request(prompt, max_new_tokens=10)])
+    assert out.token_ids == hf_greedy(tiny_target, prompt, 10)
+
+
+def test_draft_with_a_different_tokenizer_is_refused(tokenizer):
+    other = make_tokenizer(vocab_size=300)
+    with pytest.raises(ValueError, match="tokenizer differs from the target's"):
+        check_same_tokenizer(tokenizer, other, draft_name="my-draft")
+    check_same_tokenizer(tokenizer, make_tokenizer())  # an identical one passes

@@ -1,0 +1,1 @@
+"""Training: fine-tune and distill domain drafts (built on serving's engine)."""
