@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "neuron"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--batch-size", type=int, default=1, help="prompts decoded together")
-    ap.add_argument("--max-len", type=int, default=2048, help="context per sequence")
+    ap.add_argument("--max-len", type=int, default=None, help="context per sequence (default: min(2048, model's))")
     ap.add_argument("--compile", action="store_true", help="compile the step shapes (slow start, faster steps)")
     ap.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     return ap

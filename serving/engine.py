@@ -33,7 +33,8 @@ from serving.stats import RequestStats
 @dataclass
 class EngineConfig:
     """max_batch_size: slots decoded together (the static batch).
-    max_len: per-slot context: prompt + new tokens + the largest K must fit.
+    max_len: per-slot context: prompt + new tokens + the largest K must fit; None takes
+        min(2048, the target's max_position_embeddings).
     k: draft tokens per step, or "auto" for Hugging Face's heuristic (+2 after a fully accepted
         step, -1 otherwise) moving over ``k_buckets``.
     k_buckets: the K values that exist as compiled shapes; a fixed k must be one of them.
@@ -42,7 +43,7 @@ class EngineConfig:
     """
 
     max_batch_size: int = 1
-    max_len: int = 2048
+    max_len: int | None = None
     k: int | str = 4
     k_buckets: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
     compile_backend: str | None = None
@@ -98,8 +99,10 @@ class SpeculativeEngine:
     ) -> None:
         self.config = config = config or EngineConfig()
         self.tokenizer = tokenizer
-        max_pos = getattr(target.config, "max_position_embeddings", None)
-        if max_pos is not None and config.max_len > max_pos:
+        max_pos = getattr(target.config, "max_position_embeddings", None) or 2048
+        if config.max_len is None:
+            config.max_len = min(2048, max_pos)
+        if config.max_len > max_pos:
             raise ValueError(f"max_len={config.max_len} exceeds the target's max_position_embeddings={max_pos}")
         B = config.max_batch_size
         self.target = ModelRunner(target, batch_size=B, max_len=config.max_len)

@@ -1,0 +1,296 @@
+"""spec-bench: target alone vs Choral speculative decoding vs Hugging Face assisted generation.
+
+    spec-bench --target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \\
+        --prompts-per-domain 10 --max-new-tokens 64 --out runs/bench
+
+On the same prompts, models and precision, the three decoders run interleaved prompt by prompt
+(their order rotating), so machine drift hits all of them alike. Per domain it reports tokens/s,
+speedup over the target alone, acceptance, tokens per target call, the measured cost of a draft
+step and of a (K+1)-token verification, the speedup those costs predict, and whether every output
+equals the target's own greedy output; a differing output is explained by the target's top-2 logit
+gap at the first differing token (a near-tie) or flagged as a bug. A K sweep follows. Writes
+``bench.json``, ``bench.md`` and ``bench.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from serving.engine import EngineConfig, Request, SpeculativeEngine
+from serving.models import check_same_tokenizer, load_model, load_tokenizer
+from serving.devices import resolve_device
+from serving.prompts import DOMAINS, Prompt, load_prompts
+
+NEAR_TIE = 1e-3  # a top-2 logit gap below this is a numerical tie, where rounding may pick either
+
+
+def encode(tokenizer, prompt: Prompt) -> list[int]:
+    text = prompt.text
+    if prompt.use_chat_template:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+@torch.no_grad()
+def top2_gap(model, prompt_ids: list[int], prefix: list[int]) -> float:
+    """The target's own margin between its two best next tokens after prompt + prefix."""
+    logits = model(torch.tensor([prompt_ids + prefix], device=model.device)).logits[0, -1].float()
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
+def compare(model, prompt_ids, reference: list[int], output: list[int]) -> dict:
+    """Identical, or where the first difference is and whether it is a near-tie of the target."""
+    if output == reference:
+        return {"identical": True}
+    i = next((j for j, (a, b) in enumerate(zip(reference, output)) if a != b), min(len(reference), len(output)))
+    gap = top2_gap(model, prompt_ids, reference[:i])
+    return {"identical": False, "first_diff": i, "top2_gap": gap, "near_tie": gap < NEAR_TIE}
+
+
+def hf_assisted(target, draft, prompt_ids: list[int], max_new: int, eos: list[int]) -> tuple[list[int], float]:
+    ids = torch.tensor([prompt_ids], device=target.device)
+    start = time.perf_counter()
+    out = target.generate(
+        ids, assistant_model=draft, max_new_tokens=max_new, do_sample=False, eos_token_id=eos,
+        pad_token_id=eos[0],
+    )  # fmt: skip
+    return out[0, len(prompt_ids) :].tolist(), time.perf_counter() - start
+
+
+def run_engine(engine: SpeculativeEngine, prompt_ids: list[int], max_new: int) -> tuple[list[int], dict]:
+    [out] = engine.generate([Request(prompt_ids, max_new_tokens=max_new)])
+    return out.token_ids, out.stats
+
+
+def summarize(rows: list[dict], k: int) -> dict:
+    def total_rate(key_tokens, key_time):
+        return sum(r[key_tokens] for r in rows) / sum(r[key_time] for r in rows)
+
+    target_tps = total_rate("target_tokens", "target_s")
+    spec_tps = total_rate("spec_tokens", "spec_s")
+    t1 = statistics.median(r["target_step_ms"] for r in rows)  # one-token target step
+    tv = statistics.median(r["verify_ms"] for r in rows)  # (K+1)-token verification
+    td = statistics.median(r["draft_step_ms"] for r in rows)
+    drafted = sum(r["drafted"] for r in rows)
+    calls = sum(r["target_calls"] for r in rows)
+    per_call = sum(r["spec_tokens"] - 1 for r in rows) / calls
+    predicted = per_call * t1 / (k * td + tv)
+    # Decode phase only (prefill excluded on both sides): what the step costs predict.
+    decode_speedup = sum(r["target_decode_s"] for r in rows) / sum(r["spec_decode_s"] for r in rows)
+    out = {
+        "prompts": len(rows),
+        "target_tokens_per_s": target_tps,
+        "choral_tokens_per_s": spec_tps,
+        "choral_speedup": spec_tps / target_tps,
+        "acceptance_rate": sum(r["accepted"] for r in rows) / drafted if drafted else 0.0,
+        "tokens_per_target_call": per_call,
+        "target_step_ms": t1,
+        "verify_ms": tv,
+        "verify_cost_ratio": tv / t1,
+        "draft_step_ms": td,
+        "predicted_speedup": predicted,
+        "decode_speedup": decode_speedup,
+        "overhead_ratio": decode_speedup / predicted,
+        "choral_identical": sum(r["choral_check"]["identical"] for r in rows),
+        "choral_near_ties": sum(not r["choral_check"]["identical"] and r["choral_check"]["near_tie"] for r in rows),
+    }
+    if rows and "hf_s" in rows[0]:
+        hf_tps = total_rate("hf_tokens", "hf_s")
+        out |= {
+            "hf_tokens_per_s": hf_tps,
+            "hf_speedup": hf_tps / target_tps,
+            "choral_vs_hf": spec_tps / hf_tps,
+            "hf_identical": sum(r["hf_check"]["identical"] for r in rows),
+        }
+    return out
+
+
+def bench_prompt(engines, models, prompt_ids, max_new, eos, order: int, with_hf: bool) -> dict:
+    target_engine, spec_engine = engines
+    target, draft = models
+    row: dict = {"prompt_tokens": len(prompt_ids)}
+    runs = ["target", "spec", "hf"] if with_hf else ["target", "spec"]
+    runs = runs[order % len(runs) :] + runs[: order % len(runs)]  # rotate who goes first
+    for name in runs:
+        if name == "target":
+            ids, s = run_engine(target_engine, prompt_ids, max_new)
+            row |= {"target_ids": ids, "target_tokens": len(ids), "target_s": s["total_time_s"],
+                    "target_decode_s": s["total_time_s"] - s["prefill_time_s"], "target_step_ms": s["target_step_ms"]}  # fmt: skip
+        elif name == "spec":
+            ids, s = run_engine(spec_engine, prompt_ids, max_new)
+            row |= {"spec_ids": ids, "spec_tokens": len(ids), "spec_s": s["total_time_s"],
+                    "spec_decode_s": s["total_time_s"] - s["prefill_time_s"], "verify_ms": s["target_step_ms"],
+                    "draft_step_ms": s["draft_step_ms"], "drafted": s["drafted"], "accepted": s["accepted"],
+                    "target_calls": s["target_calls"]}  # fmt: skip
+        else:
+            ids, seconds = hf_assisted(target, draft, prompt_ids, max_new, eos)
+            row |= {"hf_ids": ids, "hf_tokens": len(ids), "hf_s": seconds}
+    row["choral_check"] = compare(target, prompt_ids, row["target_ids"], row["spec_ids"])
+    if with_hf:
+        row["hf_check"] = compare(target, prompt_ids, row["target_ids"], row["hf_ids"])
+    return row
+
+
+def markdown(report: dict) -> str:
+    cfg = report["config"]
+    lines = [
+        f"# spec-bench: {cfg['target']} with draft {cfg['draft']}",
+        "",
+        f"{cfg['dtype']} on {cfg['device']} ({cfg['machine']}), greedy, {cfg['max_new_tokens']} new tokens, "
+        f"K={cfg['k']}, {cfg['prompts_per_domain']} prompts per domain. Command: `{cfg['command']}`",
+        "",
+        "| domain | target tok/s | HF assisted tok/s | Choral tok/s | Choral speedup | Choral / HF | acceptance "
+        "| tokens/target call | draft step ms | 1-token step ms | verify K+1 ms | verify / 1-token | predicted speedup "
+        "| decode speedup / predicted | identical to target |",
+        "|" + "---|" * 15,
+    ]
+    for domain, s in report["summary"].items():
+        hf = f"{s['hf_tokens_per_s']:.2f}" if "hf_tokens_per_s" in s else "-"
+        vs = f"{s['choral_vs_hf']:.2f}x" if "choral_vs_hf" in s else "-"
+        ident = f"{s['choral_identical']}/{s['prompts']}"
+        if s["choral_near_ties"]:
+            ident += f" (+{s['choral_near_ties']} near-tie)"
+        lines.append(
+            f"| {domain} | {s['target_tokens_per_s']:.2f} | {hf} | {s['choral_tokens_per_s']:.2f} | "
+            f"{s['choral_speedup']:.2f}x | {vs} | {s['acceptance_rate']:.2f} | {s['tokens_per_target_call']:.2f} | "
+            f"{s['draft_step_ms']:.0f} | {s['target_step_ms']:.0f} | {s['verify_ms']:.0f} | {s['verify_cost_ratio']:.2f}x | "
+            f"{s['predicted_speedup']:.2f}x | {s['overhead_ratio']:.2f} | {ident} |"
+        )
+    diffs = [(d, i, r["choral_check"]) for d, rows in report["rows"].items() for i, r in enumerate(rows)
+             if not r["choral_check"]["identical"]]  # fmt: skip
+    if diffs:
+        lines += ["", "Outputs that differ from the target alone (first differing token, target's top-2 logit gap):", ""]
+        lines += [f"- {d} prompt {i}: token {c['first_diff']}, gap {c['top2_gap']:.2e} "
+                  f"({'near-tie' if c['near_tie'] else 'NOT a near-tie: bug'})" for d, i, c in diffs]  # fmt: skip
+    if report.get("k_sweep"):
+        lines += ["", "K sweep (Choral, same prompts subset):", "", "| K | domain | acceptance | tokens/target call | speedup |", "|---|---|---|---|---|"]
+        for r in report["k_sweep"]:
+            lines.append(f"| {r['k']} | {r['domain']} | {r['acceptance_rate']:.2f} | {r['tokens_per_target_call']:.2f} | {r['speedup']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    domains = list(report["summary"])
+    methods = [("hf_speedup", "HF assisted"), ("choral_speedup", "Choral"), ("predicted_speedup", "predicted")]
+    width = 0.25
+    for j, (key, label) in enumerate(methods):
+        vals = [report["summary"][d].get(key, 0.0) for d in domains]
+        axes[0].bar([i + j * width for i in range(len(domains))], vals, width, label=label)
+    axes[0].axhline(1.0, color="gray", lw=0.8)
+    axes[0].set_xticks([i + width for i in range(len(domains))], domains)
+    axes[0].set_ylabel("speedup over target alone")
+    axes[0].legend()
+    for d in {r["domain"] for r in report.get("k_sweep", [])}:
+        pts = sorted((r["k"], r["speedup"]) for r in report["k_sweep"] if r["domain"] == d)
+        axes[1].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=d)
+    axes[1].axhline(1.0, color="gray", lw=0.8)
+    axes[1].set_xlabel("K (draft tokens per step)")
+    axes[1].set_ylabel("speedup over target alone")
+    axes[1].legend()
+    fig.suptitle(f"{report['config']['target']} / {report['config']['draft']}, {report['config']['dtype']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="spec-bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--domains", default=",".join(DOMAINS))
+    ap.add_argument("--prompts-per-domain", type=int, default=10)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--k-sweep", default="1,2,3,4,5,6,7,8", help="comma list; empty to skip")
+    ap.add_argument("--sweep-prompts", type=int, default=2, help="prompts per domain in the K sweep")
+    ap.add_argument("--no-hf", action="store_true", help="skip Hugging Face assisted generation")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--compile", action="store_true", help="compile the step shapes")
+    ap.add_argument("--max-len", type=int, default=None)
+    ap.add_argument("--out", default="runs/bench")
+    args = ap.parse_args(argv)
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = resolve_device(args.device)
+    tokenizer = load_tokenizer(args.target)
+    check_same_tokenizer(tokenizer, load_tokenizer(args.draft), draft_name=args.draft)
+    target = load_model(args.target, dtype=args.dtype, device=device)
+    draft = load_model(args.draft, dtype=args.dtype, device=device)
+    sweep = [int(k) for k in args.k_sweep.split(",") if k.strip()]
+
+    def engine(k: int) -> SpeculativeEngine:
+        cfg = EngineConfig(max_len=args.max_len, k=k, k_buckets=tuple(sorted({k} | set(sweep))) if k else (1,))
+        e = SpeculativeEngine(target, tokenizer, draft if k else None, cfg)
+        if args.compile:
+            e.enable_compile()
+        return e
+
+    target_engine, spec_engine = engine(0), engine(args.k)
+    eos = sorted(target_engine._eos)
+    domains = [d for d in args.domains.split(",") if d]
+    prompts = {d: load_prompts(d, args.prompts_per_domain) for d in domains}
+    report: dict = {
+        "config": vars(args) | {"machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads".strip(),
+                                "command": " ".join(["spec-bench", *(argv if argv is not None else sys.argv[1:])]),
+                                "torch": torch.__version__},  # fmt: skip
+        "rows": {},
+        "summary": {},
+    }
+    total = sum(len(p) for p in prompts.values())
+    with tqdm(total=total, desc="spec-bench", unit="prompt") as bar:
+        for d in domains:
+            rows = []
+            for i, prompt in enumerate(prompts[d]):
+                ids = encode(tokenizer, prompt)
+                row = bench_prompt((target_engine, spec_engine), (target, draft), ids, args.max_new_tokens, eos, i, not args.no_hf)
+                rows.append(row | {"id": prompt.id})
+                bar.update(1)
+                bar.set_postfix(domain=d, identical=row["choral_check"]["identical"])
+            report["rows"][d] = rows
+            report["summary"][d] = summarize(rows, args.k)
+    report["summary"]["all"] = summarize([r for rows in report["rows"].values() for r in rows], args.k)
+
+    report["k_sweep"] = []
+    for k in tqdm(sweep, desc="K sweep"):
+        e = engine(k)
+        for d in domains:
+            rows = report["rows"][d][: args.sweep_prompts]
+            stats = [run_engine(e, encode(tokenizer, prompts[d][i]), args.max_new_tokens)[1] for i in range(len(rows))]
+            spec_s = sum(s["total_time_s"] for s in stats)
+            report["k_sweep"].append({
+                "k": k, "domain": d,
+                "acceptance_rate": sum(s["accepted"] for s in stats) / max(1, sum(s["drafted"] for s in stats)),
+                "tokens_per_target_call": sum(s["new_tokens"] - 1 for s in stats) / max(1, sum(s["target_calls"] for s in stats)),
+                "speedup": (sum(r["target_s"] for r in rows) / sum(r["target_tokens"] for r in rows))
+                / (spec_s / sum(s["new_tokens"] for s in stats)),
+            })  # fmt: skip
+
+    (out_dir / "bench.json").write_text(json.dumps(report, indent=1))
+    (out_dir / "bench.md").write_text(markdown(report))
+    plot(report, out_dir / "bench.png")
+    print(markdown(report))
+    print(f"wrote {out_dir}/bench.json, bench.md, bench.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""The CLIs, run in-process on tiny model folders."""
+
+import json
+
+import pytest
+import torch
+
+from serving import bench, cli_generate
+
+
+def test_spec_generate_json_matches_target_greedy(model_dirs, tiny_target, tokenizer, capsys):
+    args = ["--target", str(model_dirs["target"]), "--draft", str(model_dirs["draft"]), "--prompt", "def add(a, b):",
+            "--max-new-tokens", "12", "--k", "3", "--device", "cpu", "--json"]  # fmt: skip
+    assert cli_generate.main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    ids = tokenizer.encode("def add(a, b):")
+    ref = tiny_target.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=2, pad_token_id=0)
+    assert out["token_ids"] == ref[0, len(ids) :].tolist()
+    for key in ("target_calls", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "tokens_per_second"):
+        assert key in out["stats"]
+
+
+def test_spec_generate_chat_prompt_file_and_target_only(model_dirs, tmp_path, capsys):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"text": "hello"}\n{"text": "what is 12 + 30?"}\n')
+    args = ["--target", str(model_dirs["target"]), "--prompt-file", str(f), "--chat", "--max-new-tokens", "5",
+            "--temperature", "0.8", "--top-p", "0.9", "--seed", "3", "--json", "--batch-size", "2"]  # fmt: skip
+    assert cli_generate.main(args) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert len(lines) == 2 and all(x["stats"]["drafted"] == 0 for x in lines)
+
+
+def test_spec_generate_prompt_too_long_is_a_clear_error(model_dirs, capsys):
+    args = ["--target", str(model_dirs["target"]), "--prompt", "word " * 200, "--max-len", "64"]
+    assert cli_generate.main(args) == 2
+    assert "exceeds the context max_len=64" in capsys.readouterr().err
+
+
+def test_spec_generate_rejects_bad_sampling_values(model_dirs, capsys):
+    assert cli_generate.main(["--target", str(model_dirs["target"]), "--prompt", "x", "--top-p", "1.5"]) == 2
+    assert "top_p=1.5" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_generate.main(["--target", str(model_dirs["target"]), "--prompt", "x", "--k", "many"])
+
+
+def test_spec_bench_writes_report(model_dirs, tmp_path, capsys):
+    out = tmp_path / "bench"
+    args = ["--target", str(model_dirs["target"]), "--draft", str(model_dirs["draft"]), "--prompts-per-domain", "1",
+            "--max-new-tokens", "8", "--k", "2", "--k-sweep", "1,3", "--sweep-prompts", "1", "--out", str(out)]  # fmt: skip
+    assert bench.main(args) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert set(report["summary"]) == {"code", "chat", "math", "all"}
+    s = report["summary"]["all"]
+    assert s["choral_identical"] == 3 and s["prompts"] == 3  # tiny fp32 eager: exact
+    assert s["hf_identical"] == 3
+    assert {r["k"] for r in report["k_sweep"]} == {1, 3}
+    assert (out / "bench.png").stat().st_size > 1000 and "| code |" in (out / "bench.md").read_text()
