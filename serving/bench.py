@@ -223,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-hf", action="store_true", help="skip Hugging Face assisted generation")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--quantize", choices=["int8-dynamic"], default=None)
     ap.add_argument("--compile", action="store_true", help="compile the step shapes")
     ap.add_argument("--max-len", type=int, default=None)
     ap.add_argument("--out", default="runs/bench")
@@ -233,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     device = resolve_device(args.device)
     tokenizer = load_tokenizer(args.target)
     check_same_tokenizer(tokenizer, load_tokenizer(args.draft), draft_name=args.draft)
-    target = load_model(args.target, dtype=args.dtype, device=device)
-    draft = load_model(args.draft, dtype=args.dtype, device=device)
+    target = load_model(args.target, dtype=args.dtype, device=device, quantize=args.quantize)
+    draft = load_model(args.draft, dtype=args.dtype, device=device, quantize=args.quantize)
     sweep = [int(k) for k in args.k_sweep.split(",") if k.strip()]
 
     def engine(k: int) -> SpeculativeEngine:

@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "neuron"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--quantize", choices=["int8-dynamic"], default=None,
+                    help="CPU dynamic int8 (fast, but greedy output may differ from fp32: see README)")
     ap.add_argument("--batch-size", type=int, default=1, help="prompts decoded together")
     ap.add_argument("--max-len", type=int, default=None, help="context per sequence (default: min(2048, model's))")
     ap.add_argument("--compile", action="store_true", help="compile the step shapes (slow start, faster steps)")
@@ -59,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
             k=args.k if args.draft else 0,
             compile_backend=None,
         )
-        engine = SpeculativeEngine.load(args.target, args.draft, device=args.device, dtype=args.dtype, config=config)
+        engine = SpeculativeEngine.load(
+            args.target, args.draft, device=args.device, dtype=args.dtype, quantize=args.quantize, config=config
+        )
         if args.compile:
             engine.enable_compile()
         tok = engine.tokenizer

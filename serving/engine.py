@@ -137,17 +137,18 @@ class SpeculativeEngine:
         *,
         device: str = "auto",
         dtype: str = "float32",
+        quantize: str | None = None,
         config: EngineConfig | None = None,
     ) -> "SpeculativeEngine":
         """Load target and draft by reference (hub id, folder or bundled name), check that their
         tokenizers agree, and build the engine on ``device`` in ``dtype``."""
         dev = resolve_device(device)
         tokenizer = load_tokenizer(target)
-        target_model = load_model(target, dtype=dtype, device=dev)
+        target_model = load_model(target, dtype=dtype, device=dev, quantize=quantize)
         draft_model = None
         if draft is not None:
             check_same_tokenizer(tokenizer, load_tokenizer(draft), draft_name=f"draft {draft!r}")
-            draft_model = load_model(draft, dtype=dtype, device=dev)
+            draft_model = load_model(draft, dtype=dtype, device=dev, quantize=quantize)
         return cls(target_model, tokenizer, draft_model, config)
 
     # ---- public API ----------------------------------------------------------------------------

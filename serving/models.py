@@ -43,11 +43,28 @@ def load_tokenizer(ref: str | Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(resolve_model_ref(ref))
 
 
-def load_model(ref: str | Path, *, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu") -> PreTrainedModel:
-    """An inference-ready causal LM: eval mode, no grads, on ``device`` in ``dtype``."""
+QUANTIZE_MODES = ("int8-dynamic",)
+
+
+def load_model(
+    ref: str | Path,
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    quantize: str | None = None,
+) -> PreTrainedModel:
+    """An inference-ready causal LM: eval mode, no grads, on ``device`` in ``dtype``;
+    ``quantize="int8-dynamic"`` (CPU only) swaps in dynamic int8 Linear layers."""
     model = AutoModelForCausalLM.from_pretrained(resolve_model_ref(ref), dtype=resolve_dtype(dtype))
     model.requires_grad_(False)
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    if quantize is None:
+        return model
+    if quantize not in QUANTIZE_MODES:
+        raise ValueError(f"quantize={quantize!r} is not one of {QUANTIZE_MODES}")
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"quantize={quantize!r} runs on the CPU only, not on {device}")
+    return quantize_int8_dynamic(model)
 
 
 def quantize_int8_dynamic(model: PreTrainedModel) -> PreTrainedModel:

@@ -52,13 +52,14 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class SamplingTensors:
-    """Per-row sampling settings of a batch, on the device. ``filters`` is a static flag (host
-    side) so greedy or plain-temperature batches skip the vocabulary sort entirely."""
+    """Per-row sampling settings of a batch, on the device. ``filters`` and ``all_greedy`` are
+    static flags (host side): greedy batches skip the softmax, unfiltered ones the vocabulary sort."""
 
     temperature: torch.Tensor  # [B] float, 0 = greedy
     top_k: torch.Tensor  # [B] long, 0 = off
     top_p: torch.Tensor  # [B] float, 1 = off
     filters: bool
+    all_greedy: bool
 
     @classmethod
     def build(cls, params: list[SamplingParams], device: torch.device | str) -> "SamplingTensors":
@@ -67,6 +68,7 @@ class SamplingTensors:
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
             filters=any(p.filters for p in params),
+            all_greedy=all(p.greedy for p in params),
         )
 
 
@@ -80,6 +82,8 @@ def probs_from_logits(logits: torch.Tensor, s: SamplingTensors) -> torch.Tensor:
     B, T, V = logits.shape
     greedy = (s.temperature == 0)[:, None, None]  # [B, 1, 1]
     one_hot = torch.nn.functional.one_hot(logits.argmax(-1), V).to(torch.float32)  # [B, T, V]
+    if s.all_greedy:
+        return one_hot
     temp = torch.where(s.temperature > 0, s.temperature, 1.0)[:, None, None]
     scaled = logits / temp  # [B, T, V]
     if s.filters:
