@@ -33,7 +33,8 @@ def main() -> None:
     tokenizer = load_tokenizer(args.target)
     target, draft = load_model(args.target, dtype=args.dtype), load_model(args.draft, dtype=args.dtype)
     # Ragged on purpose: prompts from different domains have very different lengths.
-    prompts = [p for d in ("code", "chat", "math") for p in load_prompts(d, 2)][: args.batch]
+    per_domain = [load_prompts(d, args.batch) for d in ("code", "chat", "math")]
+    prompts = [p for group in zip(*per_domain) for p in group][: args.batch]
     requests = [Request(encode(tokenizer, p), max_new_tokens=args.max_new_tokens) for p in prompts]
     batched = SpeculativeEngine(target, tokenizer, draft, EngineConfig(max_batch_size=args.batch, max_len=1024, k=args.k))
     single = SpeculativeEngine(target, tokenizer, draft, EngineConfig(max_batch_size=1, max_len=1024, k=args.k))

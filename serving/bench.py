@@ -256,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
         "rows": {},
         "summary": {},
     }
+    # One untimed pass of each decoder first: allocator, thread pools and lazy inits warm up.
+    warm = encode(tokenizer, prompts[domains[0]][0])
+    bench_prompt((target_engine, spec_engine), (target, draft), warm, 8, eos, 0, not args.no_hf)
     total = sum(len(p) for p in prompts.values())
     with tqdm(total=total, desc="spec-bench", unit="prompt") as bar:
         for d in domains:
