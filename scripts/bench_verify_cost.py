@@ -24,31 +24,46 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from serving.cpu_kernels import KERNELS, PackedLinear, prepare_for_cpu, set_packed  # noqa: E402
+from serving.cpu_kernels import KERNELS, InvariantLinear, prepare_for_cpu, set_enabled  # noqa: E402
 
 
-def _cpu_times() -> tuple[int, int]:
+def _busy_jiffies() -> tuple[int, int]:
+    """(CPU time used by everyone, by this process), in clock ticks."""
     with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return sum(v), v[3] + v[4]
+        v = [int(x) for x in f.readline().split()[1:8]]
+    with open("/proc/self/stat") as f:
+        mine = f.read().rsplit(")", 1)[1].split()
+    return sum(v) - v[3] - v[4], int(mine[11]) + int(mine[12])
 
 
-def wait_quiet(min_idle: float, timeout: float = 60.0) -> float:
-    """Wait until the CPUs are mostly idle (another user's job skews every timing)."""
-    if min_idle <= 0 or not os.path.exists("/proc/stat"):
-        return 1.0
-    start = time.time()
-    while True:
-        a = _cpu_times()
-        time.sleep(0.3)
-        b = _cpu_times()
-        idle = (b[1] - a[1]) / max(1, b[0] - a[0])
-        if idle >= min_idle or time.time() - start > timeout:
-            return idle
+def timed(fn, tries: int, after=None) -> float:
+    """Seconds for fn(); retried (up to `tries` times) while other processes used the CPUs.
+
+    The machine is shared: a run during someone else's test job measures them, not us.
+    """
+    best = None
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for _ in range(max(1, tries)):
+        try:
+            b0 = _busy_jiffies()
+        except OSError:
+            b0 = None
+        t = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t
+        if after is not None:
+            after()
+        if b0 is None:
+            return dt
+        b1 = _busy_jiffies()
+        others = (b1[0] - b0[0]) - (b1[1] - b0[1])
+        best = dt if best is None else min(best, dt)
+        if others <= max(1, 0.05 * dt * hz * (os.cpu_count() or 1)):
+            return dt
+    return best
 
 
 def machine() -> dict:
@@ -64,15 +79,15 @@ def machine() -> dict:
             "torch": torch.__version__, "isa": torch.backends.cpu.get_cpu_capability()}
 
 
-def _md_table(rows: list[dict], counts: list[int], base_key: str) -> str:
-    """Median ms per step, then cost relative to the path's own 1-token step and to eager's."""
+def _md_table(rows: list[dict], counts: list[int]) -> str:
+    """Median ms per step, then cost relative to the path's own 1-token step and to the
+    1-token step of the eager run it was interleaved with (row["base"])."""
     more = [n for n in counts if n > 1]
     head = ("| path | " + " | ".join(f"{n} tok ms" for n in counts) + " | "
             + " | ".join(f"{n}/own 1" for n in more) + " | " + " | ".join(f"{n}/eager 1" for n in counts) + " |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    base = next(r for r in rows if r["path"] == base_key)["ms"]["1"]
     for r in rows:
-        ms = r["ms"]
+        ms, base = r["ms"], r["base"]
         lines.append(f"| {r['path']} | " + " | ".join(f"{ms[str(n)]:.1f}" for n in counts) + " | "
                      + " | ".join(f"{ms[str(n)] / ms['1']:.2f}" for n in more) + " | "
                      + " | ".join(f"{ms[str(n)] / base:.2f}" for n in counts) + " |")
@@ -80,6 +95,29 @@ def _md_table(rows: list[dict], counts: list[int], base_key: str) -> str:
 
 
 # ---------------------------------------------------------------- one Linear
+
+
+class _Fn(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+def _candidates(lins) -> dict:
+    """Other kernels measured while choosing one (not used by prepare_for_cpu, see its docstring)."""
+    out = {"rows as mv": [_Fn(lambda x, w=lin.weight: torch.stack([torch.mv(w, r) for r in x])) for lin in lins],
+           "x @ w_t contiguous": [_Fn(lambda x, wt=lin.weight.t().contiguous(): x @ wt) for lin in lins]}
+    if torch.backends.mkldnn.is_available():
+        pw = [torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), 5) for lin in lins]
+        pb = [torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach().bfloat16(), 5) for lin in lins]
+        out["oneDNN packed fp32"] = [_Fn(lambda x, p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""))
+                                     for p in pw]
+        out["oneDNN packed bf16"] = [_Fn(lambda x, p=p: torch.ops.mkldnn._linear_pointwise(
+            x.bfloat16(), p, None, "none", [], "").float()) for p in pb]
+    return out
 
 
 def bench_linear(args) -> dict:
@@ -95,6 +133,10 @@ def bench_linear(args) -> dict:
             m[0].load_state_dict(src.state_dict())
             prepare_for_cpu(m, token_counts=args.tokens, kernel=k)
         paths[k] = mods
+    for src in lins:
+        src.requires_grad_(False)
+    if args.candidates:
+        paths.update(_candidates(lins))
     counts = args.tokens
     xs = {n: torch.randn(n, in_f) for n in counts}
     times = {(p, n): [] for p in paths for n in counts}
@@ -103,22 +145,23 @@ def bench_linear(args) -> dict:
         big = torch.randn(max(counts), in_f)
         for p, mods in paths.items():
             full = mods[0](big)
-            invariance[p] = {str(n): (mods[0](big[:n]) - full[:n]).abs().max().item() for n in counts}
+            # every row alone (n=1), and prefixes of n rows, against the rows of the largest step
+            invariance[p] = {str(n): max((mods[0](big[i:i + n]) - full[i:i + n]).abs().max().item()
+                                         for i in range(0, max(counts) - n + 1)) for n in counts}
             for n in counts:
                 mods[0](xs[n])
         for rep in range(args.reps):
-            wait_quiet(args.min_idle)
             order = list(paths) if rep % 2 == 0 else list(reversed(paths))
             for n in counts:
                 for p in order:
-                    t = time.perf_counter()
-                    for m in paths[p]:
-                        m(xs[n])
-                    times[(p, n)].append((time.perf_counter() - t) / copies * 1e3)
+                    dt = timed(lambda: [m(xs[n]) for m in paths[p]], args.retries)
+                    times[(p, n)].append(dt / copies * 1e3)
     rows = [{"path": p, "ms": {str(n): statistics.median(times[(p, n)]) for n in counts},
              "max_abs_diff_vs_rows_of_largest": invariance[p]} for p in paths]
+    for r in rows:
+        r["base"] = rows[0]["ms"]["1"]
     print(f"\nLinear({in_f}, {out_f}) bias={args.bias}, median of {args.reps}, {copies} rotating copies\n")
-    print(_md_table(rows, counts, "eager"))
+    print(_md_table(rows, counts))
     print("\nbatch invariance (max |y[n rows] - rows of y[max rows]|):")
     for r in rows:
         print(f"  {r['path']}: {r['max_abs_diff_vs_rows_of_largest']}")
@@ -155,21 +198,29 @@ def _step(model, cache, ids):
     return model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0]
 
 
-def _invariance(model, cache, prefix_len, first_logits, n):
-    """Logits of n greedy tokens fed one at a time vs all n in one step."""
-    seq, logits1, tok = [], [], first_logits.argmax(-1).view(1, 1)
-    for _ in range(n):
-        seq.append(tok)
-        lg = _step(model, cache, tok)[-1]
-        logits1.append(lg)
-        tok = lg.argmax(-1).view(1, 1)
-    cache.crop(-n)
-    logits_n = _step(model, cache, torch.cat(seq, dim=1))
-    cache.crop(-n)
-    logits1 = torch.stack(logits1)
-    return {"bitwise_equal": bool(torch.equal(logits1, logits_n)),
-            "max_abs_diff": (logits1 - logits_n).abs().max().item(),
-            "argmax_equal": bool(torch.equal(logits1.argmax(-1), logits_n.argmax(-1)))}
+def _invariance(model, cache, first_logits, n, blocks=3):
+    """Greedy-decode `blocks` x n tokens two ways and compare the logits.
+
+    Per block: n one-token steps (the target-alone baseline), then rewind and verify the same
+    n tokens in one step, keeping the KV that step wrote (as speculative decoding does) for
+    the next block. Returns whether all logits were bitwise equal.
+    """
+    tok, diff, same_argmax = first_logits.argmax(-1).view(1, 1), 0.0, True
+    for _ in range(blocks):
+        seq, logits1 = [], []
+        for _ in range(n):
+            seq.append(tok)
+            lg = _step(model, cache, tok)[-1]
+            logits1.append(lg)
+            tok = lg.argmax(-1).view(1, 1)
+        cache.crop(-n)
+        logits_n = _step(model, cache, torch.cat(seq, dim=1))
+        logits1 = torch.stack(logits1)
+        diff = max(diff, (logits1 - logits_n).abs().max().item())
+        same_argmax &= bool(torch.equal(logits1.argmax(-1), logits_n.argmax(-1)))
+        tok = logits_n[-1].argmax(-1).view(1, 1)
+    cache.crop(-n * blocks)
+    return {"tokens": n * blocks, "bitwise_equal": diff == 0.0, "max_abs_diff": diff, "argmax_equal": same_argmax}
 
 
 def bench_model(args) -> dict:
@@ -177,60 +228,55 @@ def bench_model(args) -> dict:
 
     counts = args.tokens
     rows, info = [], {}
-    eager_rows = []
     for kernel in args.kernels:
         model, tok, path = _load(args)
         t = time.perf_counter()
         prepare_for_cpu(model, token_counts=counts, kernel=kernel)
         prep_s = time.perf_counter() - t
-        packed_bytes = sum(m.packed_nbytes() for m in model.modules() if isinstance(m, PackedLinear))
+        extra_bytes = sum(m.extra_bytes() for m in model.modules() if isinstance(m, InvariantLinear))
         ids = _prompt_ids(tok, args.prefill, model.config.vocab_size)
         stream = torch.randint(0, model.config.vocab_size, (1, max(counts)),
                                generator=torch.Generator().manual_seed(1))
         times = {(m, n): [] for m in ("eager", kernel) for n in counts}
         with torch.no_grad():
-            set_packed(model, False)
+            set_enabled(model, False)
             cache = DynamicCache(config=model.config)
-            first = _step(model, cache, ids)[-1]
-            set_packed(model, True)
-            inv = {}
-            inv[kernel] = _invariance(model, cache, args.prefill, first, 5)
-            set_packed(model, False)
-            inv["eager"] = _invariance(model, cache, args.prefill, first, 5)
+            first = _step(model, cache, ids)[-1]  # the prompt prefill is shared by both paths
+            inv = {"eager": _invariance(model, cache, first, 5)}
+            set_enabled(model, True)
+            inv[kernel] = _invariance(model, cache, first, 5)
             for mode in ("eager", kernel):  # warm-up: first calls allocate and page weights in
-                set_packed(model, mode != "eager")
+                set_enabled(model, mode != "eager")
                 for n in counts:
                     _step(model, cache, stream[:, :n])
                     cache.crop(-n)
             for rep in range(args.reps):
-                wait_quiet(args.min_idle)
                 modes = ("eager", kernel) if rep % 2 == 0 else (kernel, "eager")
                 for n in counts:
                     for mode in modes:
-                        set_packed(model, mode != "eager")
-                        t = time.perf_counter()
-                        _step(model, cache, stream[:, :n])
-                        times[(mode, n)].append((time.perf_counter() - t) * 1e3)
-                        cache.crop(-n)
+                        set_enabled(model, mode != "eager")
+                        dt = timed(lambda: _step(model, cache, stream[:, :n]), args.retries,
+                                   after=lambda: cache.crop(-n))
+                        times[(mode, n)].append(dt * 1e3)
+        pair = []
         for mode in ("eager", kernel):
-            row = {"path": mode if mode == "eager" else f"prepared:{kernel}",
-                   "ms": {str(n): statistics.median(times[(mode, n)]) for n in counts},
-                   "ms_all": {str(n): times[(mode, n)] for n in counts},
-                   "invariance_5": inv[mode]}
-            (eager_rows if mode == "eager" else rows).append(row)
-        info[kernel] = {"prepare_s": prep_s, "packed_bytes": packed_bytes}
+            pair.append({"path": f"eager (A/B with {kernel})" if mode == "eager" else f"prepared:{kernel}",
+                         "ms": {str(n): statistics.median(times[(mode, n)]) for n in counts},
+                         "ms_all": {str(n): times[(mode, n)] for n in counts},
+                         "invariance_5": inv[mode]})
+        for r in pair:
+            r["base"] = pair[0]["ms"]["1"]
+        rows += pair
+        info[kernel] = {"prepare_s": prep_s, "extra_weight_bytes": extra_bytes}
         del model, cache
-    # Each kernel run measured its own eager side; report the pooled eager medians once.
-    pooled = {str(n): statistics.median([t for r in eager_rows for t in r["ms_all"][str(n)]]) for n in counts}
-    rows.insert(0, {"path": "eager", "ms": pooled, "invariance_5": eager_rows[0]["invariance_5"]})
     print(f"\n{path}: forward of N tokens after a {args.prefill}-token prefill (DynamicCache, "
-          f"cropped back each time), median of {args.reps} interleaved reps\n")
-    print(_md_table(rows, counts, "eager"))
-    print("\nbatch invariance, 5 greedy tokens one by one vs in one step:")
+          f"cropped back each time), median of {args.reps} interleaved reps, each re-timed while the CPUs were shared\n")
+    print(_md_table(rows, counts))
+    print("\nbatch invariance, 3 blocks of 5 greedy tokens, one by one vs verified in one step:")
     for r in rows:
         print(f"  {r['path']}: {r['invariance_5']}")
     for k, v in info.items():
-        print(f"  prepare({k}): {v['prepare_s']:.1f} s, packed weights {v['packed_bytes'] / 1e9:.2f} GB")
+        print(f"  prepare({k}): {v['prepare_s']:.1f} s, extra weight memory {v['extra_weight_bytes'] / 1e9:.2f} GB")
     return {"kind": "model", "model": path, "prefill": args.prefill, "rows": rows, "prepare": info}
 
 
@@ -240,13 +286,15 @@ def main(argv=None) -> int:
                    help="bundled name, local folder or hub id")
     p.add_argument("--linear", metavar="OUTxIN", help="time one Linear(IN, OUT) instead of a model")
     p.add_argument("--bias", action="store_true", help="with --linear: give the Linear a bias")
-    p.add_argument("--kernels", default="mkl", help=f"comma list from {','.join(KERNELS)}")
+    p.add_argument("--candidates", action="store_true",
+                   help="with --linear: also time the rejected kernels (oneDNN fp32/bf16, mv per row, x @ w_t)")
+    p.add_argument("--kernels", default="rowdot,mkl", help=f"comma list from {','.join(KERNELS)}")
     p.add_argument("--tokens", default="1,2,3,5,9", help="tokens per step to time")
     p.add_argument("--prefill", type=int, default=128)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--min-idle", type=float, default=0.8,
-                   help="before each rep wait (max 60 s) until this share of CPU is idle; 0 disables")
+    p.add_argument("--retries", type=int, default=4,
+                   help="re-time a call up to this many times while other processes use the CPUs")
     p.add_argument("--json", default="runs/verify_cost.json")
     args = p.parse_args(argv)
     args.kernels = [k for k in args.kernels.split(",") if k]

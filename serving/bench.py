@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from serving.engine import EngineConfig, Request, SpeculativeEngine
 from serving.models import check_same_tokenizer, load_model, load_tokenizer
+from serving.cpu_kernels import prepare_for_cpu, set_enabled
 from serving.devices import resolve_device
 from serving.prompts import DOMAINS, Prompt, load_prompts
 
@@ -59,14 +60,23 @@ def compare(model, prompt_ids, reference: list[int], output: list[int]) -> dict:
     return {"identical": False, "first_diff": i, "top2_gap": gap, "near_tie": gap < NEAR_TIE}
 
 
-def hf_assisted(target, draft, prompt_ids: list[int], max_new: int, eos: list[int]) -> tuple[list[int], float]:
+def hf_assisted(target, draft, prompt_ids: list[int], max_new: int, eos: list[int], stock: bool) -> tuple[list[int], float]:
+    """transformers' assisted generation. ``stock``: with the library's own kernels, as its users
+    run it, even when Choral's CPU kernels are installed in the shared model objects."""
     ids = torch.tensor([prompt_ids], device=target.device)
-    start = time.perf_counter()
-    out = target.generate(
-        ids, assistant_model=draft, max_new_tokens=max_new, do_sample=False, eos_token_id=eos,
-        pad_token_id=eos[0],
-    )  # fmt: skip
-    return out[0, len(prompt_ids) :].tolist(), time.perf_counter() - start
+    for model in (target, draft):
+        set_enabled(model, not stock)
+    try:
+        start = time.perf_counter()
+        out = target.generate(
+            ids, assistant_model=draft, max_new_tokens=max_new, do_sample=False, eos_token_id=eos,
+            pad_token_id=eos[0],
+        )  # fmt: skip
+        seconds = time.perf_counter() - start
+    finally:
+        for model in (target, draft):
+            set_enabled(model, True)
+    return out[0, len(prompt_ids) :].tolist(), seconds
 
 
 def run_engine(engine: SpeculativeEngine, prompt_ids: list[int], max_new: int) -> tuple[list[int], dict]:
@@ -117,7 +127,7 @@ def summarize(rows: list[dict], k: int) -> dict:
     return out
 
 
-def bench_prompt(engines, models, prompt_ids, max_new, eos, order: int, with_hf: bool) -> dict:
+def bench_prompt(engines, models, prompt_ids, max_new, eos, order: int, with_hf: bool, hf_stock: bool = True) -> dict:
     target_engine, spec_engine = engines
     target, draft = models
     row: dict = {"prompt_tokens": len(prompt_ids)}
@@ -135,7 +145,7 @@ def bench_prompt(engines, models, prompt_ids, max_new, eos, order: int, with_hf:
                     "draft_step_ms": s["draft_step_ms"], "drafted": s["drafted"], "accepted": s["accepted"],
                     "target_calls": s["target_calls"]}  # fmt: skip
         else:
-            ids, seconds = hf_assisted(target, draft, prompt_ids, max_new, eos)
+            ids, seconds = hf_assisted(target, draft, prompt_ids, max_new, eos, hf_stock)
             row |= {"hf_ids": ids, "hf_tokens": len(ids), "hf_s": seconds}
     row["choral_check"] = compare(target, prompt_ids, row["target_ids"], row["spec_ids"])
     if with_hf:
@@ -149,7 +159,8 @@ def markdown(report: dict) -> str:
         f"# spec-bench: {cfg['target']} with draft {cfg['draft']}",
         "",
         f"{cfg['dtype']} on {cfg['device']} ({cfg['machine']}), greedy, {cfg['max_new_tokens']} new tokens, "
-        f"K={cfg['k']}, {cfg['prompts_per_domain']} prompts per domain. Command: `{cfg['command']}`",
+        f"K={cfg['k']}, {cfg['prompts_per_domain']} prompts per domain, Choral CPU kernels: "
+        f"{cfg.get('choral_cpu_kernels')}, HF assisted kernels: {cfg['hf_kernels']}. Command: `{cfg['command']}`",
         "",
         "| domain | target tok/s | HF assisted tok/s | Choral tok/s | Choral speedup | Choral / HF | acceptance "
         "| tokens/target call | draft step ms | 1-token step ms | verify K+1 ms | verify / 1-token | predicted speedup "
@@ -225,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--quantize", choices=["int8-dynamic"], default=None)
     ap.add_argument("--compile", action="store_true", help="compile the step shapes")
+    ap.add_argument("--no-cpu-kernels", action="store_true", help="Choral on stock PyTorch CPU kernels")
+    ap.add_argument("--hf-kernels", choices=["stock", "choral"], default="stock",
+                    help="kernels for HF assisted generation: stock transformers (what its users run) or Choral's")
     ap.add_argument("--max-len", type=int, default=None)
     ap.add_argument("--out", default="runs/bench")
     args = ap.parse_args(argv)
@@ -237,6 +251,12 @@ def main(argv: list[str] | None = None) -> int:
     target = load_model(args.target, dtype=args.dtype, device=device, quantize=args.quantize)
     draft = load_model(args.draft, dtype=args.dtype, device=device, quantize=args.quantize)
     sweep = [int(k) for k in args.k_sweep.split(",") if k.strip()]
+    cpu_kernels = device.type == "cpu" and args.dtype in ("float32", "fp32") and not args.quantize and not args.no_cpu_kernels
+    if cpu_kernels:
+        widths = sorted({1, 2, args.k + 1, *(k + 1 for k in sweep)})
+        for model in (target, draft):
+            prepare_for_cpu(model, token_counts=widths)
+    hf_stock = args.hf_kernels == "stock"
 
     def engine(k: int) -> SpeculativeEngine:
         cfg = EngineConfig(max_len=args.max_len, k=k, k_buckets=tuple(sorted({k} | set(sweep))) if k else (1,))
@@ -252,20 +272,22 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {
         "config": vars(args) | {"machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads".strip(),
                                 "command": " ".join(["spec-bench", *(argv if argv is not None else sys.argv[1:])]),
-                                "torch": torch.__version__},  # fmt: skip
+                                "torch": torch.__version__, "choral_cpu_kernels": cpu_kernels},  # fmt: skip
         "rows": {},
         "summary": {},
     }
     # One untimed pass of each decoder first: allocator, thread pools and lazy inits warm up.
     warm = encode(tokenizer, prompts[domains[0]][0])
-    bench_prompt((target_engine, spec_engine), (target, draft), warm, 8, eos, 0, not args.no_hf)
+    bench_prompt((target_engine, spec_engine), (target, draft), warm, 8, eos, 0, not args.no_hf, hf_stock)
     total = sum(len(p) for p in prompts.values())
     with tqdm(total=total, desc="spec-bench", unit="prompt") as bar:
         for d in domains:
             rows = []
             for i, prompt in enumerate(prompts[d]):
                 ids = encode(tokenizer, prompt)
-                row = bench_prompt((target_engine, spec_engine), (target, draft), ids, args.max_new_tokens, eos, i, not args.no_hf)
+                row = bench_prompt(
+                    (target_engine, spec_engine), (target, draft), ids, args.max_new_tokens, eos, i, not args.no_hf, hf_stock
+                )
                 rows.append(row | {"id": prompt.id})
                 bar.update(1)
                 bar.set_postfix(domain=d, identical=row["choral_check"]["identical"])

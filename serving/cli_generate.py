@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--quantize", choices=["int8-dynamic"], default=None,
                     help="CPU dynamic int8 (fast, but greedy output may differ from fp32: see README)")
+    ap.add_argument("--no-cpu-kernels", action="store_true",
+                    help="use stock PyTorch kernels on the CPU instead of Choral's batch-invariant ones")
     ap.add_argument("--batch-size", type=int, default=1, help="prompts decoded together")
     ap.add_argument("--max-len", type=int, default=None, help="context per sequence (default: min(2048, model's))")
     ap.add_argument("--compile", action="store_true", help="compile the step shapes (slow start, faster steps)")
@@ -62,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
             compile_backend=None,
         )
         engine = SpeculativeEngine.load(
-            args.target, args.draft, device=args.device, dtype=args.dtype, quantize=args.quantize, config=config
+            args.target, args.draft, device=args.device, dtype=args.dtype, quantize=args.quantize,
+            cpu_kernels=not args.no_cpu_kernels, config=config
         )
         if args.compile:
             engine.enable_compile()

@@ -22,7 +22,8 @@ import torch._inductor.config
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from serving.bundled import choral_home
-from serving.devices import compile_backend, resolve_device, synchronize
+from serving.cpu_kernels import prepare_for_cpu
+from serving.devices import compile_backend, resolve_device, resolve_dtype, synchronize
 from serving.models import check_same_tokenizer, eos_token_ids, load_model, load_tokenizer
 from serving.runner import ModelRunner
 from serving.sampling import SamplingParams, SamplingTensors, probs_from_logits, sample
@@ -60,6 +61,12 @@ class EngineConfig:
     @property
     def k_max(self) -> int:
         return max(self.k_buckets) if self.k == "auto" else int(self.k)
+
+    @property
+    def step_widths(self) -> tuple[int, ...]:
+        """Input widths of the decode forwards: 1 and 2 (draft), K+1 per bucket (verification)."""
+        ks = self.k_buckets if self.k == "auto" else (int(self.k),)
+        return tuple(sorted({1, 2, *(k + 1 for k in ks)}))
 
 
 @dataclass
@@ -125,6 +132,7 @@ class SpeculativeEngine:
             eos_ids=torch.tensor(eos_token_ids(target, tokenizer), dtype=torch.long, device=self.device),
         )
         self._eos = set(self.state.eos_ids.tolist())
+        self._sampling: SamplingTensors | None = None  # rebuilt when a slot's request changes
         self._k_value = float(config.k_buckets[len(config.k_buckets) // 2] if config.k == "auto" else config.k)
         if config.compile_backend is not None:
             self.enable_compile(config.compile_backend)
@@ -138,18 +146,24 @@ class SpeculativeEngine:
         device: str = "auto",
         dtype: str = "float32",
         quantize: str | None = None,
+        cpu_kernels: bool = True,
         config: EngineConfig | None = None,
     ) -> "SpeculativeEngine":
         """Load target and draft by reference (hub id, folder or bundled name), check that their
-        tokenizers agree, and build the engine on ``device`` in ``dtype``."""
+        tokenizers agree, and build the engine on ``device`` in ``dtype``. On a CPU in fp32,
+        ``cpu_kernels`` swaps in the batch-invariant kernels of ``serving.cpu_kernels``, which
+        verify K+1 tokens for about the cost of one with bitwise-identical rows."""
+        config = config or EngineConfig()
         dev = resolve_device(device)
         tokenizer = load_tokenizer(target)
-        target_model = load_model(target, dtype=dtype, device=dev, quantize=quantize)
-        draft_model = None
+        models = [load_model(target, dtype=dtype, device=dev, quantize=quantize)]
         if draft is not None:
             check_same_tokenizer(tokenizer, load_tokenizer(draft), draft_name=f"draft {draft!r}")
-            draft_model = load_model(draft, dtype=dtype, device=dev, quantize=quantize)
-        return cls(target_model, tokenizer, draft_model, config)
+            models.append(load_model(draft, dtype=dtype, device=dev, quantize=quantize))
+        if cpu_kernels and dev.type == "cpu" and resolve_dtype(dtype) == torch.float32 and quantize is None:
+            for model in models:
+                prepare_for_cpu(model, token_counts=config.step_widths)
+        return cls(models[0], tokenizer, models[1] if len(models) > 1 else None, config)
 
     # ---- public API ----------------------------------------------------------------------------
 
@@ -239,7 +253,7 @@ class SpeculativeEngine:
         s.limits[b] = L + request.max_new_tokens
         first_id = int(first)
         s.done[b] = first_id in self._eos or request.max_new_tokens == 1
-        self._sampling = None  # the batch's sampling settings changed
+        self._sampling = None
         stats = RequestStats(new_tokens=1)
         stats.prefill_time_s = time.perf_counter() - started
         slot = _Slot(index, request, L, generator, [first_id], stats, started)
@@ -280,7 +294,7 @@ class SpeculativeEngine:
     # ---- one step ------------------------------------------------------------------------------
 
     def _batch_sampling(self, slots: list[_Slot | None]) -> SamplingTensors:
-        if getattr(self, "_sampling", None) is None:
+        if self._sampling is None:
             params = [s.request.params if s else SamplingParams() for s in slots]
             self._sampling = SamplingTensors.build(params, self.device)
         return self._sampling

@@ -54,12 +54,15 @@ class StaticKVCache:
         self.values[layer_idx].scatter_(2, index, value_states.to(self.values[layer_idx].dtype))
         return self.keys[layer_idx], self.values[layer_idx]
 
-    def attention_mask(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Additive mask [B, 1, T, S]: query at position t sees cache slots 0..t of its own row."""
+    def attention_mask(self, positions: torch.Tensor, additive_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Mask [B, 1, T, S]: query at position t sees cache slots 0..t of its own row. Boolean
+        (True = attend) for SDPA-style attention; additive (0 / dtype min) for eager attention."""
         slots = torch.arange(self.max_len, device=positions.device)  # [S]
-        visible = slots.view(1, 1, -1) <= positions.unsqueeze(-1)  # [B, T, S]
-        mask = torch.zeros(visible.shape, dtype=dtype, device=positions.device)
-        return mask.masked_fill(~visible, torch.finfo(dtype).min).unsqueeze(1)
+        visible = (slots.view(1, 1, -1) <= positions.unsqueeze(-1)).unsqueeze(1)  # [B, 1, T, S]
+        if additive_dtype is None:
+            return visible
+        mask = torch.zeros(visible.shape, dtype=additive_dtype, device=positions.device)
+        return mask.masked_fill(~visible, torch.finfo(additive_dtype).min)
 
     # transformers queries these on some paths; a static cache answers with its capacity.
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -74,7 +74,8 @@ class ModelRunner:
 
     def _hidden(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         cache.positions = positions
-        mask = cache.attention_mask(positions, self.dtype)
+        eager = self.config._attn_implementation == "eager"
+        mask = cache.attention_mask(positions, self.dtype if eager else None)
         out = self.model.base_model(
             input_ids=tokens,
             position_ids=positions,

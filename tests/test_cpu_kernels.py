@@ -1,0 +1,165 @@
+"""serving.cpu_kernels on a tiny random Qwen2: same numbers as eager, and batch-invariant.
+
+The "rowdot" kernel is compiled on first use (~30 s once, then cached by torch); its tests
+are skipped where it cannot be built (no C++ compiler).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from serving import cpu_kernels
+from serving.cpu_kernels import InvariantLinear, prepare_for_cpu, set_enabled
+
+transformers = pytest.importorskip("transformers")
+from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM, StaticCache  # noqa: E402
+
+
+def _kernels():
+    out = [pytest.param("mkl", marks=pytest.mark.skipif(not torch._C.has_mkl, reason="no MKL"))]
+    out.append(pytest.param("rowdot", marks=pytest.mark.skipif(
+        cpu_kernels._rowdot_ext() is None, reason="rowdot kernel cannot be built here")))
+    return out
+
+
+KERNELS = _kernels()
+
+
+def _tiny(seed=0):
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    cfg._attn_implementation = "sdpa"
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def _ids(n, seed=1):
+    return torch.randint(0, 512, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_prepared_matches_original(kernel):
+    ref_model = _tiny()
+    model = _tiny()
+    prepare_for_cpu(model, kernel=kernel)
+    assert sum(isinstance(m, InvariantLinear) for m in model.modules()) == 2 * 7 + 1  # lm_head too
+    ids = _ids(12)
+    with torch.no_grad():
+        ref = ref_model(ids).logits
+        got = model(ids).logits
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    # Also with autograd on (nothing requires grad after prepare, so the fast path still runs).
+    torch.testing.assert_close(model(ids).logits, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("cache_cls", ["dynamic", "static"])
+def test_one_n_token_step_equals_n_one_token_steps(kernel, cache_cls):
+    model = prepare_for_cpu(_tiny(), kernel=kernel, token_counts=(1, 5))
+    prompt, draft = _ids(20), _ids(5, seed=2)  # 20 > max_rows: the prefill takes the library path
+
+    def cache():
+        if cache_cls == "static":
+            return StaticCache(config=model.config, max_cache_len=64)
+        return DynamicCache(config=model.config)
+
+    with torch.no_grad():
+        a, b = cache(), cache()
+        model(prompt, past_key_values=a, use_cache=True)
+        model(prompt, past_key_values=b, use_cache=True)
+        one_by_one = torch.cat([model(draft[:, i : i + 1], past_key_values=a, use_cache=True).logits
+                                for i in range(5)], dim=1)
+        together = model(draft, past_key_values=b, use_cache=True).logits
+        # And the step after: the KV written by the 5-token step is the same as by 1-token steps.
+        nxt = _ids(1, seed=3)
+        after_a = model(nxt, past_key_values=a, use_cache=True).logits
+        after_b = model(nxt, past_key_values=b, use_cache=True).logits
+    assert torch.equal(one_by_one, together)
+    assert torch.equal(after_a, after_b)
+
+
+def test_eager_is_not_batch_invariant_but_prepared_is():
+    """Documents why this module exists: stock kernels round a 1-row step differently."""
+    x = torch.randn(5, 1536, generator=torch.Generator().manual_seed(0))
+    lin = nn.Linear(1536, 4096).requires_grad_(False)
+    eager_rows = torch.cat([F.linear(x[i : i + 1], lin.weight, lin.bias) for i in range(5)])
+    prepared = InvariantLinear(lin, "mkl", max_rows=16, pack_rows=5)
+    rows = torch.cat([prepared(x[i : i + 1]) for i in range(5)])
+    assert torch.equal(rows, prepared(x))
+    assert (eager_rows - F.linear(x, lin.weight, lin.bias)).abs().max() < 1e-4  # close, maybe not equal
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("shape", [(37, 19), (8, 16), (1, 5), (130, 70)])
+def test_linear_rows_invariant_odd_shapes(kernel, shape):
+    out_f, in_f = shape
+    if kernel == "mkl" and out_f == 1:
+        pytest.skip("MKL rounds a 1-output layer per row count; prepare_for_cpu's check catches it")
+    torch.manual_seed(0)
+    lin = nn.Linear(in_f, out_f).requires_grad_(False)
+    mod = InvariantLinear(lin, kernel, max_rows=16, pack_rows=9)
+    x = torch.randn(11, in_f)
+    full = mod(x)
+    for n in range(1, 12):
+        for i in range(0, 12 - n):
+            assert torch.equal(mod(x[i : i + n]), full[i : i + n]), (n, i)
+    torch.testing.assert_close(full, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    # 3-D input, and more rows than max_rows falls back to F.linear exactly.
+    assert torch.equal(mod(x.view(1, 11, in_f))[0], full)
+    big = torch.randn(17, in_f)
+    assert torch.equal(mod(big), F.linear(big, lin.weight, lin.bias))
+
+
+def test_weights_state_dict_and_toggle():
+    ref_model = _tiny()
+    model = _tiny()
+    before = {k: v.data_ptr() for k, v in model.state_dict().items()}
+    lm_head = model.lm_head.weight
+    prepare_for_cpu(model)
+    after = model.state_dict()
+    assert {k: v.data_ptr() for k, v in after.items()} == before  # same tensors, no copies
+    assert model.lm_head.weight is lm_head
+    assert model.config._attn_implementation == cpu_kernels.ATTN_NAME
+    ids = _ids(9)
+    with torch.no_grad():
+        set_enabled(model, False)
+        assert model.config._attn_implementation == "sdpa"
+        assert torch.equal(model(ids).logits, ref_model(ids).logits)  # stock path, bit for bit
+        set_enabled(model, True)
+        assert model.config._attn_implementation == cpu_kernels.ATTN_NAME
+
+
+def test_layers_failing_the_check_stay_stock(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_kernels, "_check_invariance", lambda mod, counts: mod.out_features != 128)
+    model = prepare_for_cpu(_tiny(), kernel="mkl")
+    kinds = {name: type(m) for name, m in model.named_modules() if name.endswith(("gate_proj", "q_proj"))}
+    assert kinds["model.layers.0.mlp.gate_proj"] is nn.Linear  # 64 -> 128 "failed"
+    assert kinds["model.layers.0.self_attn.q_proj"] is InvariantLinear
+    assert "not batch-invariant" in caplog.text
+
+
+def test_grad_enabled_input_falls_back():
+    lin = nn.Linear(16, 8)
+    mod = InvariantLinear(lin, "mkl", max_rows=16, pack_rows=5)
+    x = torch.randn(3, 16, requires_grad=True)
+    mod(x).sum().backward()
+    assert x.grad is not None and lin.weight.grad is not None
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        prepare_for_cpu(_tiny(), kernel="int8")
+    with pytest.raises(ValueError):
+        prepare_for_cpu(_tiny(), token_counts=(1, 33), max_rows=16)
