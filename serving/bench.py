@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     target = load_model(args.target, dtype=args.dtype, device=device, quantize=args.quantize)
     draft = load_model(args.draft, dtype=args.dtype, device=device, quantize=args.quantize)
     sweep = [int(k) for k in args.k_sweep.split(",") if k.strip()]
-    cpu_kernels = device.type == "cpu" and args.dtype in ("float32", "fp32") and not args.quantize and not args.no_cpu_kernels
+    cpu_kernels = device.type == "cpu" and args.dtype in ("float32", "fp32") and not args.quantize and not args.no_cpu_kernels and not args.compile
     if cpu_kernels:
         widths = sorted({1, 2, args.k + 1, *(k + 1 for k in sweep)})
         for model in (target, draft):

@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         engine = SpeculativeEngine.load(
             args.target, args.draft, device=args.device, dtype=args.dtype, quantize=args.quantize,
-            cpu_kernels=not args.no_cpu_kernels, config=config
+            # The CPU kernels are eager-only (an extension call, host-side attention lengths).
+            cpu_kernels=not (args.no_cpu_kernels or args.compile), config=config
         )
         if args.compile:
             engine.enable_compile()

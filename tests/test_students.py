@@ -1,0 +1,98 @@
+"""Deriving layer-subset students from a tiny Qwen2: exact copies, layer choice, saving, errors."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from training.students import count_parameters, derive_student, describe_student
+
+
+def tiny(seed: int = 0, **overrides) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    kwargs = dict(
+        vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    )  # fmt: skip
+    kwargs.update(overrides)
+    return Qwen2ForCausalLM(Qwen2Config(**kwargs)).eval()
+
+
+@pytest.fixture(scope="module")
+def source() -> Qwen2ForCausalLM:
+    return tiny()
+
+
+def ids() -> torch.Tensor:
+    return torch.randint(0, 384, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+def test_all_layers_reproduce_the_logits_exactly(source):
+    student = derive_student(source, [0, 1, 2, 3])
+    assert not student.training
+    with torch.no_grad():
+        assert torch.equal(student(ids()).logits, source(ids()).logits)
+
+
+def test_subset_copies_the_chosen_layers_in_order(source):
+    student = derive_student(source, [2, 0, -1])
+    assert student.config.num_hidden_layers == 3 and len(student.model.layers) == 3
+    assert len(student.config.layer_types) == 3
+    for dst, src in enumerate([2, 0, 3]):
+        got, want = student.model.layers[dst].state_dict(), source.model.layers[src].state_dict()
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+        assert torch.equal(student.get_parameter(name), source.get_parameter(name))
+    # A copy, not a view: training the student leaves the source alone.
+    with torch.no_grad():
+        student.model.layers[0].mlp.up_proj.weight.add_(1.0)
+    assert not torch.equal(student.model.layers[0].mlp.up_proj.weight, source.model.layers[2].mlp.up_proj.weight)
+    assert student.model.embed_tokens.weight.data_ptr() != source.model.embed_tokens.weight.data_ptr()
+    assert all(p.requires_grad for p in student.parameters())
+
+
+def test_tied_embeddings_stay_tied():
+    source = tiny(seed=1, tie_word_embeddings=True)
+    student = derive_student(source, [0, -1])
+    assert student.lm_head.weight is student.model.embed_tokens.weight
+    assert torch.equal(student.lm_head.weight, source.lm_head.weight)
+    assert count_parameters(student) < count_parameters(derive_student(tiny(seed=1), [0, -1]))
+
+
+def test_sliding_window_layer_types_follow_their_layers():
+    source = tiny(use_sliding_window=True, sliding_window=16, max_window_layers=2)
+    assert source.config.layer_types == ["full_attention"] * 2 + ["sliding_attention"] * 2
+    student = derive_student(source, [0, 3])
+    assert student.config.layer_types == ["full_attention", "sliding_attention"]
+    assert student.config.max_window_layers == 1
+
+
+def test_dtype_is_kept():
+    student = derive_student(tiny().to(torch.bfloat16), [1])
+    assert student.dtype == torch.bfloat16
+    assert all(p.dtype == torch.bfloat16 for p in student.parameters())
+
+
+def test_saves_and_reloads_with_auto_class(source, tmp_path):
+    student = derive_student(source, [0, -1])
+    student.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(reloaded) is Qwen2ForCausalLM
+    assert reloaded.config.num_hidden_layers == 2
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids()).logits, student(ids()).logits)
+
+
+def test_describe_and_count(source):
+    student = derive_student(source, [0])
+    info = describe_student(student)
+    assert info["layers"] == 1 and info["hidden_size"] == 64 and info["vocab_size"] == 384
+    assert info["params"] == count_parameters(student) == sum(p.numel() for p in student.parameters())
+    per_layer = sum(p.numel() for p in source.model.layers[0].parameters())
+    assert count_parameters(source) - info["params"] == 3 * per_layer
+
+
+@pytest.mark.parametrize("layers, message", [([0, 4], r"layer index 4 .*4-layer.*-4\.\.3"), ([-5], r"layer index -5"), ([], "at least one")])
+def test_bad_layer_index(source, layers, message):
+    with pytest.raises(ValueError, match=message):
+        derive_student(source, layers)

@@ -1,0 +1,126 @@
+"""Smaller drafts that keep the target's tokenizer, cut from a model's own layers.
+
+    target = load_model("qwen2.5-coder-1.5b-instruct")
+    draft = derive_student(target, [0, 1, -1])     # embeddings, 3 of the 28 layers, norm, lm_head
+    describe_student(draft)                       # {'layers': 3, 'hidden_size': 1536, ...}
+
+A derived student is the same architecture with fewer decoder layers: it shares the target's
+vocabulary, embeddings and output head, so it starts out close to the target's token
+distribution (the first layers build features, the last one maps them onto the head) and
+distillation (``training.losses``) closes the rest. Speculative decoding needs only that the
+draft proposes tokens of the same vocabulary, which this keeps by construction.
+
+Reduced vocabulary (FR-Spec, Zhao et al. 2025), left out for now: most of the draft's cost at a
+few layers is its lm_head over ~152k tokens. FR-Spec keeps only the rows of the most frequent
+tokens (e.g. 32k, counted on the domain's training text) in the draft's lm_head and maps the
+draft's logits back to full-vocabulary ids. It would plug in as a second step after
+``derive_student``: slice ``lm_head.weight`` to the kept ids, store the id map next to the
+checkpoint, and have the engine scatter the draft's logits into a full-width ``-inf`` row before
+verification; verification itself stays exact because the target still scores every token.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+
+def _decoder_layers_name(model: PreTrainedModel) -> str:
+    """The dotted name of the decoder's layer list (``model.layers`` for Llama-family models)."""
+    n = model.config.num_hidden_layers
+    names = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList) and len(module) == n and name.split(".")[-1] == "layers"
+    ]
+    if len(names) != 1:
+        raise ValueError(
+            f"cannot find the decoder layers of {type(model).__name__}: expected one ModuleList named "
+            f"'layers' with {n} entries, found {names or 'none'}"
+        )
+    return names[0]
+
+
+def _resolve_layers(layers: list[int], n: int) -> list[int]:
+    if not layers:
+        raise ValueError("layers must name at least one decoder layer")
+    resolved = []
+    for index in layers:
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise ValueError(f"layer index {index!r} is not an int")
+        if not -n <= index < n:
+            raise ValueError(f"layer index {index} is out of range for a {n}-layer model: valid indices are {-n}..{n - 1}")
+        resolved.append(index % n)
+    return resolved
+
+
+def _student_config(config, source: list[int]):
+    config = copy.deepcopy(config)
+    layer_types = getattr(config, "layer_types", None)
+    # num_hidden_layers and layer_types must agree: set the per-layer list first where it exists.
+    config.num_hidden_layers = len(source)
+    if layer_types is not None:
+        config.layer_types = [layer_types[i] for i in source]
+    if getattr(config, "max_window_layers", None) is not None:
+        # Layers at index >= max_window_layers use sliding-window attention. For increasing
+        # `source` this count is exactly the new boundary; otherwise layer_types (kept per layer
+        # above) is what the model reads.
+        config.max_window_layers = sum(i < config.max_window_layers for i in source)
+    return config
+
+
+def derive_student(model: PreTrainedModel, layers: list[int]) -> PreTrainedModel:
+    """A new model of ``model``'s class with the decoder layers ``layers`` of ``model``, in that order.
+
+    Negative indices count from the end (``[0, 1, -1]``); repeating an index repeats the layer.
+    Everything outside the decoder layers (embeddings, final norm, lm_head, tied or not) is copied
+    as is, and the generation config comes along. The result is a copy (training it leaves
+    ``model`` alone) in eval mode with ``model``'s dtype and device and trainable parameters.
+    Works for models whose decoder layers sit in one ``ModuleList`` named ``layers`` (Llama,
+    Qwen2, Mistral, ...); quantized models are not supported.
+    """
+    n = model.config.num_hidden_layers
+    source = _resolve_layers(list(layers), n)
+    prefix = _decoder_layers_name(model) + "."
+    student = type(model)(_student_config(model.config, source))
+    student.generation_config = copy.deepcopy(model.generation_config)
+    student.to(dtype=model.dtype, device=model.device)
+
+    # Rename "<prefix><src>.<rest>" to "<prefix><dst>.<rest>" for every destination of each source.
+    destinations: dict[int, list[int]] = {}
+    for dst, src in enumerate(source):
+        destinations.setdefault(src, []).append(dst)
+    state = {}
+    for key, tensor in model.state_dict().items():
+        if not key.startswith(prefix):
+            state[key] = tensor
+            continue
+        index, rest = key[len(prefix) :].split(".", 1)
+        for dst in destinations.get(int(index), []):
+            state[f"{prefix}{dst}.{rest}"] = tensor
+    # strict: a key the student lacks or misses would mean the layouts differ.
+    with torch.no_grad():
+        student.load_state_dict(state, strict=True)
+    return student.eval()
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Distinct parameters: tied embeddings count once."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def describe_student(model: PreTrainedModel) -> dict:
+    """The numbers that decide a draft's cost: layers, widths, vocabulary and parameters."""
+    config = model.config
+    return {
+        "layers": config.num_hidden_layers,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": getattr(config, "intermediate_size", None),
+        "vocab_size": config.vocab_size,
+        "tied_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
+        "params": count_parameters(model),
+        "dtype": str(model.dtype).removeprefix("torch."),
+    }
