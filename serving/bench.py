@@ -159,7 +159,7 @@ def markdown(report: dict) -> str:
         f"# spec-bench: {cfg['target']} with draft {cfg['draft']}",
         "",
         f"{cfg['dtype']} on {cfg['device']} ({cfg['machine']}), greedy, {cfg['max_new_tokens']} new tokens, "
-        f"K={cfg['k']}, {cfg['prompts_per_domain']} prompts per domain, Choral CPU kernels: "
+        f"K={cfg['k']}, draft confidence stop: {cfg.get('draft_confidence')}, {cfg['prompts_per_domain']} prompts per domain, Choral CPU kernels: "
         f"{cfg.get('choral_cpu_kernels')}, HF assisted kernels: {cfg['hf_kernels']}. Command: `{cfg['command']}`",
         "",
         "| domain | target tok/s | HF assisted tok/s | Choral tok/s | Choral speedup | Choral / HF | acceptance "
@@ -229,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts-per-domain", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--draft-confidence", type=float, default=None,
+                    help="stop drafting when the draft's top probability falls below this (CPU)")
     ap.add_argument("--k-sweep", default="1,2,3,4,5,6,7,8", help="comma list; empty to skip")
     ap.add_argument("--sweep-prompts", type=int, default=2, help="prompts per domain in the K sweep")
     ap.add_argument("--no-hf", action="store_true", help="skip Hugging Face assisted generation")
@@ -253,13 +255,14 @@ def main(argv: list[str] | None = None) -> int:
     sweep = [int(k) for k in args.k_sweep.split(",") if k.strip()]
     cpu_kernels = device.type == "cpu" and args.dtype in ("float32", "fp32") and not args.quantize and not args.no_cpu_kernels and not args.compile
     if cpu_kernels:
-        widths = sorted({1, 2, args.k + 1, *(k + 1 for k in sweep)})
+        widths = list(range(1, max([args.k, *sweep]) + 2))
         for model in (target, draft):
             prepare_for_cpu(model, token_counts=widths)
     hf_stock = args.hf_kernels == "stock"
 
     def engine(k: int) -> SpeculativeEngine:
-        cfg = EngineConfig(max_len=args.max_len, k=k, k_buckets=tuple(sorted({k} | set(sweep))) if k else (1,))
+        cfg = EngineConfig(max_len=args.max_len, k=k, k_buckets=tuple(range(1, max([k, *sweep]) + 1)) if k else (1,),
+                           draft_confidence=args.draft_confidence)
         e = SpeculativeEngine(target, tokenizer, draft if k else None, cfg)
         if args.compile:
             e.enable_compile()

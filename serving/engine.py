@@ -41,6 +41,9 @@ class EngineConfig:
     k_buckets: the K values that exist as compiled shapes; a fixed k must be one of them.
     compile_backend: None for eager, else the ``torch.compile`` backend of the per-shape forwards
         ("inductor" on CPU/CUDA, "neuron" on Trainium); compiled shapes are warmed up at load.
+    draft_confidence: stop a step's drafting once the draft's top probability drops below this
+        (transformers' assistant_confidence_threshold); the verification covers the shorter block,
+        whose width must be a bucket + 1. A host check per draft token: for CPUs, not Neuron.
     """
 
     max_batch_size: int = 1
@@ -48,6 +51,7 @@ class EngineConfig:
     k: int | str = 4
     k_buckets: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
     compile_backend: str | None = None
+    draft_confidence: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -66,6 +70,8 @@ class EngineConfig:
     def step_widths(self) -> tuple[int, ...]:
         """Input widths of the decode forwards: 1 and 2 (draft), K+1 per bucket (verification)."""
         ks = self.k_buckets if self.k == "auto" else (int(self.k),)
+        if self.draft_confidence is not None:  # an early stop can leave any shorter block
+            ks = range(1, max(ks) + 1)
         return tuple(sorted({1, 2, *(k + 1 for k in ks)}))
 
 
@@ -329,9 +335,11 @@ class SpeculativeEngine:
             times[phase] = now - last[0]
             last[0] = now
 
-        n_acc, n_new = speculative_step(
-            self.target, self.draft, s, self._batch_sampling(slots), self._random(slots, k), k, clock
+        n_acc, n_new, k_used = speculative_step(
+            self.target, self.draft, s, self._batch_sampling(slots), self._random(slots, k), k, clock,
+            self.config.draft_confidence,
         )
+        k = k_used
         committed = s.tokens.gather(1, n_before.unsqueeze(1) + torch.arange(k + 1, device=self.device))
         # The single host sync of the step.
         rows = torch.cat([n_acc[:, None], n_new[:, None], s.done[:, None].long(), committed], 1).tolist()

@@ -46,13 +46,20 @@ def speculative_step(
     rand: StepRandom,
     k: int,
     clock: Callable[[str], None] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    draft_confidence: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Advance every row by one target call. Mutates ``state`` (tokens, lengths, done) in place and
-    returns (n_accepted [B], n_new [B]): draft tokens accepted, and tokens committed this step
-    (accepted + 1 correction or bonus token, cut at EOS and at the row's limit, 0 if done).
+    returns (n_accepted [B], n_new [B], k): draft tokens accepted, tokens committed this step
+    (accepted + 1 correction or bonus token, cut at EOS and at the row's limit, 0 if done), and
+    how many tokens were drafted (k, or fewer after a ``draft_confidence`` stop).
 
     ``clock(phase)``, if given, is called after the draft and after the verification, for timing;
     leave it None to compile the whole step into one graph.
+
+    ``draft_confidence``: stop drafting early once every row's draft is less sure than this (its
+    top probability), as transformers' assisted generation does; the verification then covers the
+    shorter block. It reads a flag back after each draft token, so it is meant for CPUs, where that
+    costs nothing; leave it None for one host sync per step and a single compiled graph.
     """
     B = state.lengths.shape[0]
     n = state.lengths  # [B]
@@ -72,6 +79,12 @@ def speculative_step(
             q_i = probs_from_logits(logits, sampling)[:, 0]  # [B, V]
             drafted.append(sample(q_i, rand.draft[:, i]))  # [B]
             q.append(q_i)
+            if draft_confidence is not None and i + 1 < k:
+                unsure = torch.softmax(logits[:, 0].float(), -1).amax(-1) < draft_confidence  # [B]
+                if bool((unsure | state.done).all()):
+                    k = i + 1
+                    arange_k1 = arange_k1[: k + 1]
+                    break
     else:
         k = 0
         arange_k1 = arange_k1[:1]
@@ -105,4 +118,4 @@ def speculative_step(
     state.tokens.scatter_(1, slots, torch.where(write, new, old))
     state.done |= (first_eos < n_new) | (n + n_new >= state.limits)
     state.lengths += n_new
-    return n_accepted, n_new
+    return n_accepted, n_new, k

@@ -39,7 +39,7 @@ def test_decode_step_compiles_once_and_never_recompiles(tiny_target, monkeypatch
     seen = set()
     for _ in range(8):
         u = torch.rand(B, 2 * K + 1, generator=g)
-        n_acc, _ = step(target, draft, state, sampling, StepRandom(u[:, :K], u[:, K : 2 * K], u[:, 2 * K]), K)
+        n_acc, _, _ = step(target, draft, state, sampling, StepRandom(u[:, :K], u[:, K : 2 * K], u[:, 2 * K]), K)
         seen.update(n_acc.tolist())
     assert len(seen) >= 2, f"steps accepted only {seen}; the test needs different acceptance counts"
     assert int(state.lengths.min()) > 9

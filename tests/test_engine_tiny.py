@@ -37,6 +37,16 @@ def test_greedy_identical_to_transformers_generate(tiny_target, tiny_draft, toke
     assert stats["target_calls"] < stats["new_tokens"]  # the draft did save target calls
 
 
+def test_draft_confidence_stop_keeps_greedy_identical(tiny_target, tiny_draft, tokenizer):
+    # The random tiny draft is never 30% sure of anything: every step drafts one token only.
+    prompts = ragged_prompts(4, seed=21)
+    config = EngineConfig(max_batch_size=2, max_len=96, k=6, draft_confidence=0.3)
+    outs = SpeculativeEngine(tiny_target, tokenizer, tiny_draft, config).generate([Request(p, max_new_tokens=20) for p in prompts])
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(tiny_target, prompt, 20)
+    assert all(o.stats["mean_k"] == 1.0 for o in outs)
+
+
 def test_eos_inside_accepted_block(tiny_target, tokenizer):
     # A draft identical to the target accepts everything, so EOS arrives mid-block. Make EOS the
     # token the target itself emits 5th, then the row must stop right there.

@@ -27,7 +27,7 @@ def run(draft_script, K, prefix_len=6, limit=100, eos=None):
     target, draft = PositionStub(V, target_script), PositionStub(V, draft_script)
     prefix = [target_script(t) for t in range(prefix_len)]
     state = state_for([prefix], capacity=64, limit=limit, eos=eos or [])
-    n_acc, n_new = speculative_step(target, draft, state, greedy(1), rand(1, K), K)
+    n_acc, n_new, _ = speculative_step(target, draft, state, greedy(1), rand(1, K), K)
     new = state.tokens[0, prefix_len : prefix_len + int(n_new)].tolist()
     return int(n_acc), int(n_new), new, state, target, draft
 
@@ -74,7 +74,7 @@ def test_done_rows_are_frozen():
     state = state_for([[1, 2, 3], [4, 5, 6, 7]], capacity=32, limit=20, eos=[])
     state.done[1] = True
     before = state.tokens[1].clone()
-    _, n_new = speculative_step(target, draft, state, greedy(2), rand(2, 3), 3)
+    _, n_new, _ = speculative_step(target, draft, state, greedy(2), rand(2, 3), 3)
     assert n_new.tolist() == [4, 0] and state.lengths.tolist() == [7, 4]
     assert torch.equal(state.tokens[1], before)
 
@@ -82,5 +82,18 @@ def test_done_rows_are_frozen():
 def test_no_draft_is_target_only():
     target = PositionStub(V, target_script)
     state = state_for([[1, 2, 3]], capacity=16, limit=10, eos=[])
-    n_acc, n_new = speculative_step(target, None, state, greedy(1), rand(1, 0), 0)
+    n_acc, n_new, _ = speculative_step(target, None, state, greedy(1), rand(1, 0), 0)
     assert (int(n_acc), int(n_new)) == (0, 1) and target.calls == [1]
+
+
+def test_draft_confidence_stops_drafting_early():
+    # The draft's logits are one-hot * 10 over 50 tokens: top probability ~0.998, so a threshold
+    # above that stops after the first token and the target verifies a 2-token block.
+    target, draft = PositionStub(V, target_script), PositionStub(V, target_script)
+    state = state_for([[target_script(t) for t in range(6)]], capacity=64, limit=100, eos=[])
+    n_acc, n_new, k = speculative_step(target, draft, state, greedy(1), rand(1, 4), 4, draft_confidence=0.999)
+    assert (k, int(n_acc), int(n_new)) == (1, 1, 2) and draft.calls == [2] and target.calls == [2]
+    # Below the draft's confidence nothing changes.
+    target, draft = PositionStub(V, target_script), PositionStub(V, target_script)
+    state = state_for([[target_script(t) for t in range(6)]], capacity=64, limit=100, eos=[])
+    assert speculative_step(target, draft, state, greedy(1), rand(1, 4), 4, draft_confidence=0.5)[2] == 4
