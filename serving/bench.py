@@ -84,7 +84,7 @@ def run_engine(engine: SpeculativeEngine, prompt_ids: list[int], max_new: int) -
     return out.token_ids, out.stats
 
 
-def summarize(rows: list[dict], k: int) -> dict:
+def summarize(rows: list[dict]) -> dict:
     def total_rate(key_tokens, key_time):
         return sum(r[key_tokens] for r in rows) / sum(r[key_time] for r in rows)
 
@@ -96,7 +96,8 @@ def summarize(rows: list[dict], k: int) -> dict:
     drafted = sum(r["drafted"] for r in rows)
     calls = sum(r["target_calls"] for r in rows)
     per_call = sum(r["spec_tokens"] - 1 for r in rows) / calls
-    predicted = per_call * t1 / (k * td + tv)
+    drafts_per_call = drafted / calls  # K, or fewer on average with a draft-confidence stop
+    predicted = per_call * t1 / (drafts_per_call * td + tv)
     # Decode phase only (prefill excluded on both sides): what the step costs predict.
     decode_speedup = sum(r["target_decode_s"] for r in rows) / sum(r["spec_decode_s"] for r in rows)
     out = {
@@ -110,6 +111,7 @@ def summarize(rows: list[dict], k: int) -> dict:
         "verify_ms": tv,
         "verify_cost_ratio": tv / t1,
         "draft_step_ms": td,
+        "drafted_per_call": drafts_per_call,
         "predicted_speedup": predicted,
         "decode_speedup": decode_speedup,
         "overhead_ratio": decode_speedup / predicted,
@@ -163,9 +165,9 @@ def markdown(report: dict) -> str:
         f"{cfg.get('choral_cpu_kernels')}, HF assisted kernels: {cfg['hf_kernels']}. Command: `{cfg['command']}`",
         "",
         "| domain | target tok/s | HF assisted tok/s | Choral tok/s | Choral speedup | Choral / HF | acceptance "
-        "| tokens/target call | draft step ms | 1-token step ms | verify K+1 ms | verify / 1-token | predicted speedup "
+        "| tokens/target call | drafted/call | draft step ms | 1-token step ms | verify ms | verify / 1-token | predicted speedup "
         "| decode speedup / predicted | identical to target |",
-        "|" + "---|" * 15,
+        "|" + "---|" * 16,
     ]
     for domain, s in report["summary"].items():
         hf = f"{s['hf_tokens_per_s']:.2f}" if "hf_tokens_per_s" in s else "-"
@@ -176,7 +178,7 @@ def markdown(report: dict) -> str:
         lines.append(
             f"| {domain} | {s['target_tokens_per_s']:.2f} | {hf} | {s['choral_tokens_per_s']:.2f} | "
             f"{s['choral_speedup']:.2f}x | {vs} | {s['acceptance_rate']:.2f} | {s['tokens_per_target_call']:.2f} | "
-            f"{s['draft_step_ms']:.0f} | {s['target_step_ms']:.0f} | {s['verify_ms']:.0f} | {s['verify_cost_ratio']:.2f}x | "
+            f"{s['drafted_per_call']:.2f} | {s['draft_step_ms']:.0f} | {s['target_step_ms']:.0f} | {s['verify_ms']:.0f} | {s['verify_cost_ratio']:.2f}x | "
             f"{s['predicted_speedup']:.2f}x | {s['overhead_ratio']:.2f} | {ident} |"
         )
     diffs = [(d, i, r["choral_check"]) for d, rows in report["rows"].items() for i, r in enumerate(rows)
@@ -243,10 +245,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="kernels for HF assisted generation: stock transformers (what its users run) or Choral's")
     ap.add_argument("--max-len", type=int, default=None)
     ap.add_argument("--out", default="runs/bench")
+    ap.add_argument("--from-json", help="re-render the summary, table and plot of a saved bench.json (no runs)")
     args = ap.parse_args(argv)
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.from_json:
+        report = json.loads(Path(args.from_json).read_text())
+        report["summary"] = {d: summarize(rows) for d, rows in report["rows"].items()}
+        report["summary"]["all"] = summarize([r for rows in report["rows"].values() for r in rows])
+        return write_report(report, out_dir)
     device = resolve_device(args.device)
     tokenizer = load_tokenizer(args.target)
     check_same_tokenizer(tokenizer, load_tokenizer(args.draft), draft_name=args.draft)
@@ -295,8 +303,8 @@ def main(argv: list[str] | None = None) -> int:
                 bar.update(1)
                 bar.set_postfix(domain=d, identical=row["choral_check"]["identical"])
             report["rows"][d] = rows
-            report["summary"][d] = summarize(rows, args.k)
-    report["summary"]["all"] = summarize([r for rows in report["rows"].values() for r in rows], args.k)
+            report["summary"][d] = summarize(rows)
+    report["summary"]["all"] = summarize([r for rows in report["rows"].values() for r in rows])
 
     report["k_sweep"] = []
     for k in tqdm(sweep, desc="K sweep"):
@@ -313,6 +321,10 @@ def main(argv: list[str] | None = None) -> int:
                 / (spec_s / sum(s["new_tokens"] for s in stats)),
             })  # fmt: skip
 
+    return write_report(report, out_dir)
+
+
+def write_report(report: dict, out_dir: Path) -> int:
     (out_dir / "bench.json").write_text(json.dumps(report, indent=1))
     (out_dir / "bench.md").write_text(markdown(report))
     plot(report, out_dir / "bench.png")
