@@ -13,10 +13,10 @@ import argparse
 import json
 from pathlib import Path
 
-from serving.bench import compare, encode
+from serving.bench import compare
 from serving.engine import EngineConfig, Request, SpeculativeEngine
 from serving.models import load_model, load_tokenizer
-from serving.prompts import load_prompts
+from serving.prompts import encode_prompt, load_prompts
 
 
 def main() -> None:
@@ -35,7 +35,7 @@ def main() -> None:
     # Ragged on purpose: prompts from different domains have very different lengths.
     per_domain = [load_prompts(d, args.batch) for d in ("code", "chat", "math")]
     prompts = [p for group in zip(*per_domain) for p in group][: args.batch]
-    requests = [Request(encode(tokenizer, p), max_new_tokens=args.max_new_tokens) for p in prompts]
+    requests = [Request(encode_prompt(tokenizer, p), max_new_tokens=args.max_new_tokens) for p in prompts]
     batched = SpeculativeEngine(target, tokenizer, draft, EngineConfig(max_batch_size=args.batch, max_len=1024, k=args.k))
     single = SpeculativeEngine(target, tokenizer, draft, EngineConfig(max_batch_size=1, max_len=1024, k=args.k))
     outs_b = batched.generate(requests)

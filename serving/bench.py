@@ -29,18 +29,9 @@ from serving.engine import EngineConfig, Request, SpeculativeEngine
 from serving.models import check_same_tokenizer, load_model, load_tokenizer
 from serving.cpu_kernels import prepare_for_cpu, set_enabled
 from serving.devices import resolve_device
-from serving.prompts import DOMAINS, Prompt, load_prompts
+from serving.prompts import DOMAINS, encode_prompt, load_prompts
 
 NEAR_TIE = 1e-3  # a top-2 logit gap below this is a numerical tie, where rounding may pick either
-
-
-def encode(tokenizer, prompt: Prompt) -> list[int]:
-    text = prompt.text
-    if prompt.use_chat_template:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-        )
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 @torch.no_grad()
@@ -288,14 +279,14 @@ def main(argv: list[str] | None = None) -> int:
         "summary": {},
     }
     # One untimed pass of each decoder first: allocator, thread pools and lazy inits warm up.
-    warm = encode(tokenizer, prompts[domains[0]][0])
+    warm = encode_prompt(tokenizer, prompts[domains[0]][0])
     bench_prompt((target_engine, spec_engine), (target, draft), warm, 8, eos, 0, not args.no_hf, hf_stock)
     total = sum(len(p) for p in prompts.values())
     with tqdm(total=total, desc="spec-bench", unit="prompt") as bar:
         for d in domains:
             rows = []
             for i, prompt in enumerate(prompts[d]):
-                ids = encode(tokenizer, prompt)
+                ids = encode_prompt(tokenizer, prompt)
                 row = bench_prompt(
                     (target_engine, spec_engine), (target, draft), ids, args.max_new_tokens, eos, i, not args.no_hf, hf_stock
                 )
@@ -311,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         e = engine(k)
         for d in domains:
             rows = report["rows"][d][: args.sweep_prompts]
-            stats = [run_engine(e, encode(tokenizer, prompts[d][i]), args.max_new_tokens)[1] for i in range(len(rows))]
+            stats = [run_engine(e, encode_prompt(tokenizer, prompts[d][i]), args.max_new_tokens)[1] for i in range(len(rows))]
             spec_s = sum(s["total_time_s"] for s in stats)
             report["k_sweep"].append({
                 "k": k, "domain": d,

@@ -89,6 +89,19 @@ def as_chat(text: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
 
 
+def render(text: str, tokenizer: Any, chat: bool = True) -> str:
+    """The text the model sees: a user turn plus the generation prompt under the tokenizer's chat
+    template (when ``chat`` and the tokenizer has one), else the text itself."""
+    if not chat or tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return text
+    return tokenizer.apply_chat_template(as_chat(text), tokenize=False, add_generation_prompt=True)
+
+
+def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
+    """Token ids of a prompt as the engine is fed it (chat template per ``use_chat_template``)."""
+    return tokenizer.encode(render(prompt.text, tokenizer, prompt.use_chat_template), add_special_tokens=False)
+
+
 def load_prompts(domain: str, n: int, *, offset: int = 0, seed: int = 0) -> list[Prompt]:
     """Rows ``offset .. offset+n-1`` of ``domain``'s prompt sequence (fewer if it runs out).
 

@@ -34,7 +34,7 @@ from typing import TypeVar
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from serving.prompts import DOMAINS, EVAL_ROWS, Prompt, as_chat, load_prompts
+from serving.prompts import DOMAINS, EVAL_ROWS, Prompt, load_prompts, render
 
 STDLIB_SKIP_DIRS = frozenset({"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "__pycache__"})
 """Folders of the standard library that are not library source (tests, IDE, vendored packages)."""
@@ -85,14 +85,6 @@ def code_texts(n_docs: int, *, seed: int = 0) -> list[str]:
         if text.strip():
             texts.append(text)
     return texts
-
-
-def render_prompt(text: str, tokenizer: PreTrainedTokenizerBase | None) -> str:
-    """A user request as the engine's evaluation feeds it: under the chat template when the
-    tokenizer has one (a user turn plus the generation prompt), else the text itself."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        return text
-    return tokenizer.apply_chat_template(as_chat(text), tokenize=False, add_generation_prompt=True)
 
 
 @functools.cache
@@ -212,7 +204,7 @@ def load_domain_texts(
         assert_no_eval_overlap(texts, load_prompts("code", 164))
         return texts
     if domain in ("chat", "math"):
-        return [render_prompt(t, tokenizer) for t in prompt_texts(domain, n_docs, seed=seed, eval_rows=eval_rows)]
+        return [render(t, tokenizer) for t in prompt_texts(domain, n_docs, seed=seed, eval_rows=eval_rows)]
     if Path(domain).exists():
         return load_local_texts(domain, n_docs)
     raise ValueError(

@@ -8,14 +8,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from serving.engine import EngineConfig, Request, SpeculativeEngine
-from serving.prompts import Prompt, load_prompts
-
-
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[int]:
-    text = prompt.text
-    if prompt.use_chat_template and tokenizer.chat_template:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
+from serving.prompts import encode_prompt, load_prompts
 
 
 def held_out_prompts(domain: str, n: int, tokenizer: PreTrainedTokenizerBase, max_tokens: int = 384) -> list[list[int]]:

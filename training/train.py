@@ -29,11 +29,11 @@ from tqdm import tqdm
 from serving.config import to_dict
 from serving.engine import EngineConfig, Request, SpeculativeEngine
 from serving.models import check_same_tokenizer, load_model, load_tokenizer
-from serving.prompts import EVAL_ROWS, load_prompts
+from serving.prompts import EVAL_ROWS, encode_prompt, load_prompts
 from training import data as data_mod
 from training.checkpoint import atomic_dir, read_progress, write_json_atomic
 from training.config import TrainDraftConfig
-from training.evaluate import encode_prompt, held_out_prompts, measure
+from training.evaluate import held_out_prompts, measure
 from training.losses import DistillLoss
 from training.students import count_parameters, derive_student
 
