@@ -242,9 +242,10 @@ def train(cfg: TrainDraftConfig, *, resume: bool = False) -> dict:
             step = progress["step"]
             elapsed = time.perf_counter() - started
             if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
-                entry = {"step": step, "loss": loss.item(), "lr": scheduler.get_last_lr()[0]} | {k: float(v) for k, v in parts.items()}
+                value = loss.detach().item()
+                entry = {"step": step, "loss": value, "lr": scheduler.get_last_lr()[0]} | {k: float(v) for k, v in parts.items()}
                 progress["history"].append(entry)
-                bar.set_postfix(loss=f"{float(loss):.4f}", tok_s=f"{(progress['tokens'] - tokens0) / elapsed:.0f}")
+                bar.set_postfix(loss=f"{value:.4f}", tok_s=f"{(progress['tokens'] - tokens0) / elapsed:.0f}")
             bar.update(1)
             out_of_time = cfg.train.time_budget_min is not None and elapsed > 60 * cfg.train.time_budget_min
             last_step = step == cfg.train.max_steps or out_of_time
