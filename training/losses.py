@@ -72,28 +72,32 @@ def _check_temperature(temperature: float) -> None:
         raise ValueError(f"temperature must be > 0, got {temperature}")
 
 
+def _log_probs_pair(student_logits, teacher_logits, mask, temperature):
+    """Checked inputs as log-probabilities (student, teacher), the teacher detached."""
+    _check_inputs(student_logits, teacher_logits, mask)
+    _check_temperature(temperature)
+    return _log_probs(student_logits, temperature), _log_probs(teacher_logits.detach(), temperature)
+
+
+def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
+    """KL(a || b) per position: [B, T, V] log-probabilities -> [B, T]."""
+    return (log_a.exp() * (log_a - log_b)).sum(-1)
+
+
 def forward_kl(
     student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor, *, temperature: float = 1.0
 ) -> torch.Tensor:
     """``KL(p || q) * T**2``: mode-covering; the student pays for every token the teacher likes."""
-    _check_inputs(student_logits, teacher_logits, mask)
-    _check_temperature(temperature)
-    log_q = _log_probs(student_logits, temperature)  # [B, T, V]
-    log_p = _log_probs(teacher_logits.detach(), temperature)  # [B, T, V]
-    per_token = (log_p.exp() * (log_p - log_q)).sum(-1)  # [B, T]
-    return masked_mean(per_token, mask) * temperature**2
+    log_q, log_p = _log_probs_pair(student_logits, teacher_logits, mask, temperature)
+    return masked_mean(_kl(log_p, log_q), mask) * temperature**2
 
 
 def reverse_kl(
     student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor, *, temperature: float = 1.0
 ) -> torch.Tensor:
     """``KL(q || p) * T**2``: mode-seeking; the student pays for mass where the teacher has little."""
-    _check_inputs(student_logits, teacher_logits, mask)
-    _check_temperature(temperature)
-    log_q = _log_probs(student_logits, temperature)  # [B, T, V]
-    log_p = _log_probs(teacher_logits.detach(), temperature)  # [B, T, V]
-    per_token = (log_q.exp() * (log_q - log_p)).sum(-1)  # [B, T]
-    return masked_mean(per_token, mask) * temperature**2
+    log_q, log_p = _log_probs_pair(student_logits, teacher_logits, mask, temperature)
+    return masked_mean(_kl(log_q, log_p), mask) * temperature**2
 
 
 def generalized_jsd(
@@ -120,14 +124,9 @@ def generalized_jsd(
         return forward_kl(student_logits, teacher_logits, mask, temperature=temperature)
     if beta == 1.0:
         return reverse_kl(student_logits, teacher_logits, mask, temperature=temperature)
-    _check_inputs(student_logits, teacher_logits, mask)
-    _check_temperature(temperature)
-    log_q = _log_probs(student_logits, temperature)  # [B, T, V]
-    log_p = _log_probs(teacher_logits.detach(), temperature)  # [B, T, V]
+    log_q, log_p = _log_probs_pair(student_logits, teacher_logits, mask, temperature)
     log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log(1.0 - beta))  # [B, T, V], log of the mixture
-    kl_p_m = (log_p.exp() * (log_p - log_m)).sum(-1)  # [B, T]
-    kl_q_m = (log_q.exp() * (log_q - log_m)).sum(-1)  # [B, T]
-    return masked_mean(beta * kl_p_m + (1.0 - beta) * kl_q_m, mask) * temperature**2
+    return masked_mean(beta * _kl(log_p, log_m) + (1.0 - beta) * _kl(log_q, log_m), mask) * temperature**2
 
 
 def total_variation(
@@ -138,11 +137,8 @@ def total_variation(
     At temperature 1 this is exactly ``1 - `` the probability that speculative sampling accepts
     the draft's token (Leviathan et al., 2023), the quantity DistillSpec optimises directly.
     """
-    _check_inputs(student_logits, teacher_logits, mask)
-    _check_temperature(temperature)
-    q = _log_probs(student_logits, temperature).exp()  # [B, T, V]
-    p = _log_probs(teacher_logits.detach(), temperature).exp()  # [B, T, V]
-    return masked_mean(0.5 * (p - q).abs().sum(-1), mask)
+    log_q, log_p = _log_probs_pair(student_logits, teacher_logits, mask, temperature)
+    return masked_mean(0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1), mask)
 
 
 def cross_entropy(
