@@ -14,8 +14,7 @@ import json
 from pathlib import Path
 
 from serving.bench import compare
-from serving.cpu_kernels import prepare_for_cpu
-from serving.engine import EngineConfig, Request, SpeculativeEngine
+from serving.engine import EngineConfig, Request, SpeculativeEngine, use_cpu_kernels
 from serving.models import load_model, load_tokenizer
 from serving.prompts import encode_prompt, load_prompts
 
@@ -34,10 +33,8 @@ def main() -> None:
 
     tokenizer = load_tokenizer(args.target)
     target, draft = load_model(args.target, dtype=args.dtype), load_model(args.draft, dtype=args.dtype)
-    if not args.no_cpu_kernels and args.dtype == "float32":
-        config = EngineConfig(k=args.k)
-        for model in (target, draft):  # as SpeculativeEngine.load does on a CPU in fp32
-            prepare_for_cpu(model, token_counts=config.step_widths)
+    if not args.no_cpu_kernels:  # as SpeculativeEngine.load does
+        use_cpu_kernels([target, draft], device="cpu", dtype=args.dtype, widths=EngineConfig(k=args.k).step_widths)
     # Ragged on purpose: prompts from different domains have very different lengths.
     per_domain = [load_prompts(d, args.batch) for d in ("code", "chat", "math")]
     prompts = [p for group in zip(*per_domain) for p in group][: args.batch]

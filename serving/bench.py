@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from serving.engine import EngineConfig, Request, SpeculativeEngine
+from serving.engine import EngineConfig, Request, SpeculativeEngine, use_cpu_kernels
 from serving.models import check_same_tokenizer, load_model, load_tokenizer
-from serving.cpu_kernels import prepare_for_cpu, set_enabled
+from serving.cpu_kernels import set_enabled
 from serving.devices import resolve_device
 from serving.prompts import DOMAINS, encode_prompt, load_prompts
 
@@ -252,11 +252,12 @@ def main(argv: list[str] | None = None) -> int:
     target = load_model(args.target, dtype=args.dtype, device=device, quantize=args.quantize)
     draft = load_model(args.draft, dtype=args.dtype, device=device, quantize=args.quantize)
     sweep = [int(k) for k in args.k_sweep.split(",") if k.strip()]
-    cpu_kernels = device.type == "cpu" and args.dtype in ("float32", "fp32") and not args.quantize and not args.no_cpu_kernels and not args.compile
-    if cpu_kernels:
-        widths = list(range(1, max([args.k, *sweep]) + 2))
-        for model in (target, draft):
-            prepare_for_cpu(model, token_counts=widths)
+    cpu_kernels = False
+    if not (args.no_cpu_kernels or args.compile):  # the CPU kernels are eager-only
+        every_k = EngineConfig(k="auto", k_buckets=tuple(range(1, max([args.k, *sweep]) + 1)))
+        cpu_kernels = use_cpu_kernels(
+            [target, draft], device=device, dtype=args.dtype, widths=every_k.step_widths, quantize=args.quantize
+        )
     hf_stock = args.hf_kernels == "stock"
 
     def engine(k: int) -> SpeculativeEngine:

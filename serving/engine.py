@@ -67,12 +67,28 @@ class EngineConfig:
         return max(self.k_buckets) if self.k == "auto" else int(self.k)
 
     @property
-    def step_widths(self) -> tuple[int, ...]:
-        """Input widths of the decode forwards: 1 and 2 (draft), K+1 per bucket (verification)."""
+    def verify_widths(self) -> tuple[int, ...]:
+        """Input widths of the target's verification: K+1 for every K a step can use."""
         ks = self.k_buckets if self.k == "auto" else (int(self.k),)
         if self.draft_confidence is not None:  # an early stop can leave any shorter block
             ks = range(1, max(ks) + 1)
-        return tuple(sorted({1, 2, *(k + 1 for k in ks)}))
+        return tuple(sorted({k + 1 for k in ks}))
+
+    @property
+    def step_widths(self) -> tuple[int, ...]:
+        """Input widths of all decode forwards: 1 and 2 (draft) and the verification widths."""
+        return tuple(sorted({1, 2, *self.verify_widths}))
+
+
+def use_cpu_kernels(models: list[PreTrainedModel], *, device, dtype, widths, quantize: str | None = None) -> bool:
+    """Swap in ``serving.cpu_kernels`` where they apply (CPU, fp32, not quantized), so that
+    verifying any of ``widths`` tokens costs about one token and rows are bitwise identical.
+    Returns whether they were applied."""
+    if torch.device(device).type != "cpu" or resolve_dtype(dtype) != torch.float32 or quantize is not None:
+        return False
+    for model in models:
+        prepare_for_cpu(model, token_counts=widths)
+    return True
 
 
 @dataclass
@@ -166,9 +182,8 @@ class SpeculativeEngine:
         if draft is not None:
             check_same_tokenizer(tokenizer, load_tokenizer(draft), draft_name=f"draft {draft!r}")
             models.append(load_model(draft, dtype=dtype, device=dev, quantize=quantize))
-        if cpu_kernels and dev.type == "cpu" and resolve_dtype(dtype) == torch.float32 and quantize is None:
-            for model in models:
-                prepare_for_cpu(model, token_counts=config.step_widths)
+        if cpu_kernels:
+            use_cpu_kernels(models, device=dev, dtype=dtype, widths=config.step_widths, quantize=quantize)
         return cls(models[0], tokenizer, models[1] if len(models) > 1 else None, config)
 
     # ---- public API ----------------------------------------------------------------------------
@@ -212,8 +227,7 @@ class SpeculativeEngine:
         """Run every compiled shape once (draft: 1 and 2 tokens; target: K+1 per bucket) so the
         compile cost is paid at load; with the on-disk compile cache later loads are quick."""
         B, dev = self.config.max_batch_size, self.device
-        ks = self.config.k_buckets if self.config.k == "auto" else (self.config.k,)
-        widths = [k + 1 for k in ks] if self.draft else [1]
+        widths = self.config.verify_widths if self.draft else (1,)
         for width in widths:
             tokens = torch.zeros(B, width, dtype=torch.long, device=dev)
             self.target.forward(tokens, torch.arange(width, device=dev).expand(B, width))
