@@ -43,3 +43,15 @@ def test_decode_step_compiles_once_and_never_recompiles(tiny_target, monkeypatch
         seen.update(n_acc.tolist())
     assert len(seen) >= 2, f"steps accepted only {seen}; the test needs different acceptance counts"
     assert int(state.lengths.min()) > 9
+
+
+def test_warmup_compiles_every_shape_the_engine_uses(tiny_target, tokenizer, monkeypatch):
+    from serving.engine import EngineConfig, Request, SpeculativeEngine
+
+    torch._dynamo.reset()
+    draft = perturbed(tiny_target, 0.3, seed=5)
+    config = EngineConfig(max_len=64, k=3, draft_confidence=0.5, compile_backend="aot_eager")
+    engine = SpeculativeEngine(tiny_target, tokenizer, draft, config)  # warms up at load
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)  # nothing may compile now
+    [out] = engine.generate([Request([5, 6, 7, 8], max_new_tokens=16)])
+    assert len(out.token_ids) == 16
