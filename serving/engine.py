@@ -8,6 +8,10 @@ Every step runs all B slots through ``speculative_step`` (fixed shapes), then re
 tensor (accepted and committed counts, done flags, the new tokens): the step's single host sync.
 The host then applies stop strings, retires finished requests and admits waiting ones into free
 slots, so ``generate`` already batches continuously.
+
+A server drives the same loop itself, as with vLLM's ``LLMEngine``: ``add_request`` queues,
+``step`` admits and advances everyone by one speculative step and returns each request's new
+tokens, ``abort_request`` frees a slot. The engine is not thread-safe: call it from one thread.
 """
 
 from __future__ import annotations
@@ -108,14 +112,22 @@ class Completion:
 
 
 @dataclass
+class StepOutput:
+    request_id: int
+    new_token_ids: list[int]  # tokens this step committed for the request (stop strings applied)
+    finished: Completion | None  # set on the step the request finished
+
+
+@dataclass
 class _Slot:
-    index: int  # position of the request in the caller's list
+    index: int  # the request id from add_request
     request: Request
     prompt_len: int
     generator: torch.Generator
     generated: list[int]
     stats: RequestStats
     started: float
+    emitted: int = 0  # tokens of ``generated`` already handed out by step()
 
 
 class SpeculativeEngine:
@@ -156,6 +168,9 @@ class SpeculativeEngine:
         self._eos = set(self.state.eos_ids.tolist())
         self._sampling: SamplingTensors | None = None  # rebuilt when a slot's request changes
         self._k_value = float(config.k_buckets[len(config.k_buckets) // 2] if config.k == "auto" else config.k)
+        self._slots: list[_Slot | None] = [None] * B
+        self._waiting: deque[tuple[int, Request]] = deque()
+        self._next_id = 0
         if config.compile_backend is not None:
             self.enable_compile(config.compile_backend)
 
@@ -192,21 +207,67 @@ class SpeculativeEngine:
         """Decode all requests, B at a time, admitting each as a slot frees up."""
         for r in requests:
             self._check_fits(r)
-        results: list[Completion | None] = [None] * len(requests)
-        pending = deque(enumerate(requests))
-        slots: list[_Slot | None] = [None] * self.config.max_batch_size
-        while pending or any(slots):
-            for b in range(len(slots)):
-                while slots[b] is None and pending:
-                    index, request = pending.popleft()
-                    slots[b], finished = self._admit(b, index, request)
-                    if finished:
-                        results[index] = self._retire(b, slots)
-            if any(slots):
-                for b in self._step(slots):
-                    index = slots[b].index
-                    results[index] = self._retire(b, slots)
-        return results  # type: ignore[return-value]
+        ids = [self.add_request(r) for r in requests]
+        results: dict[int, Completion] = {}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                if out.finished is not None:
+                    results[out.request_id] = out.finished
+        return [results[i] for i in ids]
+
+    def add_request(self, request: Request) -> int:
+        """Queue a request (checked now: a prompt that cannot fit raises ``ValueError``) and return
+        its id; ``step`` admits it when a slot is free. The incremental API follows vLLM's
+        ``LLMEngine`` (add_request / step / abort_request / has_unfinished_requests)."""
+        self._check_fits(request)
+        request_id = self._next_id
+        self._next_id += 1
+        self._waiting.append((request_id, request))
+        return request_id
+
+    def abort_request(self, request_id: int) -> bool:
+        """Drop a waiting or running request (e.g. its client went away) and free its slot.
+        Returns whether it was found."""
+        for i, (rid, _) in enumerate(self._waiting):
+            if rid == request_id:
+                del self._waiting[i]
+                return True
+        for b, slot in enumerate(self._slots):
+            if slot is not None and slot.index == request_id:
+                self._slots[b] = None
+                self.state.done[b] = True
+                self._sampling = None
+                return True
+        return False
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._waiting) or any(s is not None for s in self._slots)
+
+    @property
+    def num_running(self) -> int:
+        return sum(s is not None for s in self._slots)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def step(self) -> list[StepOutput]:
+        """Admit waiting requests into free slots (prefill + first token), then run one
+        speculative step over all slots. Returns, per request that advanced, its new tokens and,
+        on the step it finished, its ``Completion``."""
+        outputs: list[StepOutput] = []
+        slots = self._slots
+        for b in range(len(slots)):
+            while slots[b] is None and self._waiting:
+                request_id, request = self._waiting.popleft()
+                slots[b], finished = self._admit(b, request_id, request)
+                outputs.append(self._emit(b, finished))
+        if any(s is not None for s in slots):
+            finished = set(self._step(slots))
+            for b, slot in enumerate(slots):
+                if slot is not None:
+                    outputs.append(self._emit(b, b in finished))
+        return outputs
 
     def enable_compile(self, backend: str | None = None) -> None:
         """Compile the draft and verify forwards (the device's backend unless named) and warm
@@ -296,6 +357,12 @@ class SpeculativeEngine:
         slot.stats.new_tokens = len(tokens)
         slot.stats.total_time_s = time.perf_counter() - slot.started
         return Completion(tokens, text, reason, slot.stats.to_dict())
+
+    def _emit(self, b: int, finished: bool) -> StepOutput:
+        slot = self._slots[b]
+        new = slot.generated[slot.emitted :]
+        slot.emitted = len(slot.generated)
+        return StepOutput(slot.index, new, self._retire(b, self._slots) if finished else None)
 
     def _hit_stop(self, slot: _Slot, before: int) -> bool:
         """True if a stop string appears in the text; cuts ``generated`` just after the token that

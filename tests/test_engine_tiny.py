@@ -113,3 +113,31 @@ def test_draft_with_a_different_tokenizer_is_refused(tokenizer):
     with pytest.raises(ValueError, match="tokenizer differs from the target's"):
         check_same_tokenizer(tokenizer, other, draft_name="my-draft")
     check_same_tokenizer(tokenizer, make_tokenizer())  # an identical one passes
+
+
+def test_incremental_api_streams_the_same_tokens_and_abort_frees_the_slot(tiny_target, tiny_draft, tokenizer):
+    prompts = ragged_prompts(4, seed=77)
+    config = EngineConfig(max_batch_size=2, max_len=96, k=3)
+    expected = SpeculativeEngine(tiny_target, tokenizer, tiny_draft, config).generate(
+        [Request(p, max_new_tokens=20) for p in prompts]
+    )
+    engine = SpeculativeEngine(tiny_target, tokenizer, tiny_draft, EngineConfig(max_batch_size=2, max_len=96, k=3))
+    ids = [engine.add_request(Request(p, max_new_tokens=20)) for p in prompts]
+    doomed = engine.add_request(Request(prompts[0], max_new_tokens=20))
+    streamed = {i: [] for i in ids}
+    finished = {}
+    first = engine.step()
+    assert engine.num_running == 2 and engine.num_waiting == 3
+    assert engine.abort_request(ids[1]) and not engine.abort_request(ids[1])  # frees slot 1 for the next
+    del streamed[ids[1]]
+    assert engine.abort_request(doomed)
+    for out in first + [o for _ in range(200) if engine.has_unfinished_requests() for o in engine.step()]:
+        if out.request_id in streamed:
+            streamed[out.request_id] += out.new_token_ids
+        if out.finished is not None:
+            finished[out.request_id] = out.finished
+    assert not engine.has_unfinished_requests() and engine.num_running == 0
+    assert set(finished) == {ids[0], ids[2], ids[3]}
+    for i, exp in zip(ids, expected):
+        if i in finished:
+            assert streamed[i] == finished[i].token_ids == exp.token_ids
