@@ -1,1 +1,25 @@
-"""Routing: learn which draft the target accepts most for each prompt."""
+"""Routing: learn which draft the target accepts most for each prompt.
+
+    from routing import Router, Choice
+    router = Router.load("runs/router/router.pt")
+    router.choose("def add(a, b):")  # -> Choice(draft, predicted_acceptance, predicted_speedup, k)
+
+``Router`` and ``Choice`` are imported on first use, so ``import routing`` stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__all__ = ["Choice", "Router", "RouterError"]
+
+if TYPE_CHECKING:
+    from routing.router import Choice, Router, RouterError
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from routing import router
+
+        return getattr(router, name)
+    raise AttributeError(f"module 'routing' has no attribute {name!r}")

@@ -1,0 +1,322 @@
+"""The router: prompt -> which draft (or none) to speculate with, and a suggested K.
+
+    router = Router.load("runs/router/router.pt")
+    choice = router.choose("def fibonacci(n):")
+    choice.draft                  # a name from router.draft_names; "none" = the target alone
+    router.draft_refs[choice.draft], choice.k, choice.predicted_acceptance
+
+A small MLP reads the prompt's features (sentence embedding + cheap statistics, normalised with
+the training set's statistics) and predicts each draft's acceptance rate. ``objective:
+acceptance`` picks the highest; ``objective: speedup`` turns each prediction into an expected
+speedup with the draft's measured costs and picks the best, or "none" when no draft beats 1.0.
+
+Cost model (Leviathan et al.): with per-token acceptance a and K drafted tokens a step commits
+E = (1 - a^(K+1)) / (1 - a) tokens for K draft forwards and one verification, so relative to the
+target alone (one forward per token) the speedup is E / (K*c + v) with c = draft step / target
+step and v = verification step / target step, both measured during collection.
+
+``Router.create`` builds an untrained but valid router (random MLP, identity normalisation) from
+draft references alone, for tests and for wiring a server up before any data is collected.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from routing.features import BUNDLED_EMBEDDER, Featurizer
+
+FORMAT = "choral-router"
+FORMAT_VERSION = 1
+NONE = "none"
+OBJECTIVES = ("acceptance", "speedup")
+DEFAULT_K_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8)
+# An untrained router's guess at draft cost: a draft ~10x smaller than its target.
+DEFAULT_COST = {"draft_cost": 0.1, "verify_cost": 1.0}
+_KEYS = (
+    "format", "format_version", "draft_names", "draft_refs", "target_ref", "objective", "embedder",
+    "cheap_features", "feature_dim", "mean", "std", "mlp", "state_dict", "costs", "k_buckets", "info",
+)  # fmt: skip
+
+
+class RouterError(ValueError):
+    """A router file that cannot be used: missing, truncated, another format, or inconsistent."""
+
+
+@dataclass
+class Choice:
+    draft: str  # a name from Router.draft_names; "none" = the target alone
+    predicted_acceptance: dict[str, float]  # per draft name; "none" -> 0.0
+    predicted_speedup: dict[str, float]  # per draft name (at its best K), "none" -> 1.0
+    k: int  # suggested K for the chosen draft; 0 for "none"
+
+
+class RouterMLP(nn.Module):
+    """features [N, F] -> acceptance logits [N, D], one per draft (sigmoid gives the rate)."""
+
+    def __init__(self, in_dim: int, out_dim: int, hidden: int = 128, layers: int = 2, dropout: float = 0.1) -> None:
+        super().__init__()
+        blocks: list[nn.Module] = []
+        width = in_dim
+        for _ in range(layers):
+            blocks += [nn.Linear(width, hidden), nn.GELU(), nn.Dropout(dropout)]
+            width = hidden
+        blocks.append(nn.Linear(width, out_dim))
+        self.net = nn.Sequential(*blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def expected_tokens(a: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Tokens committed per verification with per-token acceptance ``a`` and ``k`` drafts
+    (broadcasting); the a -> 1 limit is k + 1."""
+    a = a.clamp(0.0, 1.0 - 1e-6)
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
+def speedup_model(a: torch.Tensor, k: torch.Tensor, draft_cost: float, verify_cost: float) -> torch.Tensor:
+    """Predicted speedup over the target alone (see the module docstring)."""
+    return expected_tokens(a, k) / (k * draft_cost + verify_cost)
+
+
+class Router:
+    def __init__(
+        self,
+        *,
+        draft_names: list[str],
+        draft_refs: dict[str, str | None],
+        target_ref: str,
+        objective: str,
+        embedder: str,
+        cheap_features: bool,
+        mean: torch.Tensor,
+        std: torch.Tensor,
+        mlp_config: dict,
+        state_dict: dict | None,
+        costs: dict[str, dict[str, float]],
+        k_buckets: list[int],
+        info: dict | None = None,
+        device: str = "cpu",
+        seed: int = 0,
+    ) -> None:
+        """Prefer ``Router.load`` or ``Router.create``; train-router builds one from its results.
+        draft_names: all choices, "none" included when it was collected (always under
+        ``objective="speedup"``, which can fall back to it). costs: per real draft,
+        {"draft_cost": c, "verify_cost": v} relative to a target step."""
+        if objective not in OBJECTIVES:
+            raise RouterError(f"objective={objective!r} must be one of {', '.join(OBJECTIVES)}")
+        self.draft_names = list(draft_names)
+        self.drafts = [n for n in self.draft_names if n != NONE]  # the MLP's outputs, in order
+        if not self.drafts:
+            raise RouterError(f"a router needs at least one draft besides {NONE!r}, got {self.draft_names}")
+        if len(set(self.draft_names)) != len(self.draft_names):
+            raise RouterError(f"draft names repeat: {self.draft_names}")
+        if objective == "speedup" and NONE not in self.draft_names:
+            self.draft_names.append(NONE)
+        self.draft_refs = {n: (None if n == NONE else draft_refs.get(n)) for n in self.draft_names}
+        missing = [n for n in self.drafts if not self.draft_refs[n]]
+        if missing:
+            raise RouterError(f"drafts {missing} have no model reference in draft_refs")
+        missing = [n for n in self.drafts if n not in costs]
+        if missing:
+            raise RouterError(f"drafts {missing} have no measured costs")
+        self.target_ref = target_ref
+        self.objective = objective
+        self.embedder = embedder
+        self.cheap_features = cheap_features
+        self.costs = {n: {k: float(v) for k, v in costs[n].items()} for n in self.drafts}
+        self.k_buckets = sorted(int(k) for k in k_buckets)
+        if not self.k_buckets or self.k_buckets[0] < 1:
+            raise RouterError(f"k_buckets={k_buckets} must be non-empty positive integers")
+        self.info = dict(info or {})
+        self.device = torch.device(device)
+        self.featurizer = Featurizer(embedder, cheap=cheap_features, device=str(self.device))
+        self.mean, self.std = mean.float().to(self.device), std.float().to(self.device)
+        if self.mean.shape != (self.featurizer.dim,) or self.std.shape != (self.featurizer.dim,):
+            raise RouterError(
+                f"normalisation statistics have shape {tuple(self.mean.shape)}/{tuple(self.std.shape)} but "
+                f"embedder {embedder!r} with cheap_features={cheap_features} gives {self.featurizer.dim} "
+                "features: the file was made with another embedder"
+            )
+        if not bool((self.std > 0).all()) or not bool(torch.isfinite(self.mean).all()):
+            raise RouterError("normalisation statistics must be finite with std > 0")
+        self.mlp_config = dict(mlp_config)
+        torch.manual_seed(seed)
+        self.mlp = RouterMLP(self.featurizer.dim, len(self.drafts), **self.mlp_config)
+        if state_dict is not None:
+            try:
+                self.mlp.load_state_dict(state_dict)
+            except RuntimeError as e:
+                raise RouterError(f"MLP weights do not match its settings {self.mlp_config}: {e}") from None
+        self.mlp.to(self.device).eval()
+
+    # ---- building, saving, loading -------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        draft_refs: dict[str, str | None],
+        target_ref: str,
+        embedder: str = BUNDLED_EMBEDDER,
+        objective: str = "acceptance",
+        seed: int = 0,
+        *,
+        cheap_features: bool = True,
+        hidden: int = 128,
+        layers: int = 2,
+        costs: dict[str, dict[str, float]] | None = None,
+        k_buckets: tuple[int, ...] = DEFAULT_K_BUCKETS,
+        device: str = "cpu",
+    ) -> "Router":
+        """An untrained but valid router: random MLP (seeded), identity normalisation, default
+        costs unless given. ``draft_refs``: name -> model reference; a ``"none": None`` entry
+        makes the target alone a choice. Its choices are arbitrary until trained; use it to
+        build router.pt files for tests or to wire a server before collecting data."""
+        names = list(draft_refs)
+        costs = costs or {n: dict(DEFAULT_COST) for n in names if n != NONE}
+        featurizer = Featurizer(embedder, cheap=cheap_features, device=device)
+        return cls(
+            draft_names=names,
+            draft_refs=draft_refs,
+            target_ref=target_ref,
+            objective=objective,
+            embedder=embedder,
+            cheap_features=cheap_features,
+            mean=torch.zeros(featurizer.dim),
+            std=torch.ones(featurizer.dim),
+            mlp_config={"hidden": hidden, "layers": layers, "dropout": 0.0},
+            state_dict=None,
+            costs=costs,
+            k_buckets=list(k_buckets),
+            info={"trained": False},
+            device=device,
+            seed=seed,
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "draft_names": list(self.draft_names),
+            "draft_refs": dict(self.draft_refs),
+            "target_ref": self.target_ref,
+            "objective": self.objective,
+            "embedder": self.embedder,
+            "cheap_features": self.cheap_features,
+            "feature_dim": self.featurizer.dim,
+            "mean": self.mean.cpu(),
+            "std": self.std.cpu(),
+            "mlp": dict(self.mlp_config),
+            "state_dict": {k: v.detach().cpu() for k, v in self.mlp.state_dict().items()},
+            "costs": self.costs,
+            "k_buckets": list(self.k_buckets),
+            "info": self.info,
+        }
+
+    def save(self, path: str | Path) -> None:
+        """Write router.pt atomically (a temporary file renamed over ``path``)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        with open(tmp, "wb") as f:
+            torch.save(self.to_dict(), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | Path, device: str = "cpu") -> "Router":
+        """Load and validate router.pt (format, version, keys, shapes) and load its embedder, so
+        the first ``choose`` is as fast as the rest."""
+        path = Path(path)
+        if not path.is_file():
+            raise RouterError(f"router file {path} does not exist; build one with `train-router --config ...`")
+        try:
+            data = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise RouterError(
+                f"{path} is not a readable router file (truncated or corrupt?): {type(e).__name__}: {e}. "
+                "Re-run train-router to write it again"
+            ) from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise RouterError(f"{path} is not a Choral router file (no format={FORMAT!r} marker)")
+        if data.get("format_version") != FORMAT_VERSION:
+            raise RouterError(
+                f"{path} has router format version {data.get('format_version')!r}; this Choral reads version "
+                f"{FORMAT_VERSION}: retrain it with this version's train-router"
+            )
+        missing = [k for k in _KEYS if k not in data]
+        if missing:
+            raise RouterError(f"{path} lacks the keys {missing}: the file is incomplete, retrain it")
+        try:
+            router = cls(
+                draft_names=data["draft_names"],
+                draft_refs=data["draft_refs"],
+                target_ref=data["target_ref"],
+                objective=data["objective"],
+                embedder=data["embedder"],
+                cheap_features=bool(data["cheap_features"]),
+                mean=data["mean"],
+                std=data["std"],
+                mlp_config=data["mlp"],
+                state_dict=data["state_dict"],
+                costs=data["costs"],
+                k_buckets=data["k_buckets"],
+                info=data["info"],
+                device=device,
+            )
+        except RouterError as e:
+            raise RouterError(f"{path}: {e}") from None
+        if router.featurizer.dim != data["feature_dim"]:
+            raise RouterError(
+                f"{path}: saved for {data['feature_dim']} features but embedder {data['embedder']!r} gives "
+                f"{router.featurizer.dim}"
+            )
+        return router
+
+    # ---- choosing ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def predict_acceptance(self, prompts: list[str]) -> torch.Tensor:
+        """Predicted acceptance rate [N, D] of each real draft (``self.drafts`` order)."""
+        x = self.featurizer(prompts).to(self.device)  # [N, F]
+        x = (x - self.mean) / self.std
+        return torch.sigmoid(self.mlp(x)).float().cpu()  # [N, D]
+
+    def speedups(self, acceptance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Best predicted speedup [N, D] of each draft over ``k_buckets`` and the K [N, D] at it,
+        from acceptance rates [N, D]."""
+        ks = torch.tensor(self.k_buckets, dtype=torch.float32)  # [Kb]
+        c = torch.tensor([self.costs[n]["draft_cost"] for n in self.drafts])[:, None]  # [D, 1]
+        v = torch.tensor([self.costs[n]["verify_cost"] for n in self.drafts])[:, None]  # [D, 1]
+        s = expected_tokens(acceptance[:, :, None], ks) / (ks * c + v)  # [N, D, Kb]
+        best, idx = s.max(dim=2)  # [N, D]
+        return best, ks[idx].long()
+
+    def choose(self, prompt: str) -> Choice:
+        return self.choose_batch([prompt])[0]
+
+    def choose_batch(self, prompts: list[str]) -> list[Choice]:
+        if isinstance(prompts, str):
+            raise TypeError("choose_batch takes a list of prompts; use choose() for one")
+        acc = self.predict_acceptance(list(prompts))  # [N, D]
+        speed, best_k = self.speedups(acc)  # [N, D]
+        choices = []
+        for i in range(len(prompts)):
+            pa = {n: float(acc[i, j]) for j, n in enumerate(self.drafts)}
+            ps = {n: float(speed[i, j]) for j, n in enumerate(self.drafts)}
+            if NONE in self.draft_names:
+                pa[NONE], ps[NONE] = 0.0, 1.0
+            if self.objective == "acceptance":
+                j = int(acc[i].argmax())
+                draft, k = self.drafts[j], int(best_k[i, j])
+            else:
+                j = int(speed[i].argmax())
+                draft, k = (self.drafts[j], int(best_k[i, j])) if float(speed[i, j]) > 1.0 else (NONE, 0)
+            choices.append(Choice(draft, pa, ps, k))
+        return choices
