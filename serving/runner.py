@@ -41,6 +41,17 @@ class ModelRunner:
         self.vocab_size = vocab_size or self.model_vocab
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        # A reduced draft vocabulary (FR-Spec; see training.students.reduce_vocab): only these rows of
+        # the output head are computed, the rest of the row is -inf, so the draft never proposes them
+        # and the target's verification over the full vocabulary stays exact.
+        self.head_ids: torch.Tensor | None = None
+        kept = getattr(config, "draft_vocab", None)
+        if kept:
+            self.head_ids = torch.tensor(kept, dtype=torch.long, device=self.device)  # [N]
+            if int(self.head_ids.max()) >= self.vocab_size:
+                raise ValueError(f"draft_vocab names token id {int(self.head_ids.max())} >= vocabulary size {self.vocab_size}")
+            weight = model.get_output_embeddings().weight.detach()
+            self.head_weight = weight.index_select(0, self.head_ids).contiguous()  # [N, H]
         self.cache = StaticKVCache.for_model(config, batch_size, max_len, self.dtype, self.device)
         self._forward = self._eager_forward
 
@@ -86,6 +97,10 @@ class ModelRunner:
         return out.last_hidden_state  # [B, T, H]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.head_ids is not None:
+            kept = torch.nn.functional.linear(hidden, self.head_weight).float()  # [B, T, N]
+            logits = kept.new_full((*kept.shape[:-1], self.vocab_size), float("-inf"))  # [B, T, V]
+            return logits.index_copy(-1, self.head_ids, kept)
         logits = self.model.get_output_embeddings()(hidden).float()  # [B, T, V_model]
         if self.vocab_size < self.model_vocab:
             return logits[..., : self.vocab_size]

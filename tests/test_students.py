@@ -1,10 +1,12 @@
 """Deriving layer-subset students from a tiny Qwen2: exact copies, layer choice, saving, errors."""
 
+import copy
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from training.students import count_parameters, derive_student, describe_student
+from training.students import count_parameters, derive_student, describe_student, frequent_tokens, reduce_vocab
 
 
 def tiny(seed: int = 0, **overrides) -> Qwen2ForCausalLM:
@@ -96,3 +98,37 @@ def test_describe_and_count(source):
 def test_bad_layer_index(source, layers, message):
     with pytest.raises(ValueError, match=message):
         derive_student(source, layers)
+
+
+def test_frequent_tokens_counts_ignores_padding_and_keeps_always():
+    rows = torch.tensor([[5, 5, 5, 7, -100], [7, 9, 5, -100, -100]])
+    assert frequent_tokens(rows, 1) == [5]
+    assert frequent_tokens(rows, 2) == [5, 7]
+    assert frequent_tokens(rows, 2, always=[2]) == [2, 5, 7]
+
+
+def test_reduced_vocab_draft_stays_lossless_and_reloads(tiny_target, tiny_draft, tokenizer, tmp_path):
+    from serving.engine import EngineConfig, Request, SpeculativeEngine
+    from serving.runner import ModelRunner
+    from tests.test_engine_tiny import hf_greedy, ragged_prompts
+
+    draft = reduce_vocab(copy.deepcopy(tiny_draft), list(range(0, 384, 3)))
+    draft.save_pretrained(tmp_path)
+    reloaded = type(draft).from_pretrained(tmp_path)
+    assert reloaded.config.draft_vocab == list(range(0, 384, 3))
+    runner = ModelRunner(reloaded, batch_size=1, max_len=16)
+    logits = runner.forward(torch.tensor([[4, 5]]), torch.tensor([[0, 1]]))  # [1, 2, V]
+    kept = torch.zeros(384, dtype=torch.bool)
+    kept[::3] = True
+    assert torch.isinf(logits[..., ~kept]).all() and torch.isfinite(logits[..., kept]).all()
+    full = ModelRunner(tiny_draft, batch_size=1, max_len=16).forward(torch.tensor([[4, 5]]), torch.tensor([[0, 1]]))
+    torch.testing.assert_close(logits[..., kept], full[..., kept])  # the kept rows are the same head rows
+
+    prompts = ragged_prompts(4, seed=5)
+    engine = SpeculativeEngine(tiny_target, tokenizer, reloaded, EngineConfig(max_batch_size=2, max_len=96, k=4))
+    outs = engine.generate([Request(p, max_new_tokens=16) for p in prompts])
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(tiny_target, prompt, 16)
+    assert outs[0].stats["drafted"] > 0
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        reduce_vocab(copy.deepcopy(tiny_draft), [0, 384])

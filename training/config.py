@@ -17,7 +17,15 @@ class ModelConfig:
     student_layers: list[int] | None = field(
         default=None, metadata=doc("keep only these decoder layers of `student` (e.g. [0, 1, -1]); null keeps all")
     )
+    draft_vocab: int | None = field(
+        default=None,
+        metadata=doc("keep the N most frequent training tokens in the draft's output head (FR-Spec); null keeps all"),
+    )
     dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata=doc("weights' dtype while training"))
+
+    def __post_init__(self) -> None:
+        if self.draft_vocab is not None and self.draft_vocab < 2:
+            raise ValueError(f"draft_vocab={self.draft_vocab} must be >= 2 (or null for the full vocabulary)")
 
 
 @dataclass

@@ -10,13 +10,12 @@ distribution (the first layers build features, the last one maps them onto the h
 distillation (``training.losses``) closes the rest. Speculative decoding needs only that the
 draft proposes tokens of the same vocabulary, which this keeps by construction.
 
-Reduced vocabulary (FR-Spec, Zhao et al. 2025), left out for now: most of the draft's cost at a
-few layers is its lm_head over ~152k tokens. FR-Spec keeps only the rows of the most frequent
-tokens (e.g. 32k, counted on the domain's training text) in the draft's lm_head and maps the
-draft's logits back to full-vocabulary ids. It would plug in as a second step after
-``derive_student``: slice ``lm_head.weight`` to the kept ids, store the id map next to the
-checkpoint, and have the engine scatter the draft's logits into a full-width ``-inf`` row before
-verification; verification itself stays exact because the target still scores every token.
+Reduced vocabulary (FR-Spec, Zhao et al. 2025): at a few layers most of the draft's cost is its
+lm_head over ~152k tokens. ``reduce_vocab(student, frequent_tokens(rows, n))`` records the ``n``
+most frequent token ids of the domain's training text in ``config.draft_vocab``; the model and its
+checkpoint stay a plain full-vocabulary Hugging Face model (transformers and vLLM load it as is),
+and Choral's engine (``serving.runner.ModelRunner``) computes only those rows of the head and
+fills the rest of the row with -inf. Verification stays exact: the target still scores every token.
 """
 
 from __future__ import annotations
@@ -107,6 +106,25 @@ def derive_student(model: PreTrainedModel, layers: list[int]) -> PreTrainedModel
     return student.eval()
 
 
+def frequent_tokens(rows: torch.Tensor, n: int, always: list[int] = ()) -> list[int]:
+    """The ``n`` most frequent ids in ``rows`` (any shape; negative ids such as -100 ignored),
+    plus ``always`` (e.g. the EOS ids, which end every answer), sorted."""
+    ids = rows.flatten()
+    counts = torch.bincount(ids[ids >= 0])
+    keep = set(torch.argsort(counts, descending=True, stable=True)[:n].tolist()) | set(always)
+    return sorted(keep)
+
+
+def reduce_vocab(model: PreTrainedModel, token_ids: list[int]) -> PreTrainedModel:
+    """Mark ``model`` as a draft that proposes only ``token_ids`` (saved with its config)."""
+    vocab = model.get_output_embeddings().weight.shape[0]
+    bad = [t for t in token_ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"draft_vocab ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}")
+    model.config.draft_vocab = sorted(set(int(t) for t in token_ids))
+    return model
+
+
 def count_parameters(model: nn.Module) -> int:
     """Distinct parameters: tied embeddings count once."""
     return sum(p.numel() for p in model.parameters())
@@ -120,6 +138,7 @@ def describe_student(model: PreTrainedModel) -> dict:
         "hidden_size": config.hidden_size,
         "intermediate_size": getattr(config, "intermediate_size", None),
         "vocab_size": config.vocab_size,
+        "draft_vocab": len(getattr(config, "draft_vocab", None) or []) or None,
         "tied_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
         "params": count_parameters(model),
         "dtype": str(model.dtype).removeprefix("torch."),

@@ -28,14 +28,14 @@ from tqdm import tqdm
 
 from serving.config import to_dict
 from serving.engine import EngineConfig, Request, SpeculativeEngine
-from serving.models import check_same_tokenizer, load_model, load_tokenizer
+from serving.models import check_same_tokenizer, eos_token_ids, load_model, load_tokenizer
 from serving.prompts import EVAL_ROWS, encode_prompt, load_prompts
 from training import data as data_mod
 from training.checkpoint import atomic_dir, read_progress, write_json_atomic
 from training.config import TrainDraftConfig
 from training.evaluate import held_out_prompts, measure
 from training.losses import DistillLoss
-from training.students import count_parameters, derive_student
+from training.students import count_parameters, derive_student, frequent_tokens, reduce_vocab
 
 
 def lr_lambda(cfg: TrainDraftConfig):
@@ -140,6 +140,8 @@ def train(cfg: TrainDraftConfig, *, resume: bool = False) -> dict:
     vocab = min(teacher.get_output_embeddings().weight.shape[0], student.get_output_embeddings().weight.shape[0])
 
     ids, labels = build_rows(cfg, tokenizer, teacher, out_dir)
+    if cfg.model.draft_vocab is not None:
+        reduce_vocab(student, frequent_tokens(labels, cfg.model.draft_vocab, always=eos_token_ids(teacher, tokenizer)))
     train_idx, val_idx = data_mod.split_train_val(list(range(len(ids))), cfg.data.val_fraction, cfg.train.seed)
     train_rows = TensorDataset(ids[train_idx], labels[train_idx])
     val_ids, val_labels = ids[val_idx], labels[val_idx]
