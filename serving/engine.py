@@ -12,6 +12,10 @@ slots, so ``generate`` already batches continuously.
 A server drives the same loop itself, as with vLLM's ``LLMEngine``: ``add_request`` queues,
 ``step`` admits and advances everyone by one speculative step and returns each request's new
 tokens, ``abort_request`` frees a slot. The engine is not thread-safe: call it from one thread.
+
+The model-facing parts are three hooks, ``_prefill_target``, ``_verify`` and ``_release``;
+``serving.remote.RemoteSpeculativeEngine`` overrides them to run the target over gRPC and keeps
+everything else (slots, seeds, stop strings, stats, retirement) from here.
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ from serving.cpu_kernels import prepare_for_cpu
 from serving.devices import compile_backend, resolve_device, resolve_dtype, synchronize
 from serving.models import check_same_tokenizer, eos_token_ids, load_model, load_tokenizer
 from serving.runner import ModelRunner
-from serving.sampling import SamplingParams, SamplingTensors, probs_from_logits, sample
-from serving.speculative import DecodeState, StepRandom, speculative_step
+from serving.sampling import SamplingParams, SamplingTensors
+from serving.speculative import DecodeState, StepRandom, draft_half, prefill_first_token, start_row, verify_half
 from serving.stats import RequestStats
 
 
@@ -95,6 +99,16 @@ def use_cpu_kernels(models: list[PreTrainedModel], *, device, dtype, widths, qua
     return True
 
 
+def resolve_max_len(config: EngineConfig, max_position_embeddings: int) -> None:
+    """Fill in ``config.max_len`` (None: min(2048, the target's context)) and check it fits."""
+    if config.max_len is None:
+        config.max_len = min(2048, max_position_embeddings)
+    if config.max_len > max_position_embeddings:
+        raise ValueError(
+            f"max_len={config.max_len} exceeds the target's max_position_embeddings={max_position_embeddings}"
+        )
+
+
 @dataclass
 class Request:
     prompt_ids: list[int]
@@ -138,24 +152,33 @@ class SpeculativeEngine:
         draft: PreTrainedModel | None = None,
         config: EngineConfig | None = None,
     ) -> None:
-        self.config = config = config or EngineConfig()
-        self.tokenizer = tokenizer
+        config = config or EngineConfig()
         max_pos = getattr(target.config, "max_position_embeddings", None) or 2048
-        if config.max_len is None:
-            config.max_len = min(2048, max_pos)
-        if config.max_len > max_pos:
-            raise ValueError(f"max_len={config.max_len} exceeds the target's max_position_embeddings={max_pos}")
+        resolve_max_len(config, max_pos)
+        self.target = ModelRunner(target, batch_size=config.max_batch_size, max_len=config.max_len)
+        self._setup(
+            tokenizer, draft, config, self.target.vocab_size, eos_token_ids(target, tokenizer), self.target.device
+        )
+
+    def _setup(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        draft: PreTrainedModel | None,
+        config: EngineConfig,
+        vocab_size: int,
+        eos_ids: list[int],
+        device: torch.device,
+    ) -> None:
+        """Everything but the target: draft runner, decode state and host bookkeeping. ``vocab_size``
+        and ``eos_ids`` are the target's (a remote engine learns them from the target service)."""
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
         B = config.max_batch_size
-        self.target = ModelRunner(target, batch_size=B, max_len=config.max_len)
         self.draft = None
         if draft is not None and config.k != 0:
-            self.draft = ModelRunner(
-                draft,
-                batch_size=B,
-                max_len=config.max_len,
-                vocab_size=self.target.vocab_size,
-            )
-        self.device = self.target.device
+            self.draft = ModelRunner(draft, batch_size=B, max_len=config.max_len, vocab_size=vocab_size)
+        self.device = device
         k_max = config.k_max if self.draft else 0
         self.state = DecodeState(
             tokens=torch.zeros(B, config.max_len + k_max + 1, dtype=torch.long, device=self.device),
@@ -163,7 +186,7 @@ class SpeculativeEngine:
             lengths=torch.full((B,), 2, dtype=torch.long, device=self.device),
             limits=torch.full((B,), 2, dtype=torch.long, device=self.device),
             done=torch.ones(B, dtype=torch.bool, device=self.device),
-            eos_ids=torch.tensor(eos_token_ids(target, tokenizer), dtype=torch.long, device=self.device),
+            eos_ids=torch.tensor(eos_ids, dtype=torch.long, device=self.device),
         )
         self._eos = set(self.state.eos_ids.tolist())
         self._sampling: SamplingTensors | None = None  # rebuilt when a slot's request changes
@@ -237,6 +260,7 @@ class SpeculativeEngine:
                 self._slots[b] = None
                 self.state.done[b] = True
                 self._sampling = None
+                self._release(b)
                 return True
         return False
 
@@ -256,18 +280,27 @@ class SpeculativeEngine:
         speculative step over all slots. Returns, per request that advanced, its new tokens and,
         on the step it finished, its ``Completion``."""
         outputs: list[StepOutput] = []
+        self._advance(outputs)
+        return outputs
+
+    def _advance(self, outputs: list[StepOutput]) -> None:
+        """The body of ``step``, appending to ``outputs`` as it goes so that a caller that catches
+        an exception (a remote target gone) still has what was produced before it."""
         slots = self._slots
         for b in range(len(slots)):
             while slots[b] is None and self._waiting:
                 request_id, request = self._waiting.popleft()
-                slots[b], finished = self._admit(b, request_id, request)
+                admitted = self._admit(b, request_id, request)
+                if admitted is None:  # the target has no room now: retry on a later step
+                    self._waiting.appendleft((request_id, request))
+                    break
+                slots[b], finished = admitted
                 outputs.append(self._emit(b, finished))
         if any(s is not None for s in slots):
             finished = set(self._step(slots))
             for b, slot in enumerate(slots):
                 if slot is not None:
                     outputs.append(self._emit(b, b in finished))
-        return outputs
 
     def enable_compile(self, backend: str | None = None) -> None:
         """Compile the draft and verify forwards (the device's backend unless named) and warm
@@ -314,37 +347,32 @@ class SpeculativeEngine:
                 "lower max_new_tokens, or raise max_len"
             )
 
-    def _admit(self, b: int, index: int, request: Request) -> tuple[_Slot, bool]:
+    def _admit(self, b: int, index: int, request: Request) -> tuple[_Slot, bool] | None:
         """Prefill the request into slot b and draw its first token from the target; returns the
-        slot and whether the request is already finished (EOS, one-token limit or stop string)."""
+        slot and whether the request is already finished (EOS, one-token limit or stop string),
+        or None if the target cannot take it now."""
         started = time.perf_counter()
         seed = request.params.seed if request.params.seed is not None else torch.seed()
         generator = torch.Generator().manual_seed(seed)
         ids = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)  # [1, L]
-        L = ids.shape[1]
-        logits = self.target.prefill(ids, b)  # [1, 1, V]
-        probs = probs_from_logits(logits, SamplingTensors.build([request.params], self.device))
-        first = sample(probs[:, 0], torch.rand(1, generator=generator).to(self.device))  # [1]
+        first_id = self._prefill_target(b, request, ids, torch.rand(1, generator=generator))
+        if first_id is None:
+            return None
         if self.draft is not None:
             self.draft.prefill(ids, b)
-        s = self.state
-        s.tokens[b, :L] = ids[0]
-        s.tokens[b, L] = first[0]
-        s.lengths[b] = L + 1
-        s.limits[b] = L + request.max_new_tokens
-        first_id = int(first)
-        s.done[b] = first_id in self._eos or request.max_new_tokens == 1
+        done = start_row(self.state, b, ids[0], first_id, request.max_new_tokens)
         self._sampling = None
         stats = RequestStats(new_tokens=1)
         stats.prefill_time_s = time.perf_counter() - started
-        slot = _Slot(index, request, L, generator, [first_id], stats, started)
-        return slot, bool(s.done[b]) or self._hit_stop(slot, 0)
+        slot = _Slot(index, request, ids.shape[1], generator, [first_id], stats, started)
+        return slot, done or self._hit_stop(slot, 0)
 
     def _retire(self, b: int, slots: list[_Slot | None]) -> Completion:
         slot = slots[b]
         slots[b] = None
         self.state.done[b] = True
         self._sampling = None
+        self._release(b)
         tokens = slot.generated
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         stop_at = min((i for i in (text.find(s) for s in slot.request.stop) if i >= 0), default=-1)
@@ -377,6 +405,29 @@ class SpeculativeEngine:
                 del slot.generated[end:]
                 return True
         return False
+
+    # ---- model-facing hooks (overridden by serving.remote) -------------------------------------
+
+    def _prefill_target(self, b: int, request: Request, prompt: torch.Tensor, u: torch.Tensor) -> int | None:
+        """Prefill ``prompt`` ([1, L]) into the target's slot b and return the first token, drawn
+        with uniform ``u`` ([1]); None if the target has no room for it now."""
+        return prefill_first_token(self.target, prompt, b, request.params, u)
+
+    def _verify(
+        self,
+        slots: list[_Slot | None],
+        sampling: SamplingTensors,
+        rand: StepRandom,
+        draft_tokens: torch.Tensor,  # [B, K]
+        q: torch.Tensor,  # [B, K, V]
+        clock,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The verify half of the step for every slot: returns (n_accepted [B], n_new [B]) and
+        leaves ``self.state`` committed. Calls ``clock("target")`` once the target has answered."""
+        return verify_half(self.target, self.state, sampling, rand, draft_tokens, q, clock)
+
+    def _release(self, b: int) -> None:
+        """Slot b was freed (finished or aborted): the target may drop what it holds for it."""
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -416,11 +467,12 @@ class SpeculativeEngine:
             times[phase] = now - last[0]
             last[0] = now
 
-        n_acc, n_new, k_used = speculative_step(
-            self.target, self.draft, s, self._batch_sampling(slots), self._random(slots, k), k, clock,
-            self.config.draft_confidence,
-        )
-        k = k_used
+        # speculative_step's two halves, split so that the verify half can run elsewhere.
+        sampling, rand = self._batch_sampling(slots), self._random(slots, k)
+        draft_tokens, q = draft_half(self.draft, s, sampling, rand, k, self.vocab_size, self.config.draft_confidence)
+        clock("draft")
+        n_acc, n_new = self._verify(slots, sampling, rand, draft_tokens, q, clock)
+        k = draft_tokens.shape[1]
         committed = s.tokens.gather(1, n_before.unsqueeze(1) + torch.arange(k + 1, device=self.device))
         # The single host sync of the step.
         rows = torch.cat([n_acc[:, None], n_new[:, None], s.done[:, None].long(), committed], 1).tolist()

@@ -4,6 +4,12 @@ Per row, with n committed tokens x_0..x_{n-1}: the target's cache holds position
 draft's at least 0..n-3; x_{n-1} is the input of this step. Rows accept different numbers of
 tokens, finish on their own, and keep running (frozen) once done, so no shape ever changes.
 K = 0 (or no draft) is the target-only decoder: the same step, one token per target call.
+
+The step has two halves that run on different machines in distributed serving: ``draft_half``
+(the draft node: K tokens and their q) and ``verify_half`` (the target: one forward over
+[x_{n-1}, drafts], accept/reject, ``commit``). A draft node applies the target's answer to its
+own copy of the state with the same ``commit``, so both sides hold the same tokens.
+``prefill_first_token`` and ``start_row`` admit a request into a slot, again on either side.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import torch
 
 from serving.acceptance import accept_reject
 from serving.runner import ModelRunner
-from serving.sampling import SamplingTensors, probs_from_logits, sample
+from serving.sampling import SamplingParams, SamplingTensors, probs_from_logits, sample
 
 
 @dataclass
@@ -61,14 +67,30 @@ def speculative_step(
     shorter block. It reads a flag back after each draft token, so it is meant for CPUs, where that
     costs nothing; leave it None for one host sync per step and a single compiled graph.
     """
+    draft_tokens, q = draft_half(draft, state, sampling, rand, k, target.vocab_size, draft_confidence)
+    if clock is not None:
+        clock("draft")
+    n_accepted, n_new = verify_half(target, state, sampling, rand, draft_tokens, q, clock)
+    return n_accepted, n_new, draft_tokens.shape[1]
+
+
+def draft_half(
+    draft: ModelRunner | None,
+    state: DecodeState,
+    sampling: SamplingTensors,
+    rand: StepRandom,
+    k: int,
+    vocab_size: int,
+    draft_confidence: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 1: draft up to k tokens per row. Returns (draft_tokens [B, K] long, q [B, K, V]), K = k,
+    fewer after a ``draft_confidence`` stop, 0 without a draft. Reads ``state``, writes only the
+    draft's cache."""
     B = state.lengths.shape[0]
     n = state.lengths  # [B]
-    arange_k1 = torch.arange(k + 1, device=n.device)  # [K+1]
-    current = state.tokens.gather(1, (n - 1).unsqueeze(1))  # [B, 1] x_{n-1}
-
-    # 1. Draft K tokens autoregressively. The first call re-feeds x_{n-2} too: after a step in which
-    #    all K were accepted the draft never saw its own last token, and always feeding two keeps
-    #    the shape fixed instead of branching on the host.
+    # The first call re-feeds x_{n-2} too: after a step in which all K were accepted the draft
+    # never saw its own last token, and always feeding two keeps the shape fixed instead of
+    # branching on the host.
     drafted, q = [], []
     if k > 0 and draft is not None:
         pos = torch.stack([n - 2, n - 1], dim=1)  # [B, 2]
@@ -82,29 +104,50 @@ def speculative_step(
             if draft_confidence is not None and i + 1 < k:
                 unsure = torch.softmax(logits[:, 0].float(), -1).amax(-1) < draft_confidence  # [B]
                 if bool((unsure | state.done).all()):
-                    k = i + 1
-                    arange_k1 = arange_k1[: k + 1]
                     break
-    else:
-        k = 0
-        arange_k1 = arange_k1[:1]
-    V = target.vocab_size
     draft_tokens = torch.stack(drafted, 1) if drafted else n.new_zeros(B, 0)  # [B, K]
-    q_all = torch.stack(q, 1) if q else torch.zeros(B, 0, V, device=n.device)  # [B, K, V]
-    if clock is not None:
-        clock("draft")
+    q_all = torch.stack(q, 1) if q else torch.zeros(B, 0, vocab_size, device=n.device)  # [B, K, V]
+    return draft_tokens, q_all
+
+
+def verify_half(
+    target: ModelRunner,
+    state: DecodeState,
+    sampling: SamplingTensors,
+    rand: StepRandom,
+    draft_tokens: torch.Tensor,  # [B, K] long
+    q: torch.Tensor,  # [B, K, V] the distributions the draft tokens were sampled from
+    clock: Callable[[str], None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 2-4: one target forward over [x_{n-1}, drafts], accept/reject, commit. Mutates
+    ``state``; returns (n_accepted [B], n_new [B]). ``clock("target")`` after the forward."""
+    k = draft_tokens.shape[1]
+    n = state.lengths  # [B]
+    current = state.tokens.gather(1, (n - 1).unsqueeze(1))  # [B, 1] x_{n-1}
 
     # 2. Verify all K draft tokens and get the bonus distribution in one target forward.
     verify_in = torch.cat([current, draft_tokens], dim=1)  # [B, K+1]
-    verify_pos = (n - 1).unsqueeze(1) + arange_k1  # [B, K+1]
+    verify_pos = (n - 1).unsqueeze(1) + torch.arange(k + 1, device=n.device)  # [B, K+1]
     p = probs_from_logits(target.forward(verify_in, verify_pos), sampling)  # [B, K+1, V]
     if clock is not None:
         clock("target")
 
     # 3. Accept/reject (Leviathan et al. 2023); the residual or bonus token comes with it.
-    n_accepted, next_token = accept_reject(p, q_all, draft_tokens, rand.accept[:, :k], rand.next)
+    n_accepted, next_token = accept_reject(p, q, draft_tokens, rand.accept[:, :k], rand.next)
+    return n_accepted, commit(state, draft_tokens, n_accepted, next_token)
 
-    # 4. Commit: accepted drafts then the new token, stopping at EOS and at the row's limit.
+
+def commit(
+    state: DecodeState,
+    draft_tokens: torch.Tensor,  # [B, K] long
+    n_accepted: torch.Tensor,  # [B] long
+    next_token: torch.Tensor,  # [B] long: the correction or bonus token
+) -> torch.Tensor:
+    """Step 4: write the accepted drafts then the new token, stopping at EOS and at the row's
+    limit; done rows stay frozen. Mutates ``state``; returns n_new [B]."""
+    B, k = draft_tokens.shape
+    n = state.lengths  # [B]
+    arange_k1 = torch.arange(k + 1, device=n.device)  # [K+1]
     new = torch.cat([draft_tokens, draft_tokens.new_zeros(B, 1)], dim=1)  # [B, K+1]
     new = new.scatter(1, n_accepted.unsqueeze(1), next_token.unsqueeze(1))
     proposed = n_accepted + 1  # [B]
@@ -118,4 +161,30 @@ def speculative_step(
     state.tokens.scatter_(1, slots, torch.where(write, new, old))
     state.done |= (first_eos < n_new) | (n + n_new >= state.limits)
     state.lengths += n_new
-    return n_accepted, n_new, k
+    return n_new
+
+
+# ---- admission -----------------------------------------------------------------------------------
+
+
+def prefill_first_token(
+    target: ModelRunner, prompt: torch.Tensor, slot: int, params: SamplingParams, u: torch.Tensor
+) -> int:
+    """Prefill ``prompt`` ([1, L] long) into the target's cache row ``slot`` and draw the first new
+    token with uniform ``u`` ([1]) under ``params``."""
+    logits = target.prefill(prompt, slot)  # [1, 1, V]
+    probs = probs_from_logits(logits, SamplingTensors.build([params], prompt.device))
+    return int(sample(probs[:, 0], u.to(prompt.device)))
+
+
+def start_row(state: DecodeState, slot: int, prompt: torch.Tensor, first: int, max_new_tokens: int) -> bool:
+    """Put a request into row ``slot``: prompt ([L] long) plus its first token committed, the limit
+    at L + max_new_tokens. Returns whether the row is already done (EOS or a one-token limit)."""
+    L = prompt.shape[0]
+    state.tokens[slot, :L] = prompt
+    state.tokens[slot, L] = first
+    state.lengths[slot] = L + 1
+    state.limits[slot] = L + max_new_tokens
+    done = max_new_tokens == 1 or bool((state.eos_ids == first).any())
+    state.done[slot] = done
+    return done
