@@ -284,8 +284,12 @@ class Router:
     @torch.inference_mode()
     def predict_acceptance(self, prompts: list[str]) -> torch.Tensor:
         """Predicted acceptance rate [N, D] of each real draft (``self.drafts`` order)."""
-        x = self.featurizer(prompts).to(self.device)  # [N, F]
-        x = (x - self.mean) / self.std
+        return self.predict_from_features(self.featurizer(prompts))
+
+    @torch.inference_mode()
+    def predict_from_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Raw (unnormalised) features [N, F] -> predicted acceptance [N, D]."""
+        x = (x.to(self.device) - self.mean) / self.std
         return torch.sigmoid(self.mlp(x)).float().cpu()  # [N, D]
 
     def speedups(self, acceptance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -294,9 +298,28 @@ class Router:
         ks = torch.tensor(self.k_buckets, dtype=torch.float32)  # [Kb]
         c = torch.tensor([self.costs[n]["draft_cost"] for n in self.drafts])[:, None]  # [D, 1]
         v = torch.tensor([self.costs[n]["verify_cost"] for n in self.drafts])[:, None]  # [D, 1]
-        s = expected_tokens(acceptance[:, :, None], ks) / (ks * c + v)  # [N, D, Kb]
+        s = expected_tokens(acceptance.float()[:, :, None], ks) / (ks * c + v)  # [N, D, Kb]
         best, idx = s.max(dim=2)  # [N, D]
         return best, ks[idx].long()
+
+    def decide(self, acceptance: torch.Tensor) -> list[Choice]:
+        """The choices the objective makes from acceptance rates [N, D] (predicted by the MLP,
+        or by anything else: train-router scores its baselines with the same rule)."""
+        speed, best_k = self.speedups(acceptance)  # [N, D]
+        choices = []
+        for i in range(acceptance.shape[0]):
+            pa = {n: float(acceptance[i, j]) for j, n in enumerate(self.drafts)}
+            ps = {n: float(speed[i, j]) for j, n in enumerate(self.drafts)}
+            if NONE in self.draft_names:
+                pa[NONE], ps[NONE] = 0.0, 1.0
+            if self.objective == "acceptance":
+                j = int(acceptance[i].argmax())
+                draft, k = self.drafts[j], int(best_k[i, j])
+            else:  # the target alone unless some draft is predicted to beat it
+                j = int(speed[i].argmax())
+                draft, k = (self.drafts[j], int(best_k[i, j])) if float(speed[i, j]) > 1.0 else (NONE, 0)
+            choices.append(Choice(draft, pa, ps, k))
+        return choices
 
     def choose(self, prompt: str) -> Choice:
         return self.choose_batch([prompt])[0]
@@ -304,19 +327,4 @@ class Router:
     def choose_batch(self, prompts: list[str]) -> list[Choice]:
         if isinstance(prompts, str):
             raise TypeError("choose_batch takes a list of prompts; use choose() for one")
-        acc = self.predict_acceptance(list(prompts))  # [N, D]
-        speed, best_k = self.speedups(acc)  # [N, D]
-        choices = []
-        for i in range(len(prompts)):
-            pa = {n: float(acc[i, j]) for j, n in enumerate(self.drafts)}
-            ps = {n: float(speed[i, j]) for j, n in enumerate(self.drafts)}
-            if NONE in self.draft_names:
-                pa[NONE], ps[NONE] = 0.0, 1.0
-            if self.objective == "acceptance":
-                j = int(acc[i].argmax())
-                draft, k = self.drafts[j], int(best_k[i, j])
-            else:
-                j = int(speed[i].argmax())
-                draft, k = (self.drafts[j], int(best_k[i, j])) if float(speed[i, j]) > 1.0 else (NONE, 0)
-            choices.append(Choice(draft, pa, ps, k))
-        return choices
+        return self.decide(self.predict_acceptance(list(prompts)))

@@ -1,0 +1,210 @@
+"""The collection loop: run every prompt through the real engine with every draft (and the
+target alone, draft "none") and append one row per (prompt, draft, mode, repeat).
+
+The target is loaded once and shared by one ``SpeculativeEngine`` per draft (each engine has its
+own KV cache). Per prompt chunk the target alone runs first, so every draft row can carry its
+speedup (its tokens/s over the target alone's on the same prompt, mode and repeat) when it is
+written. Rows already in the output file are skipped, so rerunning resumes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from routing.config import CollectConfig
+from routing.router import NONE
+from routing.rows import RowStore
+from serving.engine import EngineConfig, Request, SpeculativeEngine, use_cpu_kernels
+from serving.devices import resolve_device
+from serving.models import check_same_tokenizer, load_model, load_tokenizer
+from serving.prompts import Prompt, encode_prompt, load_prompts, read_prompt_file
+from serving.sampling import SamplingParams
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"i/n"`` (0 <= i < n) -> (i, n)."""
+    try:
+        i, n = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard {text!r} must look like i/n, e.g. 0/2 and 1/2 for two processes") from None
+    if not 0 <= i < n:
+        raise ValueError(f"--shard {text!r}: need 0 <= i < n (shards are numbered from 0)")
+    return i, n
+
+
+def env_shard() -> tuple[int, int] | None:
+    """The shard of this process under ``accelerate launch`` / torchrun (RANK, WORLD_SIZE)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return (int(os.environ.get("RANK", "0")), world) if world > 1 else None
+
+
+def shard_output(output: str | Path, shard: tuple[int, int] | None) -> Path:
+    """rows.jsonl -> rows.shard0of2.jsonl for shard 0/2 (shards never share a file)."""
+    path = Path(output)
+    return path if shard is None else path.with_name(f"{path.stem}.shard{shard[0]}of{shard[1]}{path.suffix}")
+
+
+def load_sources(cfg: CollectConfig) -> list[Prompt]:
+    """All prompts of the config's sources, in order; prompt ids must be unique (they key rows)."""
+    prompts: list[Prompt] = []
+    for src in cfg.sources:
+        if src.domain is not None:
+            got = load_prompts(src.domain, src.n, offset=src.offset, seed=src.seed)
+        else:
+            if not Path(src.file).is_file():
+                raise FileNotFoundError(f"prompt file {src.file} does not exist (sources[].file)")
+            got = read_prompt_file(src.file)[src.offset :]
+            got = got[: src.n] if src.n is not None else got
+        if not got:
+            raise ValueError(f"source {src} gave no prompts")
+        prompts += got
+    seen: set[str] = set()
+    for p in prompts:
+        if p.id in seen:
+            raise ValueError(f"prompt id {p.id!r} appears twice in the sources; ids key the rows, so make them unique")
+        seen.add(p.id)
+    return prompts
+
+
+def request_seed(base: int, prompt_id: str, repeat: int) -> int:
+    """A sampled run's seed: stable across processes and shards, shared by all drafts."""
+    return int.from_bytes(hashlib.sha256(f"{base}/{prompt_id}/{repeat}".encode()).digest()[:4], "little")
+
+
+def sampling(cfg: CollectConfig, mode: str, prompt_id: str, repeat: int) -> SamplingParams:
+    if mode == "greedy":
+        return SamplingParams(temperature=0.0)
+    d = cfg.decode
+    return SamplingParams(d.temperature, d.top_k, d.top_p, seed=request_seed(d.seed, prompt_id, repeat))
+
+
+def make_row(cfg: CollectConfig, prompt: Prompt, n_prompt: int, draft: str, mode: str, repeat: int, out, speedup) -> dict:
+    s = out.stats
+    return {
+        "prompt_id": prompt.id,
+        "domain": prompt.domain,
+        "text": prompt.text,
+        "use_chat_template": prompt.use_chat_template,
+        "prompt_tokens": n_prompt,
+        "draft": draft,
+        "draft_ref": None if draft == NONE else cfg.drafts[draft],
+        "target": cfg.target,
+        "mode": mode,
+        "repeat": repeat,
+        "k": 0 if draft == NONE else cfg.decode.k,
+        "batch_size": cfg.engine.batch_size,
+        "new_tokens": s["new_tokens"],
+        "target_calls": s["target_calls"],
+        "acceptance_rate": s["acceptance_rate"],
+        "mean_accepted_length": s["mean_accepted_length"],
+        "per_position_acceptance": s["per_position_acceptance"],
+        # Identifies the output (lossless decoding: greedy outputs agree across drafts).
+        "output_sha": hashlib.sha256(str(out.token_ids).encode()).hexdigest()[:16],
+        "finish_reason": out.finish_reason,
+        "draft_step_ms": s["draft_step_ms"],
+        "target_step_ms": s["target_step_ms"],
+        "draft_target_cost_ratio": s["draft_target_cost_ratio"],
+        "prefill_ms": 1e3 * s["prefill_time_s"],
+        "total_ms": 1e3 * s["total_time_s"],
+        "tokens_per_second": s["tokens_per_second"],
+        "speedup": speedup,
+    }
+
+
+def collect(
+    cfg: CollectConfig,
+    *,
+    shard: tuple[int, int] | None = None,
+    on_row: Callable[[dict], None] | None = None,
+) -> Path:
+    """Collect the rows of ``cfg`` (of shard ``(i, n)``: prompts i, i+n, ...) into the output
+    file, skipping rows already there. ``on_row`` is called after each row is durably written.
+    Returns the file's path."""
+    shard = shard or env_shard()
+    prompts = load_sources(cfg)
+    if shard is not None:
+        prompts = prompts[shard[0] :: shard[1]]
+    store = RowStore(shard_output(cfg.output, shard))
+    names = ([NONE] if cfg.baseline else []) + list(cfg.drafts)
+    modes, repeats = cfg.decode.modes, range(cfg.decode.repeats)
+    todo = [
+        (p, m, r, n) for p in prompts for m in modes for r in repeats for n in names
+        if (p.id, n, m, r) not in store
+    ]  # fmt: skip
+    total = len(prompts) * len(modes) * len(repeats) * len(names)
+    print(f"collect-router-data: {len(prompts)} prompts x {len(names)} drafts x {len(modes)} modes x "
+          f"{len(repeats)} repeats = {total} rows; {total - len(todo)} already in {store.path}")  # fmt: skip
+    if not todo:
+        return store.path
+
+    tokenizer = load_tokenizer(cfg.target)
+    ids = {p.id: encode_prompt(tokenizer, p) for p in prompts}
+    k = cfg.decode.k
+    max_len = cfg.engine.max_len or max(len(i) for i in ids.values()) + cfg.decode.max_new_tokens + k + 1
+    engine_cfg = dict(max_batch_size=cfg.engine.batch_size, max_len=max_len, k=k, k_buckets=(k,))
+    engines = _build_engines(cfg, tokenizer, engine_cfg)
+
+    B = cfg.engine.batch_size
+    with tqdm(total=total, initial=total - len(todo), desc="collect-router-data", unit="row") as bar:
+        for start in range(0, len(prompts), B):
+            chunk = prompts[start : start + B]
+            for mode in modes:
+                for repeat in repeats:
+                    for name in names:  # NONE first: draft rows need its tokens/s
+                        pending = [p for p in chunk if (p.id, name, mode, repeat) not in store]
+                        if not pending:
+                            continue
+                        reqs = [
+                            Request(ids[p.id], params=sampling(cfg, mode, p.id, repeat), max_new_tokens=cfg.decode.max_new_tokens)
+                            for p in pending
+                        ]  # fmt: skip
+                        outs = engines[name].generate(reqs)
+                        for p, out in zip(pending, outs):
+                            speedup = _speedup(store, p.id, name, mode, repeat, out.stats["tokens_per_second"])
+                            row = make_row(cfg, p, len(ids[p.id]), name, mode, repeat, out, speedup)
+                            store.append(row)
+                            bar.update(1)
+                            if on_row is not None:
+                                on_row(row)
+    return store.path
+
+
+def _speedup(store: RowStore, prompt_id: str, name: str, mode: str, repeat: int, tps: float) -> float | None:
+    if name == NONE:
+        return 1.0
+    base = store.get((prompt_id, NONE, mode, repeat))
+    if base is None or not base["tokens_per_second"]:
+        return None  # baseline: false
+    return tps / base["tokens_per_second"]
+
+
+def _build_engines(cfg: CollectConfig, tokenizer, engine_cfg: dict) -> dict[str, SpeculativeEngine]:
+    """One engine per draft (and NONE), all sharing the one loaded target, each warmed up once so
+    no row pays first-call costs."""
+    e = cfg.engine
+    device = resolve_device(e.device)
+    if device.type == "cuda" and "LOCAL_RANK" in os.environ:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    target = load_model(cfg.target, dtype=e.dtype, device=device)
+    drafts = {}
+    for name, ref in cfg.drafts.items():
+        check_same_tokenizer(tokenizer, load_tokenizer(ref), draft_name=f"draft {name!r} ({ref})")
+        drafts[name] = load_model(ref, dtype=e.dtype, device=device)
+    if e.cpu_kernels:
+        widths = EngineConfig(**engine_cfg).step_widths
+        use_cpu_kernels([target, *drafts.values()], device=device, dtype=e.dtype, widths=widths)
+    engines = {}
+    if cfg.baseline:
+        engines[NONE] = SpeculativeEngine(target, tokenizer, None, EngineConfig(**engine_cfg))
+    for name, draft in drafts.items():
+        engines[name] = SpeculativeEngine(target, tokenizer, draft, EngineConfig(**engine_cfg))
+    warm = tokenizer.encode("Hello world", add_special_tokens=False) or [0]
+    for engine in engines.values():
+        engine.generate([Request(warm, max_new_tokens=4)] * e.batch_size)
+    return engines

@@ -1,0 +1,163 @@
+"""``collect-router-data`` and ``train-router`` configuration (YAML -> dataclasses, see serving.config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from routing.router import NONE
+
+
+def doc(text: str) -> dict:
+    return {"doc": text}
+
+
+# ---- collect-router-data ---------------------------------------------------------------------
+
+
+@dataclass
+class SourceConfig:
+    """One prompt source: a built-in domain (``serving.prompts.load_prompts``) or a file."""
+
+    domain: Literal["code", "chat", "math"] | None = field(
+        default=None, metadata=doc("built-in prompts: code = HumanEval, chat = ShareGPT, math = mathematics-dataset")
+    )
+    file: str | None = field(default=None, metadata=doc(".txt (one prompt a line) or .jsonl prompt file, instead of `domain`"))
+    n: int | None = field(default=None, metadata=doc("prompts to take (null: all of a file; required for a domain)"))
+    offset: int = field(default=0, metadata=doc("first row to take"))
+    seed: int = field(default=0, metadata=doc("math question generator seed"))
+
+    def __post_init__(self) -> None:
+        if (self.domain is None) == (self.file is None):
+            raise ValueError("sources: each source needs exactly one of `domain` or `file`")
+        if self.domain is not None and self.n is None:
+            raise ValueError(f"sources: domain {self.domain!r} needs `n` (how many prompts)")
+        if self.n is not None and self.n < 1:
+            raise ValueError(f"sources: n={self.n} must be >= 1")
+        if self.offset < 0:
+            raise ValueError(f"sources: offset={self.offset} must be >= 0")
+
+
+@dataclass
+class DecodeConfig:
+    modes: list[Literal["greedy", "sampled"]] = field(default_factory=lambda: ["greedy"], metadata=doc("decoding modes to measure"))
+    temperature: float = field(default=0.7, metadata=doc("sampled mode's temperature"))
+    top_p: float = field(default=1.0, metadata=doc("sampled mode's nucleus"))
+    top_k: int = field(default=0, metadata=doc("sampled mode's top-k (0: off)"))
+    k: int = field(default=4, metadata=doc("draft tokens per step"))
+    max_new_tokens: int = field(default=64, metadata=doc("tokens generated per prompt"))
+    repeats: int = field(default=1, metadata=doc("runs per (prompt, draft, mode); sampled repeats use different seeds"))
+    seed: int = field(default=0, metadata=doc("base seed of sampled runs"))
+
+    def __post_init__(self) -> None:
+        if not self.modes:
+            raise ValueError("modes must name at least one of greedy, sampled")
+        if len(set(self.modes)) != len(self.modes):
+            raise ValueError(f"modes={self.modes} repeats a mode")
+        for name in ("k", "max_new_tokens", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature={self.temperature} must be > 0 (greedy is its own mode)")
+
+
+@dataclass
+class EngineSettings:
+    device: Literal["auto", "cpu", "cuda", "neuron"] = "auto"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    cpu_kernels: bool = field(default=True, metadata=doc("batch-invariant CPU kernels (CPU, fp32)"))
+    batch_size: int = field(
+        default=1, metadata=doc("prompts decoded together; >1 is faster but rows of one batch share their timings")
+    )
+    max_len: int | None = field(default=None, metadata=doc("per-slot context; null: fit the longest prompt"))
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size={self.batch_size} must be >= 1")
+
+
+@dataclass
+class CollectConfig:
+    target: str = field(default="qwen2.5-coder-1.5b-instruct", metadata=doc("target: hub id, folder or bundled name"))
+    drafts: dict[str, str] = field(
+        default_factory=lambda: {"base": "qwen2.5-coder-0.5b-instruct"}, metadata=doc("draft name -> model reference")
+    )
+    baseline: bool = field(default=True, metadata=doc(f"also run the target alone as draft {NONE!r}; needed for speedup"))
+    sources: list[SourceConfig] = field(default_factory=list, metadata=doc("prompt sources, in order"))
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    output: str = field(default="runs/router-data/rows.jsonl", metadata=doc("JSONL file rows are appended to"))
+
+    def __post_init__(self) -> None:
+        if not self.drafts:
+            raise ValueError("drafts must name at least one draft (name: model reference)")
+        if NONE in self.drafts:
+            raise ValueError(f"drafts: {NONE!r} is reserved for the target alone; set baseline: true instead")
+        if not self.sources:
+            raise ValueError("sources must list at least one prompt source (domain: code, n: 50 / file: prompts.jsonl)")
+        if not self.output.endswith(".jsonl"):
+            raise ValueError(f"output={self.output!r} must be a .jsonl file")
+
+
+# ---- train-router ----------------------------------------------------------------------------
+
+
+@dataclass
+class FeatureConfig:
+    embedder: str = field(default="all-minilm-l6-v2", metadata=doc("sentence-transformers model: bundled name, folder or hub id"))
+    cheap: bool = field(default=True, metadata=doc("add length / code-character / digit features"))
+
+
+@dataclass
+class SplitConfig:
+    test_fraction: float = field(default=0.25, metadata=doc("held-out prompts per domain for evaluation"))
+    val_fraction: float = field(default=0.15, metadata=doc("training prompts kept aside to pick the best epoch"))
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("test_fraction", "val_fraction"):
+            if not 0.0 < getattr(self, name) < 0.9:
+                raise ValueError(f"{name}={getattr(self, name)} must be in (0, 0.9)")
+
+
+@dataclass
+class MLPConfig:
+    hidden: int = 128
+    layers: int = 2
+    dropout: float = 0.1
+    lr: float = 3e-3
+    weight_decay: float = 1e-2
+    epochs: int = field(default=300, metadata=doc("full-batch epochs; the epoch with the lowest validation loss is kept"))
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "layers", "epochs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
+
+
+@dataclass
+class BaselineConfig:
+    knn_k: int = field(default=5, metadata=doc("neighbours of the k-nearest-neighbour baseline"))
+    logreg_c: float = field(default=1.0, metadata=doc("inverse regularisation of the logistic-regression baseline"))
+
+
+@dataclass
+class RouterTrainConfig:
+    data: list[str] = field(default_factory=lambda: ["runs/router-data/rows.jsonl"], metadata=doc("collected JSONL files"))
+    mode: Literal["greedy", "sampled", "all"] = field(default="greedy", metadata=doc("which collected rows to learn from"))
+    objective: Literal["acceptance", "speedup"] = field(
+        default="acceptance", metadata=doc("choose by predicted acceptance, or by predicted speedup (may choose none)")
+    )
+    k_buckets: list[int] | None = field(default=None, metadata=doc("K values to suggest from; null: 1..8"))
+    features: FeatureConfig = field(default_factory=FeatureConfig)
+    split: SplitConfig = field(default_factory=SplitConfig)
+    mlp: MLPConfig = field(default_factory=MLPConfig)
+    baselines: BaselineConfig = field(default_factory=BaselineConfig)
+    output: str = field(default="runs/router", metadata=doc("router.pt, eval.json, eval.md and eval.png go here"))
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            raise ValueError("data must list at least one collected .jsonl file")

@@ -1,0 +1,131 @@
+"""Collected rows -> one record per prompt: its text, domain and each draft's measured acceptance
+and speedup (averaged over modes and repeats), the drafts' measured costs, and the split.
+
+    table = load_table(["runs/router-data/rows.jsonl"], mode="greedy")
+    table.acceptance   # [P, D] measured acceptance of each real draft
+    train, val, test = split_prompts(table, test_fraction=0.25, val_fraction=0.15, seed=0)
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from routing.router import NONE
+from routing.rows import read_rows
+
+
+@dataclass
+class Table:
+    prompt_ids: list[str]
+    texts: list[str]
+    domains: list[str]
+    drafts: list[str]  # real drafts, sorted; the MLP's outputs
+    draft_refs: dict[str, str]
+    target_ref: str
+    has_none: bool  # the target alone was collected
+    acceptance: torch.Tensor  # [P, D] measured acceptance rate
+    speedup: torch.Tensor | None  # [P, D] measured speedup over the target alone (None without it)
+    costs: dict[str, dict[str, float]]  # per draft: draft_cost, verify_cost (relative to a target step)
+    k: int  # the K the data was collected with
+
+
+def load_table(paths: list[str], mode: str = "greedy") -> Table:
+    rows = []
+    for path in paths:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"collected data {path} does not exist; run collect-router-data first")
+        rows += read_rows(path)
+    if mode != "all":
+        rows = [r for r in rows if r["mode"] == mode]
+    if not rows:
+        raise ValueError(f"no rows with mode={mode!r} in {paths}; set mode to one that was collected (or all)")
+    targets = {r["target"] for r in rows}
+    if len(targets) > 1:
+        raise ValueError(f"the rows mix targets {sorted(targets)}: a router is for one target")
+    drafts = sorted({r["draft"] for r in rows} - {NONE})
+    if not drafts:
+        raise ValueError(f"the rows hold no draft besides {NONE!r}")
+    refs = {r["draft"]: r["draft_ref"] for r in rows if r["draft"] != NONE}
+    has_none = any(r["draft"] == NONE for r in rows)
+
+    by_prompt: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    info: dict[str, dict] = {}
+    for r in rows:
+        by_prompt[r["prompt_id"]][r["draft"]].append(r)
+        info.setdefault(r["prompt_id"], r)
+    # Only prompts measured with every draft can be scored against the oracle.
+    need = set(drafts) | ({NONE} if has_none else set())
+    ids = sorted(p for p, d in by_prompt.items() if need <= set(d))
+    dropped = len(by_prompt) - len(ids)
+    if dropped:
+        print(f"train-router: {dropped} prompts lack some draft's rows and are left out")
+    if not ids:
+        raise ValueError("no prompt has rows for every draft")
+
+    acc = torch.tensor([[_mean(by_prompt[p][d], "acceptance_rate") for d in drafts] for p in ids])  # [P, D]
+    speed = None
+    if has_none:
+        speed = torch.tensor([[_mean(by_prompt[p][d], "speedup") for d in drafts] for p in ids])  # [P, D]
+    return Table(
+        prompt_ids=ids,
+        texts=[info[p]["text"] for p in ids],
+        domains=[info[p]["domain"] for p in ids],
+        drafts=drafts,
+        draft_refs=refs,
+        target_ref=targets.pop(),
+        has_none=has_none,
+        acceptance=acc,
+        speedup=speed,
+        costs=_costs(rows, drafts, has_none),
+        k=max(int(r["k"]) for r in rows),
+    )
+
+
+def _mean(rows: list[dict], key: str) -> float:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _costs(rows: list[dict], drafts: list[str], has_none: bool) -> dict[str, dict[str, float]]:
+    """Medians over all rows: c = draft step / target step; v = verification step / target step
+    (1 when the target alone was not collected: then c is relative to the verification)."""
+    step = defaultdict(list)
+    for r in rows:
+        step[(r["draft"], "draft")].append(r["draft_step_ms"])
+        step[(r["draft"], "target")].append(r["target_step_ms"])
+    costs = {}
+    base = statistics.median(step[(NONE, "target")]) if has_none else None
+    for d in drafts:
+        draft_ms, verify_ms = statistics.median(step[(d, "draft")]), statistics.median(step[(d, "target")])
+        ref = base or verify_ms
+        costs[d] = {"draft_cost": draft_ms / ref, "verify_cost": verify_ms / ref if base else 1.0}
+    return costs
+
+
+def split_prompts(table: Table, test_fraction: float, val_fraction: float, seed: int) -> tuple[list[int], list[int], list[int]]:
+    """Deterministic split by prompt, stratified by domain: (train, val, test) row indices.
+    Depends only on the prompt ids and the seed, so the same data gives the same split."""
+    train, val, test = [], [], []
+    for domain in sorted(set(table.domains)):
+        idx = sorted((i for i, d in enumerate(table.domains) if d == domain), key=lambda i: table.prompt_ids[i])
+        random.Random(f"{seed}/{domain}").shuffle(idx)
+        n_test = max(1, round(test_fraction * len(idx))) if len(idx) > 2 else 0
+        rest = idx[n_test:]
+        n_val = max(1, round(val_fraction * len(rest))) if len(rest) > 2 else 0
+        test += idx[:n_test]
+        val += rest[:n_val]
+        train += rest[n_val:]
+    if not test or not train:
+        raise ValueError(f"{len(table.prompt_ids)} prompts are too few to split into train and test")
+    return sorted(train), sorted(val), sorted(test)
+
+
+def finite(x: float) -> bool:
+    return not (math.isnan(x) or math.isinf(x))

@@ -1,0 +1,125 @@
+"""The collected-rows file: append-only JSONL, one measurement a line, keyed by
+``(prompt_id, draft, mode, repeat)``.
+
+Each row is written with a single ``write`` of one line, then flushed and fsynced, so a crash
+leaves at most one partial last line; opening the file again cuts that line off (it is redone),
+which is what makes an interrupted collection resume without losing or duplicating a row.
+Shards are separate files that ``merge`` joins (deduplicated by key, sorted by key).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterable
+
+KEY_FIELDS = ("prompt_id", "draft", "mode", "repeat")
+# Fields that come from clocks: they differ between runs of the same work, everything else must not.
+TIMING_FIELDS = (
+    "draft_step_ms", "target_step_ms", "draft_target_cost_ratio", "tokens_per_second", "speedup",
+    "prefill_ms", "total_ms",
+)  # fmt: skip
+
+Key = tuple[str, str, str, int]
+
+
+def row_key(row: dict) -> Key:
+    return (str(row["prompt_id"]), str(row["draft"]), str(row["mode"]), int(row["repeat"]))
+
+
+def read_rows(path: str | Path, *, repair: bool = False) -> list[dict]:
+    """Rows of a JSONL file. A partial last line (a crash mid-write) is skipped, and with
+    ``repair`` cut from the file; a bad line anywhere else is an error naming it."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1  # everything after the last newline is an unfinished write
+    rows = []
+    for lineno, line in enumerate(data[:end].splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            row_key(row)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(
+                f"{path}:{lineno} is not a collected row ({e}); the file is damaged in the middle: "
+                "delete that line (or the file) and rerun"
+            ) from None
+        rows.append(row)
+    if repair and end < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(end)
+            f.flush()
+            os.fsync(f.fileno())
+    return rows
+
+
+class RowStore:
+    """The rows of one file plus appending to it durably."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.rows: dict[Key, dict] = {}
+        for row in read_rows(self.path, repair=True):
+            self.rows.setdefault(row_key(row), row)
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self.rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def get(self, key: Key) -> dict | None:
+        return self.rows.get(key)
+
+    def append(self, row: dict) -> None:
+        key = row_key(row)
+        if key in self.rows:
+            raise ValueError(f"row {key} is already in {self.path}")
+        line = (json.dumps(row, sort_keys=True) + "\n").encode()
+        # O_APPEND + one write: the line lands whole at the end or (on a crash) partly, never
+        # interleaved; fsync makes "written" mean "survives a power cut" before we count it.
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self.rows[key] = row
+
+
+def merge(output: str | Path, inputs: Iterable[str | Path]) -> int:
+    """Join shard files into ``output`` (written atomically): one row per key, the first seen
+    winning, sorted by key so the result does not depend on the shards' order. Returns the row
+    count."""
+    merged: dict[Key, dict] = {}
+    inputs = [Path(p) for p in inputs]
+    for path in inputs:
+        if not path.exists():
+            raise FileNotFoundError(f"shard file {path} does not exist")
+        for row in read_rows(path):
+            merged.setdefault(row_key(row), row)
+    write_rows(output, [merged[k] for k in sorted(merged)])
+    return len(merged)
+
+
+def write_rows(path: str | Path, rows: list[dict]) -> None:
+    """Write a whole JSONL file atomically (temporary file + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def without_timing(row: dict) -> dict:
+    """The row minus its clock-derived fields: what two runs of the same work must agree on."""
+    return {k: v for k, v in row.items() if k not in TIMING_FIELDS}
