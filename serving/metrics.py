@@ -1,0 +1,54 @@
+"""Prometheus metrics of the server, in a registry of their own (``GET /metrics`` renders it).
+
+Names follow Prometheus conventions (``_total`` counters, ``_seconds`` histograms). Acceptance
+per draft is ``choral_accepted_tokens_total / choral_drafted_tokens_total`` over any window;
+``choral_request_acceptance_rate`` is its per-request distribution.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+# Latency buckets from a fast CPU step (ms) to a long generation (minutes).
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+_TOKEN_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_RATE = tuple(i / 10 for i in range(1, 11))
+
+
+class ServerMetrics:
+    """All metrics; thread-safe (prometheus_client locks), so the engine thread updates them."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("choral_requests", "HTTP generation requests by endpoint and status code",
+                                ["endpoint", "status"], registry=r)  # fmt: skip
+        self.prompt_tokens = Counter("choral_prompt_tokens", "prompt tokens of admitted requests", registry=r)
+        self.generated_tokens = Counter("choral_generated_tokens", "tokens generated, by draft", ["draft"], registry=r)
+        self.drafted_tokens = Counter("choral_drafted_tokens", "draft tokens proposed, by draft", ["draft"], registry=r)
+        self.accepted_tokens = Counter("choral_accepted_tokens", "draft tokens the target accepted, by draft",
+                                       ["draft"], registry=r)  # fmt: skip
+        self.target_calls = Counter("choral_target_calls", "verification steps (per request), by draft",
+                                    ["draft"], registry=r)  # fmt: skip
+        self.draft_choices = Counter("choral_draft_choices", "requests per draft; forced = chosen by the client",
+                                     ["draft", "forced"], registry=r)  # fmt: skip
+        self.finished = Counter("choral_finished_requests", "requests that ended, by how",
+                                ["reason"], registry=r)  # fmt: skip
+        self.engine_steps = Counter("choral_engine_steps", "speculative steps run, by engine (draft)", ["draft"], registry=r)
+        self.queue_depth = Gauge("choral_queue_depth", "requests waiting for a slot", registry=r)
+        self.running = Gauge("choral_running_requests", "requests holding a slot", registry=r)
+        self.ttft = Histogram("choral_time_to_first_token_seconds", "request arrival to its first token",
+                              buckets=_LATENCY, registry=r)  # fmt: skip
+        self.itl = Histogram("choral_inter_token_latency_seconds",
+                             "time between tokens of a request (a step's gap spread over the tokens it committed)",
+                             buckets=_TOKEN_LATENCY, registry=r)  # fmt: skip
+        self.e2e = Histogram("choral_e2e_latency_seconds", "request arrival to its last token",
+                             buckets=_LATENCY, registry=r)  # fmt: skip
+        self.step_time = Histogram("choral_engine_step_seconds", "one engine step (admissions + speculative step)",
+                                   ["draft"], buckets=_TOKEN_LATENCY + (5.0, 10.0), registry=r)  # fmt: skip
+        self.acceptance = Histogram("choral_request_acceptance_rate", "per-request acceptance rate, by draft",
+                                    ["draft"], buckets=_RATE, registry=r)  # fmt: skip
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

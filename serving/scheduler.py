@@ -1,0 +1,315 @@
+"""Continuous batching over the engines: one thread owns them all and steps them in turn.
+
+    scheduler = Scheduler({"code": code_engine, "none": target_engine}, router, metrics)
+    scheduler.start()
+    ticket = Ticket(request, route_text="def add(a, b):", loop=asyncio.get_running_loop())
+    scheduler.submit(ticket)           # from any thread; events arrive on ticket.events
+    await ticket.events.get()          # Routed(draft, choice) or Failed(error)
+
+There is one engine per draft, all sharing the one target model, so a batch's rows all use the
+same draft: routing a request to a draft *is* choosing its engine. Engines are not thread-safe,
+so everything that touches them happens on the scheduler's thread; asyncio handlers talk to it
+through a thread-safe inbox and get events back via ``loop.call_soon_threadsafe``.
+
+Between steps the thread routes new requests (one ``choose_batch`` for all that arrived), checks
+the queue limit, aborts cancelled and timed-out requests, then runs one step of the next engine
+with work (round robin; the target is shared, so engines take turns anyway) and hands each
+request its new tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from serving.engine import Completion, Request, StepOutput
+from serving.metrics import ServerMetrics
+from serving.openai_api import APIError
+
+log = logging.getLogger("choral.scheduler")
+
+
+class Engine(Protocol):
+    """The incremental API shared by SpeculativeEngine and the distributed RemoteSpeculativeEngine."""
+
+    def add_request(self, request: Request) -> int: ...
+    def step(self) -> list[StepOutput]: ...
+    def abort_request(self, request_id: int) -> bool: ...
+    def has_unfinished_requests(self) -> bool: ...
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+
+
+# ---- events a ticket receives ---------------------------------------------------------------
+
+
+@dataclass
+class Routed:
+    draft: str
+    choice: Any  # routing.Choice, or None without a router
+
+
+@dataclass
+class Tokens:
+    ids: list[int]
+
+
+@dataclass
+class Finished:
+    completion: Completion
+
+
+@dataclass
+class Failed:
+    error: APIError
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request's passage through the scheduler. ``stream``: whether to send Tokens events (a
+    non-streaming handler only needs the end)."""
+
+    request: Request
+    route_text: str
+    loop: asyncio.AbstractEventLoop
+    forced_draft: str | None = None
+    stream: bool = False
+    timeout_s: float = 300.0
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    arrived: float = field(default_factory=time.perf_counter)
+    # Set on the scheduler thread:
+    draft: str | None = None
+    request_id: int | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    done: bool = False
+
+    def send(self, event: Routed | Tokens | Finished | Failed) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the handler's loop is gone (server shutting down)
+            pass
+
+
+class Scheduler:
+    def __init__(
+        self,
+        engines: dict[str, Engine],
+        router: Any = None,
+        metrics: ServerMetrics | None = None,
+        *,
+        max_batch_size: int = 8,
+        queue_limit: int = 64,
+        unavailable: tuple[type[BaseException], ...] = (),
+    ) -> None:
+        """engines: draft name -> engine ("none": the target alone). router: a routing.Router
+        whose choices name engines (None: every request goes to the first engine unless forced).
+        unavailable: exceptions of ``step`` that mean the remote target is down (HTTP 503)."""
+        if not engines:
+            raise ValueError("the scheduler needs at least one engine")
+        self.engines = engines
+        self.router = router
+        self.metrics = metrics or ServerMetrics()
+        self.max_batch_size = max_batch_size
+        self.queue_limit = queue_limit
+        self.unavailable = unavailable
+        self._inbox: queue.SimpleQueue[tuple[str, Ticket | None]] = queue.SimpleQueue()
+        self._tickets: dict[tuple[str, int], Ticket] = {}
+        self._order = list(engines)
+        self._next = 0
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # ---- any thread ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="choral-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._inbox.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, ticket: Ticket) -> None:
+        self._inbox.put(("add", ticket))
+
+    def abort(self, ticket: Ticket) -> None:
+        """Cancel a request (its client went away): its slot is freed before the next step."""
+        self._inbox.put(("abort", ticket))
+
+    # ---- the scheduler thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping:
+            busy = any(e.has_unfinished_requests() for e in self.engines.values())
+            self._drain_inbox(block=not busy)
+            self._expire()
+            name = self._next_engine()
+            if name is not None:
+                self._step(name)
+            self.metrics.queue_depth.set(sum(e.num_waiting for e in self.engines.values()))
+            self.metrics.running.set(sum(e.num_running for e in self.engines.values()))
+        for ticket in list(self._tickets.values()):
+            self._fail(ticket, APIError(503, "the server is shutting down"), "shutdown")
+
+    def _drain_inbox(self, block: bool) -> None:
+        added: list[Ticket] = []
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            while True:
+                kind, ticket = item
+                if kind == "add":
+                    added.append(ticket)
+                elif kind == "abort" and ticket is not None:
+                    if ticket in added:
+                        added.remove(ticket)
+                        self.metrics.finished.labels("cancelled").inc()
+                    else:
+                        self._cancel(ticket)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+        if added:
+            self._admit(added)
+
+    def _admit(self, tickets: list[Ticket]) -> None:
+        choices: list[Any] = [None] * len(tickets)
+        if self.router is not None:
+            try:
+                choices = self.router.choose_batch([t.route_text for t in tickets])
+            except Exception as e:  # a broken router must not take the server down
+                log.exception("routing failed")
+                for t in tickets:
+                    self._fail(t, APIError(500, f"routing failed: {type(e).__name__}: {e}"), "error")
+                return
+        for ticket, choice in zip(tickets, choices):
+            draft = ticket.forced_draft or (choice.draft if choice is not None else self._order[0])
+            engine = self.engines.get(draft)
+            if engine is None:
+                self._fail(ticket, APIError(500, f"the router chose draft {draft!r}, which has no engine"), "error")
+                continue
+            if not self._has_room(engine):
+                self._fail(ticket, APIError(
+                    429, f"the server is full: {self.queue_limit} requests are already waiting for a slot "
+                    "(queue_limit); retry later", code="queue_full"), "rejected")  # fmt: skip
+                continue
+            try:
+                ticket.request_id = engine.add_request(ticket.request)
+            except ValueError as e:
+                self._fail(ticket, APIError(400, str(e), param="max_tokens"), "rejected")
+                continue
+            ticket.draft = draft
+            self._tickets[(draft, ticket.request_id)] = ticket
+            self.metrics.draft_choices.labels(draft, str(ticket.forced_draft is not None).lower()).inc()
+            self.metrics.prompt_tokens.inc(len(ticket.request.prompt_ids))
+            ticket.send(Routed(draft, choice))
+
+    def _has_room(self, engine: Engine) -> bool:
+        """A request may join if its engine has a free slot for it or fewer than ``queue_limit``
+        requests wait beyond the free slots (across all engines)."""
+        def beyond(e: Engine) -> int:
+            return max(0, e.num_waiting - (self.max_batch_size - e.num_running))
+
+        if engine.num_waiting < self.max_batch_size - engine.num_running:
+            return True
+        return sum(beyond(e) for e in self.engines.values()) < self.queue_limit
+
+    def _next_engine(self) -> str | None:
+        for i in range(len(self._order)):
+            name = self._order[(self._next + i) % len(self._order)]
+            if self.engines[name].has_unfinished_requests():
+                self._next = (self._next + i + 1) % len(self._order)
+                return name
+        return None
+
+    def _step(self, name: str) -> None:
+        engine = self.engines[name]
+        started = time.perf_counter()
+        try:
+            outputs = engine.step()
+        except self.unavailable as e:
+            self._fail_engine(name, APIError(503, f"the target is unavailable: {e}", code="target_unavailable"))
+            return
+        except Exception as e:
+            log.exception("engine %r failed a step", name)
+            self._fail_engine(name, APIError(500, f"engine {name!r} failed: {type(e).__name__}: {e}"))
+            return
+        now = time.perf_counter()
+        self.metrics.engine_steps.labels(name).inc()
+        self.metrics.step_time.labels(name).observe(now - started)
+        for out in outputs:
+            ticket = self._tickets.get((name, out.request_id))
+            if ticket is None:
+                continue
+            if out.new_token_ids:
+                self._observe_tokens(ticket, len(out.new_token_ids), now)
+            if out.finished is not None:
+                self._finish(ticket, out.finished, now)
+            elif out.new_token_ids and ticket.stream:
+                ticket.send(Tokens(out.new_token_ids))
+
+    def _observe_tokens(self, ticket: Ticket, n: int, now: float) -> None:
+        if ticket.first_token is None:
+            ticket.first_token = now
+            self.metrics.ttft.observe(now - ticket.arrived)
+            n -= 1
+        elif n:
+            # A speculative step commits several tokens at once: spread its gap over them.
+            gap = (now - ticket.last_token) / n
+            for _ in range(n):
+                self.metrics.itl.observe(gap)
+        ticket.last_token = now
+
+    def _finish(self, ticket: Ticket, completion: Completion, now: float) -> None:
+        self._tickets.pop((ticket.draft, ticket.request_id), None)
+        ticket.done = True
+        s, m, draft = completion.stats, self.metrics, ticket.draft
+        m.generated_tokens.labels(draft).inc(len(completion.token_ids))
+        m.drafted_tokens.labels(draft).inc(s.get("drafted", 0))
+        m.accepted_tokens.labels(draft).inc(s.get("accepted", 0))
+        m.target_calls.labels(draft).inc(s.get("target_calls", 0))
+        if s.get("drafted"):
+            m.acceptance.labels(draft).observe(s["acceptance_rate"])
+        m.e2e.observe(now - ticket.arrived)
+        m.finished.labels(completion.finish_reason).inc()
+        ticket.send(Finished(completion))
+
+    def _cancel(self, ticket: Ticket) -> None:
+        if ticket.done or ticket.request_id is None:
+            return
+        self.engines[ticket.draft].abort_request(ticket.request_id)
+        self._tickets.pop((ticket.draft, ticket.request_id), None)
+        ticket.done = True
+        self.metrics.finished.labels("cancelled").inc()
+
+    def _fail(self, ticket: Ticket, error: APIError, reason: str) -> None:
+        if ticket.request_id is not None and not ticket.done:
+            self.engines[ticket.draft].abort_request(ticket.request_id)
+            self._tickets.pop((ticket.draft, ticket.request_id), None)
+        ticket.done = True
+        self.metrics.finished.labels(reason).inc()
+        ticket.send(Failed(error))
+
+    def _fail_engine(self, name: str, error: APIError) -> None:
+        """Everyone on a failed engine gets the error; their slots are freed so the engine can
+        serve new requests once the cause (e.g. a restarting target) is gone."""
+        for (draft, _), ticket in list(self._tickets.items()):
+            if draft == name:
+                self._fail(ticket, error, "error")
+
+    def _expire(self) -> None:
+        now = time.perf_counter()
+        for ticket in list(self._tickets.values()):
+            if now - ticket.arrived > ticket.timeout_s:
+                self._fail(ticket, APIError(
+                    504, f"the request did not finish within request_timeout_s={ticket.timeout_s:g} s",
+                    code="request_timeout"), "timeout")  # fmt: skip
