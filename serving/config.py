@@ -138,6 +138,11 @@ def _convert(hint: Any, value: Any, key: str, source: str) -> Any:
         return value
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, str):
+        try:  # PyYAML (YAML 1.1) reads "5e-4" (no dot) as a string; it is still a float to a user
+            return float(value)
+        except ValueError:
+            pass
     if hint is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)  # e.g. a model name that YAML read as a number
     if hint in (int, float, str, bool) and not (isinstance(value, hint) and not (hint is int and isinstance(value, bool))):

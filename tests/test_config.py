@@ -41,6 +41,8 @@ def test_file_then_dotted_overrides(tmp_path):
     assert cfg.steps == 5 and cfg.optim.lr == 0.001 and cfg.optim.schedule == "constant"
     assert cfg.k == "auto" and cfg.layers == [2, 3] and cfg.extra == {"a": 1.0} and cfg.eval_every is None
     assert to_dict(cfg)["optim"]["lr"] == 0.001
+    # YAML 1.1 reads 5e-4 (no dot) as a string; a float field still takes it.
+    assert load_config(Cfg, p, ["optim.lr=5e-4"]).optim.lr == 5e-4
 
 
 @pytest.mark.parametrize(
@@ -51,6 +53,7 @@ def test_file_then_dotted_overrides(tmp_path):
         ("", ["steps=many"], r"steps='many' must be int"),
         ("", ["optim.schedule=linear"], r"optim.schedule='linear' must be one of 'cosine', 'constant'"),
         ("", ["optim.lr=-1"], r"optim.lr=-1.0 must be > 0"),
+        ("", ["optim.lr=fast"], r"optim.lr='fast' must be float"),
         ("", ["layers=3"], r"layers=3 must be a list"),
         ("", ["steps"], r"must look like key=value"),
         ("- a\n", [], r"must hold a mapping"),
