@@ -6,6 +6,7 @@ regressing acceptance) trained on the same features and split.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from pathlib import Path
 
@@ -24,6 +25,18 @@ def normalisation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-feature mean and std [F] of training features [N, F]; constant features get std 1."""
     mean, std = x.mean(0), x.std(0, unbiased=False)
     return mean, torch.where(std > 1e-6, std, torch.ones_like(std))
+
+
+@contextlib.contextmanager
+def one_thread():
+    """The router MLP is tiny: one thread is fastest, and intra-op threads that wait on each other
+    at every small op are slow on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def fit_mlp(cfg: RouterTrainConfig, x: torch.Tensor, y: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor) -> tuple[dict, dict]:
@@ -89,7 +102,8 @@ def train(cfg: RouterTrainConfig) -> dict:
     mean, std = normalisation(raw[train_idx])
     x = (raw - mean) / std  # [P, F]
     y = table.acceptance.clamp(0, 1)  # [P, D]
-    state, history = fit_mlp(cfg, x[train_idx], y[train_idx], x[val_idx], y[val_idx])
+    with one_thread():
+        state, history = fit_mlp(cfg, x[train_idx], y[train_idx], x[val_idx], y[val_idx])
 
     names = table.drafts + ([NONE] if table.has_none else [])
     router = Router(

@@ -1,0 +1,137 @@
+"""collect-router-data -> train-router -> Router.choose on tiny models whose drafts differ by
+domain; resume after an interrupted collection; shards merged equal one run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from routing.cli import collect_main, train_main
+from routing.collect import collect, shard_output
+from routing.config import CollectConfig
+from routing.router import Router
+from routing.rows import read_rows, row_key, without_timing
+from serving.config import load_config
+from tests.routing_helpers import domain_models, domain_prompts, write_prompt_file
+
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("routing")
+    prompts = domain_prompts(12)
+    dirs = domain_models(root / "models", prompts, NEW_TOKENS)
+    files = {d: write_prompt_file(root / f"{d}.jsonl", ps) for d, ps in prompts.items()}
+    return root, dirs, files
+
+
+def overrides(dirs, files, output, *extra) -> list[str]:
+    return [
+        f"target={dirs['target']}",
+        f"drafts={{code: {dirs['draft_code']}, math: {dirs['draft_math']}}}",
+        f"sources=[{{file: {files['code']}}}, {{file: {files['math']}}}]",
+        f"decode.max_new_tokens={NEW_TOKENS}",
+        "engine.device=cpu",
+        f"output={output}",
+        *extra,
+    ]
+
+
+def test_collect_train_choose_beats_best_single_draft(setup, tmp_path):
+    root, dirs, files = setup
+    rows_path = tmp_path / "rows.jsonl"
+    assert collect_main(overrides(dirs, files, rows_path, "engine.batch_size=4")) == 0
+    rows = read_rows(rows_path)
+    assert len(rows) == 24 * 3 and len({row_key(r) for r in rows}) == 24 * 3
+    for r in rows:
+        assert r["speedup"] is not None and r["new_tokens"] >= 1
+        assert 0.0 <= r["acceptance_rate"] <= 1.0
+    # Lossless decoding: every draft's greedy output equals the target alone's.
+    by_prompt = {}
+    for r in rows:
+        by_prompt.setdefault(r["prompt_id"], set()).add(r["output_sha"])
+    assert all(len(s) == 1 for s in by_prompt.values())
+
+    out = tmp_path / "router"
+    assert train_main([f"data=[{rows_path}]", f"output={out}", "mlp.epochs=150", "split.test_fraction=0.34"]) == 0
+    report = json.loads((out / "eval.json").read_text())
+    pol = report["policies"]
+    single = pol[f"best single ({report['best_single']})"]
+    router = pol["router (MLP)"]
+    assert router["acceptance"] > single["acceptance"] + 0.1
+    assert router["acceptance"] >= 0.95 * pol["oracle"]["acceptance"]
+    # The MLP and the scikit-learn baselines are scored on the same held-out prompts.
+    assert {"logistic regression", "knn (k=5)"} <= set(pol)
+    assert report["n_test"] == len(report["test_prompt_ids"]) == sum(sum(r) for r in report["confusion"]["router (MLP)"])
+    assert sum(sum(r) for r in report["confusion"]["logistic regression"]) == report["n_test"]
+    assert (out / "eval.md").read_text().startswith("# Router evaluation")
+    assert (out / "eval.png").stat().st_size > 1000
+
+    loaded = Router.load(out / "router.pt")
+    assert loaded.draft_names == ["code", "math", "none"]
+    assert loaded.draft_refs["code"] == str(dirs["draft_code"]) and loaded.draft_refs["none"] is None
+    assert loaded.target_ref == str(dirs["target"])
+    unseen = ["def merge_99(x, y):\n    return x * y * 99\n", "What is 77 times 13? Give the answer."]
+    code, math = loaded.choose_batch(unseen)
+    assert (code.draft, math.draft) == ("code", "math")
+    assert code.predicted_acceptance["code"] > code.predicted_acceptance["math"]
+    assert loaded.choose(unseen[1]).draft == "math"
+    assert 1 <= code.k <= 8
+
+    # objective=speedup on the same rows: the target alone becomes an option of every policy.
+    out2 = tmp_path / "router-speed"
+    assert train_main([f"data=[{rows_path}]", f"output={out2}", "objective=speedup", "mlp.epochs=20"]) == 0
+    report2 = json.loads((out2 / "eval.json").read_text())
+    assert report2["options"] == ["code", "math", "none"] and report2["objective_metric"] == "measured_speedup"
+
+
+def test_interrupted_collection_resumes_and_shards_merge_to_one_run(setup, tmp_path):
+    root, dirs, files = setup
+    few = {d: tmp_path / f"{d}.jsonl" for d in files}
+    for d in files:  # 3 prompts per domain
+        few[d].write_text("".join(files[d].read_text().splitlines(keepends=True)[:3]))
+    extra = ("decode.modes=[greedy, sampled]", "decode.max_new_tokens=8")
+    expected = 6 * 3 * 2
+
+    def config(output):
+        return load_config(CollectConfig, None, overrides(dirs, few, output, *extra))
+
+    one = collect(config(tmp_path / "one.jsonl"))
+
+    # Interrupted after 7 rows, then a crash in the middle of writing the 8th.
+    class Stop(Exception):
+        pass
+
+    def stop_after(row, seen=[]):
+        seen.append(row)
+        if len(seen) == 7:
+            raise Stop
+
+    cut = tmp_path / "cut.jsonl"
+    with pytest.raises(Stop):
+        collect(config(cut), on_row=stop_after)
+    assert len(read_rows(cut)) == 7
+    with open(cut, "a") as f:
+        f.write('{"prompt_id": "code/2", "dra')
+    collect(config(cut))
+    resumed = read_rows(cut)
+    assert len(resumed) == expected and len({row_key(r) for r in resumed}) == expected
+
+    for i in range(2):
+        collect(config(tmp_path / "sh.jsonl"), shard=(i, 2))
+    shards = [shard_output(tmp_path / "sh.jsonl", (i, 2)) for i in range(2)]
+    assert all(len(read_rows(s)) == expected // 2 for s in shards)
+    merged = tmp_path / "merged.jsonl"
+    assert collect_main(["--merge", str(merged), *map(str, reversed(shards)), str(shards[0])]) == 0
+
+    def canon(path):
+        return sorted((without_timing(r) for r in read_rows(path)), key=row_key)
+
+    assert canon(merged) == canon(one) == canon(cut)
+    assert [row_key(r) for r in read_rows(merged)] == sorted(row_key(r) for r in read_rows(merged))
+    # Rerunning a finished collection adds nothing.
+    before = one.read_bytes()
+    collect(config(one))
+    assert one.read_bytes() == before
