@@ -188,6 +188,8 @@ def _build_engines(cfg: CollectConfig, tokenizer, engine_cfg: dict) -> dict[str,
     """One engine per draft (and NONE), all sharing the one loaded target, each warmed up once so
     no row pays first-call costs."""
     e = cfg.engine
+    if e.threads is not None:
+        torch.set_num_threads(e.threads)
     device = resolve_device(e.device)
     if device.type == "cuda" and "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))

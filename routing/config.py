@@ -70,8 +70,11 @@ class EngineSettings:
         default=1, metadata=doc("prompts decoded together; >1 is faster but rows of one batch share their timings")
     )
     max_len: int | None = field(default=None, metadata=doc("per-slot context; null: fit the longest prompt"))
+    threads: int | None = field(default=None, metadata=doc("torch CPU threads (torch.set_num_threads); null keeps the default"))
 
     def __post_init__(self) -> None:
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads={self.threads} must be >= 1 (or null)")
         if self.batch_size < 1:
             raise ValueError(f"batch_size={self.batch_size} must be >= 1")
 

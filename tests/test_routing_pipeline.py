@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from routing.cli import collect_main, train_main
 from routing.collect import collect, shard_output
@@ -16,6 +17,15 @@ from serving.config import load_config
 from tests.routing_helpers import domain_models, domain_prompts, write_prompt_file
 
 NEW_TOKENS = 12
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models on a shared 2-core machine: intra-op threads only wait on each other."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,100 @@
+"""Router configs and CLIs reject bad input clearly; the rows file survives a torn last line and
+refuses damage in the middle; merge deduplicates and sorts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from routing.cli import collect_main, train_main
+from routing.collect import parse_shard, shard_output
+from routing.config import CollectConfig, RouterTrainConfig
+from routing.rows import RowStore, merge, read_rows
+from serving.config import ConfigError, load_config
+
+
+def test_shipped_configs_load():
+    cfg = load_config(CollectConfig, "configs/router_collect.yaml")
+    assert cfg.baseline and cfg.drafts and {s.domain for s in cfg.sources} == {"code", "chat", "math"}
+    assert load_config(RouterTrainConfig, "configs/router_train.yaml").objective == "acceptance"
+
+
+@pytest.mark.parametrize(
+    "cls, overrides, message",
+    [
+        (CollectConfig, ["decode.kk=4"], "unknown key decode.'kk'; valid keys under decode"),
+        (CollectConfig, ["colour=red"], "unknown key 'colour'"),
+        (CollectConfig, ["drafts={none: x}"], "'none' is reserved"),
+        (CollectConfig, ["sources=[{n: 3}]"], "exactly one of `domain` or `file`"),
+        (CollectConfig, ["sources=[{domain: code}]"], "needs `n`"),
+        (CollectConfig, ["sources=[{domain: poetry, n: 3}]"], "sources"),
+        (CollectConfig, ["sources=[{file: a.txt}]", "decode.modes=[beam]"], "must be one of 'greedy', 'sampled'"),
+        (CollectConfig, ["sources=[{file: a.txt}]", "output=rows.csv"], "must be a .jsonl file"),
+        (RouterTrainConfig, ["objective=latency"], "objective='latency' must be one of"),
+        (RouterTrainConfig, ["mlp.hiden=64"], "unknown key mlp.'hiden'"),
+        (RouterTrainConfig, ["split.test_fraction=0.95"], "test_fraction=0.95"),
+    ],
+)
+def test_bad_config_values_name_the_key(cls, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(cls, None, overrides)
+
+
+def test_clis_report_bad_config_and_input(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("target: t\nsourcez: []\n")
+    assert collect_main(["--config", str(bad)]) == 2
+    assert "unknown key 'sourcez'" in capsys.readouterr().err
+    assert train_main(["mlp.epochs=0"]) == 2
+    assert "epochs=0 must be >= 1" in capsys.readouterr().err
+    assert collect_main(["sources=[{file: missing.jsonl}]"]) == 2
+    assert "missing.jsonl does not exist" in capsys.readouterr().err
+    assert train_main([f"data=[{tmp_path / 'none.jsonl'}]", f"output={tmp_path / 'r'}"]) == 2
+    assert "run collect-router-data first" in capsys.readouterr().err
+    assert collect_main(["--show-config"]) == 0 and "decode.k: int" in capsys.readouterr().out
+
+
+def test_shard_spec():
+    assert parse_shard("1/3") == (1, 3)
+    for bad in ("3/3", "1-3", "a/b", "-1/2"):
+        with pytest.raises(ValueError, match="shard"):
+            parse_shard(bad)
+    assert shard_output("d/rows.jsonl", (0, 2)).name == "rows.shard0of2.jsonl"
+    assert shard_output("d/rows.jsonl", None).name == "rows.jsonl"
+
+
+def row(pid, draft="a", mode="greedy", repeat=0, **extra):
+    return {"prompt_id": pid, "draft": draft, "mode": mode, "repeat": repeat, **extra}
+
+
+def test_row_store_repairs_a_torn_last_line_and_refuses_middle_damage(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    store = RowStore(path)
+    store.append(row("p1"))
+    store.append(row("p2"))
+    with pytest.raises(ValueError, match="already in"):
+        store.append(row("p1"))
+    with open(path, "a") as f:
+        f.write('{"prompt_id": "p3", "dr')  # a crash mid-write
+    assert len(read_rows(path)) == 2  # read-only readers skip it
+    store = RowStore(path)  # opening for appending cuts it off
+    assert len(store) == 2 and path.read_text().endswith("\n")
+    store.append(row("p3"))
+    assert [r["prompt_id"] for r in read_rows(path)] == ["p1", "p2", "p3"]
+
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([lines[0], "{broken", lines[2]]) + "\n")
+    with pytest.raises(ValueError, match="rows.jsonl:2 is not a collected row"):
+        RowStore(path)
+
+
+def test_merge_dedupes_by_key_and_sorts(tmp_path, capsys):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps(r) + "\n" for r in [row("p2", x=1), row("p1", x=2)]))
+    b.write_text("".join(json.dumps(r) + "\n" for r in [row("p1", x=3), row("p1", draft="b")]))
+    out = tmp_path / "out.jsonl"
+    assert merge(out, [a, b]) == 3
+    assert [(r["prompt_id"], r["draft"], r.get("x")) for r in read_rows(out)] == [("p1", "a", 2), ("p1", "b", None), ("p2", "a", 1)]
+    assert collect_main(["--merge", str(out), str(tmp_path / "missing.jsonl")]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -1,0 +1,109 @@
+"""routing.Router: create/save/load round trip, the choice rule, and clear errors for missing,
+truncated, foreign and mismatched router files."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from routing import Choice, Router, RouterError
+from routing.router import expected_tokens
+
+REFS = {"code": "models/code", "math": "models/math", "none": None}
+
+
+@pytest.fixture(scope="module")
+def router():
+    return Router.create(REFS, "models/target", seed=0)
+
+
+@pytest.fixture(scope="module")
+def saved(router, tmp_path_factory):
+    path = tmp_path_factory.mktemp("router") / "router.pt"
+    router.save(path)
+    return path
+
+
+def test_create_save_load_round_trip(router, saved):
+    loaded = Router.load(saved)
+    assert loaded.draft_names == ["code", "math", "none"]
+    assert loaded.draft_refs == REFS and loaded.target_ref == "models/target"
+    assert loaded.objective == "acceptance"
+    prompts = ["def add(a, b):", "What is 3 + 4?"]
+    a, b = router.choose_batch(prompts), loaded.choose_batch(prompts)
+    assert a == b
+    c = a[0]
+    assert isinstance(c, Choice) and c.draft in ("code", "math")  # "none" never wins on acceptance
+    assert set(c.predicted_acceptance) == set(c.predicted_speedup) == {"code", "math", "none"}
+    assert c.predicted_speedup["none"] == 1.0 and c.predicted_acceptance["none"] == 0.0
+    assert c.k in router.k_buckets
+    assert loaded.choose(prompts[0]).draft == c.draft
+    with pytest.raises(TypeError, match="list of prompts"):
+        loaded.choose_batch("one prompt")
+
+
+def test_expected_tokens_matches_the_closed_form():
+    a = torch.tensor([0.0, 0.5, 1.0])
+    assert torch.allclose(expected_tokens(a, torch.tensor(3.0)), torch.tensor([1.0, 1.875, 4.0]), atol=1e-4)
+
+
+def test_speedup_objective_chooses_none_when_no_draft_pays():
+    cheap = Router.create({"d": "models/d"}, "t", objective="speedup", costs={"d": {"draft_cost": 0.05, "verify_cost": 1.0}})
+    assert cheap.draft_names == ["d", "none"]  # the fallback is always a choice under speedup
+    acc = torch.tensor([[0.9], [0.02]])
+    paid, unpaid = cheap.decide(acc)
+    # a=0.9 with c=0.05: the best K is large and pays; a=0.02 cannot beat the target alone.
+    assert paid.draft == "d" and paid.k > 1 and paid.predicted_speedup["d"] > 1.5
+    assert unpaid.draft == "none" and unpaid.k == 0 and unpaid.predicted_speedup["d"] < 1.0
+    costly = Router.create({"d": "models/d"}, "t", objective="speedup", costs={"d": {"draft_cost": 2.0, "verify_cost": 1.0}})
+    assert costly.decide(torch.tensor([[0.99]]))[0].draft == "none"
+
+
+def test_missing_truncated_and_foreign_files_are_clear_errors(saved, tmp_path):
+    with pytest.raises(RouterError, match="does not exist.*train-router"):
+        Router.load(tmp_path / "nope.pt")
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(saved.read_bytes()[: saved.stat().st_size // 2])
+    with pytest.raises(RouterError, match="truncated or corrupt"):
+        Router.load(cut)
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"not a torch file at all")
+    with pytest.raises(RouterError, match="truncated or corrupt"):
+        Router.load(junk)
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"weights": torch.zeros(3)}, foreign)
+    with pytest.raises(RouterError, match="not a Choral router file"):
+        Router.load(foreign)
+
+
+def _edited(saved, tmp_path, edit) -> str:
+    data = torch.load(saved, weights_only=True)
+    edit(data)
+    path = tmp_path / "edited.pt"
+    torch.save(data, path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda d: d.update(format_version=99), "format version 99"),
+        (lambda d: d.pop("costs"), r"lacks the keys \['costs'\]"),
+        (lambda d: d.update(mean=torch.zeros(10), std=torch.ones(10)), "another embedder"),
+        (lambda d: d["state_dict"].update({"net.0.weight": torch.zeros(5, 5)}), "MLP weights do not match"),
+        (lambda d: d.update(draft_names=["code", "math", "chat"]), r"no model reference"),
+        (lambda d: d.update(objective="fastest"), "objective='fastest'"),
+        (lambda d: d.update(std=torch.zeros_like(d["std"])), "std > 0"),
+    ],
+)
+def test_mismatched_contents_are_clear_errors(saved, tmp_path, edit, message):
+    with pytest.raises(RouterError, match=message):
+        Router.load(_edited(saved, tmp_path, edit))
+
+
+def test_save_is_atomic_and_leaves_no_temporary_files(router, tmp_path):
+    path = tmp_path / "sub" / "router.pt"
+    router.save(path)
+    router.save(path)  # replacing an existing file
+    assert [p.name for p in path.parent.iterdir()] == ["router.pt"]
+    Router.load(path)
