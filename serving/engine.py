@@ -232,10 +232,15 @@ class SpeculativeEngine:
             self._check_fits(r)
         ids = [self.add_request(r) for r in requests]
         results: dict[int, Completion] = {}
-        while self.has_unfinished_requests():
-            for out in self.step():
-                if out.finished is not None:
-                    results[out.request_id] = out.finished
+        try:
+            while self.has_unfinished_requests():
+                for out in self.step():
+                    if out.finished is not None:
+                        results[out.request_id] = out.finished
+        except BaseException:
+            for i in ids:  # leave the engine clean for the next caller
+                self.abort_request(i)
+            raise
         return [results[i] for i in ids]
 
     def add_request(self, request: Request) -> int:
@@ -424,7 +429,8 @@ class SpeculativeEngine:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The verify half of the step for every slot: returns (n_accepted [B], n_new [B]) and
         leaves ``self.state`` committed. Calls ``clock("target")`` once the target has answered."""
-        return verify_half(self.target, self.state, sampling, rand, draft_tokens, q, clock)
+        n_accepted, _, n_new = verify_half(self.target, self.state, sampling, rand, draft_tokens, q, clock)
+        return n_accepted, n_new
 
     def _release(self, b: int) -> None:
         """Slot b was freed (finished or aborted): the target may drop what it holds for it."""

@@ -70,7 +70,7 @@ def speculative_step(
     draft_tokens, q = draft_half(draft, state, sampling, rand, k, target.vocab_size, draft_confidence)
     if clock is not None:
         clock("draft")
-    n_accepted, n_new = verify_half(target, state, sampling, rand, draft_tokens, q, clock)
+    n_accepted, _, n_new = verify_half(target, state, sampling, rand, draft_tokens, q, clock)
     return n_accepted, n_new, draft_tokens.shape[1]
 
 
@@ -118,9 +118,10 @@ def verify_half(
     draft_tokens: torch.Tensor,  # [B, K] long
     q: torch.Tensor,  # [B, K, V] the distributions the draft tokens were sampled from
     clock: Callable[[str], None] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Steps 2-4: one target forward over [x_{n-1}, drafts], accept/reject, commit. Mutates
-    ``state``; returns (n_accepted [B], n_new [B]). ``clock("target")`` after the forward."""
+    ``state``; returns (n_accepted [B], next_token [B], n_new [B]): a draft node that holds its own
+    copy of the state commits (n_accepted, next_token) to it. ``clock("target")`` after the forward."""
     k = draft_tokens.shape[1]
     n = state.lengths  # [B]
     current = state.tokens.gather(1, (n - 1).unsqueeze(1))  # [B, 1] x_{n-1}
@@ -134,7 +135,7 @@ def verify_half(
 
     # 3. Accept/reject (Leviathan et al. 2023); the residual or bonus token comes with it.
     n_accepted, next_token = accept_reject(p, q, draft_tokens, rand.accept[:, :k], rand.next)
-    return n_accepted, commit(state, draft_tokens, n_accepted, next_token)
+    return n_accepted, next_token, commit(state, draft_tokens, n_accepted, next_token)
 
 
 def commit(

@@ -1,0 +1,164 @@
+"""Distributed serving over loopback gRPC: a draft node (RemoteSpeculativeEngine) against the
+target service (VerifyServer) gives exactly the fused engine's output, greedy and seeded sampled,
+also with two draft nodes sharing one target; sessions are evicted when idle; a target that goes
+away fails its requests with TargetUnavailable and a restarted one serves new requests."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from serving.engine import EngineConfig, Request, SpeculativeEngine
+from serving.remote import RemoteSpeculativeEngine, TargetUnavailable
+from serving.sampling import SamplingParams
+from serving.verify_service import VerifyServer
+
+MAX_LEN = 96
+
+
+def prompts(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 20, (n,), generator=g).tolist()
+    return [torch.randint(3, 384, (length,), generator=g).tolist() for length in lengths]
+
+
+def fused(target, draft, tokenizer, requests, batch=2, k=3):
+    engine = SpeculativeEngine(target, tokenizer, draft, EngineConfig(max_batch_size=batch, max_len=MAX_LEN, k=k))
+    return engine.generate(requests)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_target, tokenizer):
+    with VerifyServer(tiny_target, tokenizer, max_batch_size=8, max_len=MAX_LEN) as s:
+        yield s
+
+
+@pytest.mark.parametrize("batch,k", [(1, 3), (3, 3), (3, "auto"), (2, 0)])
+def test_greedy_identical_to_fused(server, tiny_target, tiny_draft, tokenizer, batch, k):
+    requests = [Request(p, max_new_tokens=20) for p in prompts(5, seed=batch + 7)]
+    config = EngineConfig(max_batch_size=batch, max_len=MAX_LEN, k=k)
+    remote = RemoteSpeculativeEngine(tiny_draft, tokenizer, server.address, config)
+    outs = remote.generate(requests)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in fused(tiny_target, tiny_draft, tokenizer, requests, k=k)]
+    stats = outs[0].stats
+    assert stats["target_time_s"] > 0 and stats["target_calls"] >= 1
+    if k != 0:
+        assert stats["drafted"] > 0 and stats["target_calls"] < stats["new_tokens"]
+    assert not remote.has_unfinished_requests()
+
+
+def test_seeded_sampling_identical_to_fused(server, tiny_target, tiny_draft, tokenizer):
+    # Greedy and sampled rows share the batch; each sampled row has its own seed.
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=s) for s in range(4)] + [SamplingParams()]
+    requests = [Request(p, params=s, max_new_tokens=16) for p, s in zip(prompts(5, seed=3), params)]
+    remote = RemoteSpeculativeEngine(tiny_draft, tokenizer, server.address, EngineConfig(max_batch_size=3, max_len=MAX_LEN, k=3))
+    outs = remote.generate(requests)
+    expected = fused(tiny_target, tiny_draft, tokenizer, requests, batch=3)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+    assert len({tuple(o.token_ids) for o in outs}) == 5
+
+
+def test_incremental_api_stop_strings_and_abort(server, tiny_target, tiny_draft, tokenizer):
+    remote = RemoteSpeculativeEngine(tiny_draft, tokenizer, server.address, EngineConfig(max_batch_size=2, max_len=MAX_LEN, k=2))
+    [free] = fused(tiny_target, tiny_draft, tokenizer, [Request([5, 6, 7], max_new_tokens=12)])
+    stop = free.text[1:3]
+    assert stop.strip()
+    dropped = remote.add_request(Request([9, 10], max_new_tokens=40))
+    keep = remote.add_request(Request([5, 6, 7], max_new_tokens=12, stop=(stop,)))
+    with pytest.raises(ValueError, match="max_len"):
+        remote.add_request(Request([1] * 90, max_new_tokens=10))
+    streamed, finished = [], None
+    for out in remote.step():
+        if out.request_id == keep:
+            streamed += out.new_token_ids
+            finished = out.finished
+    running = remote.num_running
+    assert remote.abort_request(dropped) and remote.num_running == running - 1
+    assert not remote.abort_request(dropped)
+    while remote.has_unfinished_requests():
+        for out in remote.step():
+            assert out.request_id == keep
+            streamed += out.new_token_ids
+            finished = out.finished or finished
+    assert finished.finish_reason == "stop" and finished.text == free.text[: free.text.find(stop)]
+    assert streamed == finished.token_ids and len(finished.token_ids) < len(free.token_ids)
+    deadline = time.monotonic() + 5  # closes are fire-and-forget
+    while server.service.sessions and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not server.service.sessions
+
+
+def test_two_draft_nodes_share_one_target(tiny_target, tiny_draft, tokenizer):
+    # Fewer target slots (3) than the two nodes want (2 x 2): admission waits for a free slot.
+    # The wide batch window makes the target batch calls of both nodes into one forward.
+    with VerifyServer(tiny_target, tokenizer, max_batch_size=3, max_len=MAX_LEN, k_buckets=(3,), batch_window_ms=50) as server:
+        jobs = {name: [Request(p, max_new_tokens=16) for p in prompts(4, seed=seed)] for name, seed in (("a", 11), ("b", 12))}
+        results, errors = {}, []
+
+        def node(name):
+            try:
+                remote = RemoteSpeculativeEngine(tiny_draft, tokenizer, server.address, EngineConfig(max_batch_size=2, max_len=MAX_LEN, k=3))
+                results[name] = remote.generate(jobs[name])
+            except Exception as e:  # surfaced below
+                errors.append(e)
+
+        threads = [threading.Thread(target=node, args=(name,)) for name in jobs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not errors, errors
+        for name, requests in jobs.items():
+            expected = fused(tiny_target, tiny_draft, tokenizer, requests)
+            assert [o.token_ids for o in results[name]] == [o.token_ids for o in expected]
+        assert server.service.max_calls_per_forward >= 2  # calls of both nodes in one forward
+
+
+def test_idle_session_is_evicted(tiny_target, tiny_draft, tokenizer):
+    with VerifyServer(tiny_target, tokenizer, max_batch_size=2, max_len=MAX_LEN, k_buckets=(2,), session_timeout_s=0.3) as server:
+        remote = RemoteSpeculativeEngine(tiny_draft, tokenizer, server.address, EngineConfig(max_batch_size=2, max_len=MAX_LEN, k=2))
+        rid = remote.add_request(Request([5, 6, 7], max_new_tokens=40))
+        remote.step()
+        assert len(server.service.sessions) == 1
+        time.sleep(0.8)
+        assert not server.service.sessions  # the slot is free for others
+        with pytest.raises(TargetUnavailable, match="evicted after 0.3 s idle") as e:
+            remote.step()
+        assert e.value.request_ids == [rid] and not remote.has_unfinished_requests()
+        requests = [Request([5, 6, 7], max_new_tokens=12)]
+        assert remote.generate(requests)[0].token_ids == fused(tiny_target, tiny_draft, tokenizer, requests, k=2)[0].token_ids
+
+
+def test_target_down_then_back(tiny_target, tiny_draft, tokenizer):
+    requests = [Request(p, max_new_tokens=24) for p in prompts(3, seed=5)]
+    expected = [o.token_ids for o in fused(tiny_target, tiny_draft, tokenizer, requests)]
+    server = VerifyServer(tiny_target, tokenizer, max_batch_size=4, max_len=MAX_LEN, k_buckets=(3,))
+    port = server.start()
+    remote = RemoteSpeculativeEngine(tiny_draft, tokenizer, server.address, EngineConfig(max_batch_size=2, max_len=MAX_LEN, k=3))
+    ids = [remote.add_request(r) for r in requests]
+    remote.step()
+    server.stop()  # mid-stream
+    with pytest.raises(TargetUnavailable) as e:
+        remote.step()
+    message = str(e.value)
+    assert f"127.0.0.1:{port}" in message and "serve --role target" in message and "reconnects" in message
+    assert sorted(e.value.request_ids) == ids[:2]  # the two running ones; the third still waits
+    assert remote.num_running == 0 and remote.num_waiting == 1
+    with pytest.raises(TargetUnavailable, match="cannot be reached") as e:
+        remote.step()  # the waiting one fails at admission while the target is down
+    assert e.value.request_ids == [ids[2]] and not remote.has_unfinished_requests()
+
+    restarted = VerifyServer(tiny_target, tokenizer, port=port, max_batch_size=4, max_len=MAX_LEN, k_buckets=(3,))
+    restarted.start()
+    try:
+        assert [o.token_ids for o in remote.generate(requests)] == expected
+    finally:
+        restarted.stop()
+
+
+def test_unreachable_target_at_start_names_the_address(tiny_draft, tokenizer):
+    with VerifyServer(tiny_draft, tokenizer) as probe:  # a port that was free a moment ago
+        address = probe.address
+    with pytest.raises(TargetUnavailable, match=f"{address}.*serve --role target"):
+        RemoteSpeculativeEngine(tiny_draft, tokenizer, address, EngineConfig(max_len=MAX_LEN), timeout_s=0.5)
