@@ -136,7 +136,7 @@ def bench_prompt(engines, models, prompt_ids, max_new, eos, order: int, with_hf:
             row |= {"spec_ids": ids, "spec_tokens": len(ids), "spec_s": s["total_time_s"],
                     "spec_decode_s": s["total_time_s"] - s["prefill_time_s"], "verify_ms": s["target_step_ms"],
                     "draft_step_ms": s["draft_step_ms"], "drafted": s["drafted"], "accepted": s["accepted"],
-                    "target_calls": s["target_calls"]}  # fmt: skip
+                    "target_calls": s["target_calls"], "per_position_acceptance": s["per_position_acceptance"]}  # fmt: skip
         else:
             ids, seconds = hf_assisted(target, draft, prompt_ids, max_new, eos, hf_stock)
             row |= {"hf_ids": ids, "hf_tokens": len(ids), "hf_s": seconds}
@@ -237,12 +237,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-len", type=int, default=None)
     ap.add_argument("--out", default="runs/bench")
     ap.add_argument("--from-json", help="re-render the summary, table and plot of a saved bench.json (no runs)")
+    ap.add_argument("--profile", help="also write a simulator profile (YAML/JSON) of this run: see serving/profile.py")
     args = ap.parse_args(argv)
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.from_json:
         report = json.loads(Path(args.from_json).read_text())
+        report["config"]["profile"] = args.profile
         report["summary"] = {d: summarize(rows) for d, rows in report["rows"].items()}
         report["summary"]["all"] = summarize([r for rows in report["rows"].values() for r in rows])
         return write_report(report, out_dir)
@@ -318,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def write_report(report: dict, out_dir: Path) -> int:
     (out_dir / "bench.json").write_text(json.dumps(report, indent=1))
+    if report["config"].get("profile"):
+        from serving.profile import from_bench
+
+        print(f"wrote profile {from_bench(report).save(report['config']['profile'])}")
     (out_dir / "bench.md").write_text(markdown(report))
     plot(report, out_dir / "bench.png")
     print(markdown(report))

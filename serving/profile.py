@@ -438,13 +438,16 @@ def _domains_from_requests(rows: list[dict], out_key: str) -> dict[str, DomainPr
     }
 
 
-def from_load_test(result: str | Path | dict, base: Profile | None = None) -> Profile:
+def from_load_test(result: str | Path | dict, base: Profile | None = None, k: int = 4) -> Profile:
     """A profile from the server's load test result (a path or the loaded JSON).
 
     Fields read (all optional; what is missing comes from ``base``, and a profile without a
     target cost, a draft and lengths is an error naming what to add):
 
-    * ``requests``: ``[{domain, prompt_tokens, output_tokens, ...}]`` -> lengths and domain mix.
+    * ``rows`` (what ``scripts/load_test.py`` writes) or ``requests``: ``[{prompt_id or domain,
+      prompt_tokens, completion_tokens or output_tokens, draft, tokens_per_target_call, ok}]`` ->
+      lengths, domain mix (the prompt id's prefix up to ``/``), and when ``server`` has no
+      acceptance, the i.i.d. curve reproducing the rows' tokens per target call at ``k``.
     * ``server.steps``: ``[{rows, tokens_per_row, ms, kind: step|prefill}]`` target forwards the
       server timed -> the target cost model (this is what sees batching).
     * ``server.draft``: draft name; ``server.draft_steps``: ``[{rows, tokens_per_row, ms}]`` or
@@ -457,6 +460,11 @@ def from_load_test(result: str | Path | dict, base: Profile | None = None) -> Pr
     part of the profile."""
     data = json.loads(Path(result).read_text()) if not isinstance(result, dict) else result
     server = data.get("server") or {}
+    requests = []
+    for r in data.get("requests") or data.get("rows") or []:
+        if r.get("ok", True):
+            domain = r.get("domain") or (str(r["prompt_id"]).split("/")[0] if r.get("prompt_id") else "all")
+            requests.append(r | {"domain": domain, "output_tokens": r.get("output_tokens") or r.get("completion_tokens")})
     steps = [_point(s) for s in server.get("steps") or []]
     if steps and any(p.kind == "step" for p in steps):
         if base and not any(p.kind == "prefill" for p in steps):
@@ -477,11 +485,23 @@ def from_load_test(result: str | Path | dict, base: Profile | None = None) -> Pr
     cost = CostModel.fit(dpts) if dpts else (old.cost if old else None)
     ppa = server.get("per_position_acceptance")
     acc = {"all": [float(p) for p in ppa]} if isinstance(ppa, list) and ppa else (
-        {d: [float(p) for p in c] for d, c in ppa.items()} if isinstance(ppa, dict) and ppa else (old.acceptance if old else None))  # fmt: skip
+        {d: [float(p) for p in c] for d, c in ppa.items()} if isinstance(ppa, dict) and ppa else None)  # fmt: skip
+    if acc is None and any(r.get("tokens_per_target_call") for r in requests):
+        acc = {}
+        by: dict[str, list[dict]] = {}
+        for r in requests:
+            if r.get("tokens_per_target_call"):
+                by.setdefault(r["domain"], []).append(r)
+        for domain, rs in list(by.items()) + [("all", [r for g in by.values() for r in g])]:
+            # Weighted by each request's calls: total tokens after the first over total calls.
+            calls = sum((r["output_tokens"] - 1) / r["tokens_per_target_call"] for r in rs)
+            if calls > 0:
+                acc[domain] = iid_curve(geometric_rate(sum(r["output_tokens"] - 1 for r in rs) / calls, k), k)
+    acc = acc or (old.acceptance if old else None)
     if cost is None or acc is None:
         raise ValueError(f"load test result lacks server.draft_step_ms/per_position_acceptance for draft {name!r} and no base profile has it")
     drafts[name] = DraftProfile(cost=cost, acceptance=acc)
-    domains = _domains_from_requests(data.get("requests") or [], "output_tokens") or (dict(base.domains) if base else {})
+    domains = _domains_from_requests(requests, "output_tokens") or (dict(base.domains) if base else {})
     if not domains:
         raise ValueError("load test result has no requests with prompt_tokens/output_tokens and no base profile supplies lengths")
     network = dict(base.network) if base else {}

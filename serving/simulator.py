@@ -69,11 +69,13 @@ class TargetGroup:
     max_batch: int = field(default=32, metadata=doc("rows per forward at most"))
     window_ms: float = field(default=0.0, metadata=doc("distributed: when a row reaches an idle server, wait this long for more before a batch"))
     draft_speed: float | None = field(default=None, metadata=doc("fused: draft forwards this many times faster than on the profile's machine (null: speed)"))
+    static_batch: bool = field(default=False, metadata=doc("every forward runs all max_batch rows (Choral's engine: static shapes); prefills run one by one"))
+    step_overhead_ms: float = field(default=0.0, metadata=doc("fixed time added to every batch (scheduling, streaming, a draft node's round trip)"))
 
     def __post_init__(self) -> None:
         if self.count < 1 or self.max_batch < 1:
             raise ValueError(f"count={self.count} and max_batch={self.max_batch} must be >= 1")
-        if self.speed <= 0 or self.window_ms < 0 or (self.draft_speed is not None and self.draft_speed <= 0):
+        if self.speed <= 0 or self.window_ms < 0 or self.step_overhead_ms < 0 or (self.draft_speed is not None and self.draft_speed <= 0):
             raise ValueError(f"speed={self.speed} and draft_speed={self.draft_speed} must be > 0, window_ms={self.window_ms} >= 0")
 
 
@@ -202,11 +204,12 @@ class _Target:
     """One target server: queue, cost coefficients in seconds (speed applied), counters."""
 
     __slots__ = ("idx", "speed", "draft_speed", "max_batch", "window", "queue", "wake", "running", "sessions", "busy", "busy_until",
-                 "batches", "rows", "c_base", "c_row", "c_tok", "c_pre", "capacity")  # fmt: skip
+                 "batches", "rows", "c_base", "c_row", "c_tok", "c_pre", "capacity", "static", "overhead")  # fmt: skip
 
     def __init__(self, idx: int, group: TargetGroup, profile: Profile, k: int):
         self.idx, self.speed, self.max_batch, self.window = idx, group.speed, group.max_batch, group.window_ms / 1e3
         self.draft_speed = group.draft_speed or group.speed
+        self.static, self.overhead = group.static_batch, group.step_overhead_ms / 1e3
         self.queue: deque = deque()
         self.wake = None
         self.running = False
@@ -509,16 +512,30 @@ class Simulation:
         q = t.queue
         n = min(len(q), t.max_batch)
         batch = [q.popleft() for _ in range(n)]
-        step = pre = 0
+        step = pre = widest = prefills = 0
         for _, s, p in batch:
             step += s
             pre += p
-        cost = t.c_base + t.c_row * n + t.c_tok * step + t.c_pre * pre
+            widest = max(widest, s)
+            prefills += p > 0
+        cost = self._forward_s(t, n, step, widest, prefills, pre)
         t.busy += cost
         t.busy_until = self.env.now + cost
         t.batches += 1
         t.rows += n
         Timeout(self.env, cost).callbacks.append(lambda _e: self._batch_done(t, batch))
+
+    @staticmethod
+    def _forward_s(t: _Target, rows: int, step: int, widest: int, prefills: int, pre: int) -> float:
+        """Seconds of one target batch: ``rows`` rows of which ``prefills`` prefill ``pre`` prompt
+        tokens in all and the rest verify ``step`` tokens in all (``widest`` the most per row)."""
+        if not t.static:
+            return t.overhead + t.c_base + t.c_row * rows + t.c_tok * step + t.c_pre * pre
+        # Static shapes: verification runs every slot at the widest width; each prefill is a
+        # forward of its own.
+        b = t.max_batch
+        verify = t.c_base + t.c_row * b + t.c_tok * b * widest if rows > prefills else 0.0
+        return t.overhead + verify + prefills * (t.c_base + t.c_row) + t.c_pre * pre
 
     def _batch_done(self, t: _Target, batch: list) -> None:
         for session, _, _ in batch:
@@ -562,25 +579,28 @@ class Simulation:
                 t.wake = env.event()
                 yield t.wake
                 continue
-            step = pre = 0
+            step = pre = widest = prefills = 0
             per_draft: dict[int, list[int]] = {}  # draft -> [decoding rows, their largest K, new prompt tokens]
             for s in active:
                 acc = per_draft.setdefault(s.draft, [0, 0, 0])
                 if s.new:
                     pre += s.req.prompt
+                    prefills += 1
                     acc[2] += s.req.prompt
                 else:
                     kk = min(s.k, s.req.output - s.committed - 1)
                     step += kk + 1
+                    widest = max(widest, kk + 1)
                     acc[0] += 1
                     acc[1] = max(acc[1], kk)
             n = len(active)
-            cost_s = t.c_base + t.c_row * n + t.c_tok * step + t.c_pre * pre
+            cost_s = self._forward_s(t, n, step, widest, prefills, pre)
             for d, (rows, kk, prompt) in per_draft.items():
                 cost, pre_ms = dcost[d]
                 # The batch's K sequential draft forwards over the decoding rows (rows with a
                 # smaller K idle through the extra ones), and the new rows' draft prefill.
-                cost_s += ((kk * cost.ms(rows, rows) if rows else 0.0) + prompt * pre_ms) / (1e3 * t.draft_speed)
+                r = t.max_batch if t.static else rows
+                cost_s += ((kk * cost.ms(r, r) if rows else 0.0) + prompt * pre_ms) / (1e3 * t.draft_speed)
             t.busy += cost_s
             t.busy_until = env.now + cost_s
             t.batches += 1
