@@ -262,7 +262,7 @@ class _Server:
         reserve = b.reserve[forced] if forced is not None else max(b.reserve.values())
         room = b.max_len - len(prompt_ids) - reserve
         if room < 1:
-            raise APIError(400, f"the prompt has {len(prompt_ids)} tokens, longer than the context allows: max_len="
+            raise APIError(400, f"{param}: the prompt has {len(prompt_ids)} tokens, more than the context allows: max_len="
                            f"{b.max_len} holds at most {b.max_len - reserve - 1} prompt tokens (plus {reserve} for "
                            "speculation and 1 new token); shorten the prompt", param=param,
                            code="context_length_exceeded")  # fmt: skip

@@ -1,0 +1,331 @@
+"""The OpenAI-compatible server, live on a loopback port (uvicorn in a thread), driven by the
+official ``openai`` client, on tiny model folders and an untrained router."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import socket
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from routing.router import Router
+from serving import cli_generate, cli_serve
+from serving.config import load_config
+from serving.engine import EngineConfig, Request, SpeculativeEngine
+from serving.serve_config import ServeConfig
+from serving.server import create_app, load_backend
+
+MAX_LEN = 128
+CHAT = [{"role": "user", "content": "What is 12 + 30?"}]
+
+
+class LiveServer:
+    """``serving.server.create_app`` under a real uvicorn on a free loopback port."""
+
+    def __init__(self, overrides: list[str], load=load_backend) -> None:
+        self.cfg = load_config(ServeConfig, None, ["device=cpu", "log_level=warning", *overrides])
+        self.app = create_app(self.cfg, load=load)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.02)
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="test", max_retries=0, timeout=60)
+        self.model = None
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.time() + timeout
+        while self.request("GET", "/health")[0] != 200:
+            assert time.time() < deadline, f"not ready: {self.request('GET', '/health')}"
+            time.sleep(0.05)
+        self.model = self.client.models.list().data[0].id
+
+    def request(self, method: str, path: str, data: bytes | None = None, headers: dict | None = None) -> tuple[int, str]:
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json", **(headers or {})})  # fmt: skip
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        status, text = self.request("GET", "/metrics")
+        assert status == 200
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}  # fmt: skip
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def router_file(model_dirs, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("router") / "router.pt"
+    draft = str(model_dirs["draft"])
+    Router.create({"code": draft, "chat": draft}, str(model_dirs["target"])).save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def live(router_file):
+    """The main server (batch 4). Loading waits on a gate so the test sees /health before ready."""
+    gate = threading.Event()
+
+    def gated_load(cfg):
+        assert gate.wait(60)
+        return load_backend(cfg)
+
+    srv = LiveServer([f"router={router_file}", f"max_len={MAX_LEN}", "max_batch_size=4", "k=4"], load=gated_load)
+    srv.early = {path: srv.request(method, path, body) for method, path, body in (
+        ("GET", "/health", None), ("GET", "/v1/models", None),
+        ("POST", "/v1/completions", b'{"model": "m", "prompt": "hi"}'))}  # fmt: skip
+    gate.set()
+    srv.wait_ready()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(model_dirs):
+    """The engine alone: what the server must reproduce for greedy requests."""
+    config = EngineConfig(max_batch_size=1, max_len=MAX_LEN, k=4)
+    return SpeculativeEngine.load(str(model_dirs["target"]), str(model_dirs["draft"]), device="cpu", config=config)
+
+
+def _chat_ids(engine, messages) -> list[int]:
+    text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_health_is_503_until_loaded_then_models_lists_drafts(live, model_dirs):
+    status, body = live.early["/health"]
+    assert status == 503 and json.loads(body)["status"] == "loading"
+    for path in ("/v1/models", "/v1/completions"):
+        status, body = live.early[path]
+        assert status == 503 and "loading" in json.loads(body)["error"]["message"]
+    assert live.request("GET", "/health") == (200, '{"status":"ok"}')
+    [model] = live.client.models.list().data
+    assert model.id == str(model_dirs["target"])
+    assert model.model_extra["choral"]["drafts"] == ["code", "chat", "none"]
+
+
+def test_completion_greedy_matches_spec_generate(live, model_dirs, capsys):
+    prompt = "def add(a, b):"
+    out = live.client.completions.create(model=live.model, prompt=prompt, max_tokens=16, temperature=0)
+    args = ["--target", str(model_dirs["target"]), "--draft", str(model_dirs["draft"]), "--prompt", prompt,
+            "--max-new-tokens", "16", "--k", "4", "--device", "cpu", "--max-len", str(MAX_LEN), "--json"]  # fmt: skip
+    assert cli_generate.main(args) == 0
+    ref = json.loads(capsys.readouterr().out)
+    assert out.choices[0].text == ref["text"]
+    assert out.choices[0].finish_reason == ref["finish_reason"]
+    assert out.usage.completion_tokens == len(ref["token_ids"])
+    assert out.usage.prompt_tokens == len(model_tokens(live, prompt))
+    choral = out.model_extra["choral"]
+    assert choral["draft"] in ("code", "chat") and choral["forced"] is False and choral["router_choice"] == choral["draft"]
+    assert 0.0 <= choral["acceptance_rate"] <= 1.0 and choral["tokens_per_target_call"] >= 1.0
+    assert 0.0 < choral["predicted_acceptance"] < 1.0 and choral["suggested_k"] >= 1
+
+
+def model_tokens(live, text: str) -> list[int]:
+    return live.app.state.server.backend.tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_chat_greedy_matches_engine_and_stream_matches_non_stream(live, reference):
+    [ref] = reference.generate([Request(_chat_ids(reference, CHAT), max_new_tokens=20)])
+    out = live.client.chat.completions.create(model=live.model, messages=CHAT, max_tokens=20, temperature=0,
+                                              extra_headers={"X-Choral-Draft": "none"})  # fmt: skip
+    assert out.choices[0].message.content == ref.text and out.choices[0].message.role == "assistant"
+    assert out.model_extra["choral"]["draft"] == "none" and out.model_extra["choral"]["forced"] is True
+    assert out.usage.completion_tokens == len(ref.token_ids)
+
+    chunks = list(live.client.chat.completions.create(model=live.model, messages=CHAT, max_tokens=20, temperature=0,
+                                                      stream=True, stream_options={"include_usage": True},
+                                                      extra_body={"draft": "code"}))  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.text
+    [last] = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert last.choices[0].finish_reason == ref.finish_reason
+    assert last.model_extra["choral"]["draft"] == "code" and last.model_extra["choral"]["target_calls"] >= 1
+    assert chunks[-1].usage.completion_tokens == len(ref.token_ids) and chunks[-1].choices == []
+
+
+def test_stop_strings_streamed_and_not(live):
+    full = live.client.completions.create(model=live.model, prompt="The quick brown", max_tokens=24, temperature=0)
+    text = full.choices[0].text
+    # A stop string taken from the middle of the greedy answer: the answer must end just before it.
+    stop = next(text[i : i + 2] for i in range(3, len(text) - 2)
+                if text.find(text[i : i + 2]) == i and "\ufffd" not in text[i : i + 2])  # fmt: skip
+    cut = live.client.completions.create(model=live.model, prompt="The quick brown", max_tokens=24, temperature=0,
+                                         stop=[stop, "never appears"])  # fmt: skip
+    assert cut.choices[0].text == text[: text.find(stop)] and cut.choices[0].finish_reason == "stop"
+    stream = live.client.completions.create(model=live.model, prompt="The quick brown", max_tokens=24, temperature=0,
+                                            stop=stop, stream=True)  # fmt: skip
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == cut.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+BAD = [
+    # (endpoint, raw body or openai kwargs, status, param)
+    ("completions", b'{"model": "m", "prompt": ', 400, None),
+    ("chat", b'{"model": "MODEL", "max_tokens": 4}', 400, "messages"),
+    ("chat", {"messages": []}, 400, "messages"),
+    ("completions", {"model": "not-this-one"}, 404, "model"),
+    ("chat", {"temperature": -0.5}, 400, "temperature"),
+    ("completions", {"top_p": 0.0}, 400, "top_p"),
+    ("completions", {"top_p": 1.5}, 400, "top_p"),
+    ("completions", {"max_tokens": 1000}, 400, "max_tokens"),
+    ("completions", {"prompt": "word " * 200}, 400, "prompt"),
+    ("chat", {"messages": [{"role": "user", "content": "word " * 200}]}, 400, "messages"),
+    ("completions", {"extra_body": {"draft": "nonexistent"}}, 400, "draft"),
+    ("chat", {"extra_headers": {"X-Choral-Draft": "nonexistent"}}, 400, "draft"),
+    ("completions", {"n": 2}, 400, "n"),
+]
+
+
+@pytest.mark.parametrize("endpoint,body,status,param", BAD)
+def test_bad_input_gets_openai_error_naming_the_field(live, endpoint, body, status, param):
+    if isinstance(body, bytes):
+        path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+        got, text = live.request("POST", path, body.replace(b"MODEL", live.model.encode()))
+        error = json.loads(text)["error"]
+    else:
+        kwargs = {"model": live.model, "max_tokens": 4, **body}
+        create = live.client.chat.completions.create if endpoint == "chat" else live.client.completions.create
+        if endpoint == "chat":
+            kwargs.setdefault("messages", CHAT)
+        else:
+            kwargs.setdefault("prompt", "hello")
+        with pytest.raises(openai.APIStatusError) as info:
+            create(**kwargs)
+        got, error = info.value.status_code, info.value.body
+    assert got == status
+    assert error["param"] == param and error["message"] and error["type"] == "invalid_request_error"
+    if param is not None:
+        assert param.split("[")[0] in error["message"] or param == "model"
+    # ... and the server keeps serving everyone else.
+    assert live.client.completions.create(model=live.model, prompt="hi", max_tokens=2).choices[0].finish_reason
+
+
+def test_concurrent_requests_give_the_sequential_outputs(live):
+    jobs = [
+        dict(prompt="def add(a, b):"),
+        dict(prompt="import os", extra_body={"draft": "none"}),
+        dict(prompt="The quick brown fox", extra_body={"draft": "chat"}),
+        dict(prompt="What is 12 + 30?", temperature=0.9, top_p=0.9, seed=11),
+        dict(prompt="def add(a, b):", temperature=1.2, top_k=20, seed=3, extra_body={"draft": "code"}),
+        dict(prompt="The lazy dog", stop=["o"]),
+    ]
+
+    def run(job):
+        kwargs = dict(job)
+        if "top_k" in kwargs:
+            kwargs.setdefault("extra_body", {})["top_k"] = kwargs.pop("top_k")
+        kwargs.setdefault("temperature", 0)
+        out = live.client.completions.create(model=live.model, max_tokens=12, **kwargs)
+        return out.choices[0].text, out.choices[0].finish_reason, out.usage.completion_tokens
+
+    sequential = [run(job) for job in jobs]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        concurrent = list(pool.map(run, jobs))
+    assert concurrent == sequential
+
+
+def test_metrics_parse_as_prometheus_text(live):
+    live.client.completions.create(model=live.model, prompt="hi", max_tokens=3, stream=True).close()
+    live.client.completions.create(model=live.model, prompt="hi", max_tokens=3)
+    m = live.metrics()
+    assert m[("choral_requests_total", (("endpoint", "completions"), ("status", "200")))] >= 1
+    assert m[("choral_time_to_first_token_seconds_count", ())] >= 1
+    assert m[("choral_e2e_latency_seconds_count", ())] >= 1
+    assert m[("choral_inter_token_latency_seconds_count", ())] >= 1
+    assert sum(v for (name, _), v in m.items() if name == "choral_draft_choices_total") >= 2
+    assert sum(v for (name, _), v in m.items() if name == "choral_generated_tokens_total") >= 3
+    assert ("choral_queue_depth", ()) in m and ("choral_running_requests", ()) in m
+    assert any(name == "choral_request_acceptance_rate_count" for name, _ in m)
+
+
+def test_load_test_script_has_no_lost_or_malformed_responses(live, tmp_path):
+    spec = importlib.util.spec_from_file_location("load_test", Path(__file__).parents[1] / "scripts" / "load_test.py")
+    load_test = importlib.util.module_from_spec(spec)
+    sys.modules["load_test"] = load_test  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(load_test)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"text": "def add(a, b):", "domain": "code"}\n{"text": "What is 12 + 30?"}\n'
+                       '{"text": "The quick brown fox", "use_chat_template": false}\n')  # fmt: skip
+    args = ["--url", live.url, "--concurrency", "4", "--requests", "8", "--max-tokens", "8", "--prompt-file",
+            str(prompts), "--out", str(tmp_path / "load"), "--quiet", "--compare-sequential"]  # fmt: skip
+    assert load_test.main(args) == 0
+    report = json.loads((tmp_path / "load" / "load_test.json").read_text())
+    for run in (report, report["sequential"]):
+        assert run["n_requests"] == 8 and run["errors"] == 0 and run["n_ok"] == 8
+        assert run["throughput_tokens_per_s"] > 0 and run["ttft_ms"]["p50"] > 0 and run["e2e_ms"]["p99"] > 0
+        assert all(r["ok"] and r["completion_tokens"] >= 1 and r["draft"] for r in run["rows"])
+    assert report["concurrency"] == 4 and report["sequential"]["concurrency"] == 1
+    # Greedy: both runs produced the same texts for the same requests.
+    assert [r["text"] for r in report["rows"]] == [r["text"] for r in report["sequential"]["rows"]]
+    assert "| concurrent | 4 | 8 | 0 |" in (tmp_path / "load" / "load_test.md").read_text()
+    assert load_test.main(["--url", "http://example.com:8000", "--quiet"]) == 2  # loopback only
+
+
+def test_full_queue_429_disconnect_frees_slot_and_timeout(router_file):
+    """One slot, no queue: a second request while the first runs gets 429; closing the first
+    stream cancels it and frees the slot; a request past its timeout gets a clean error."""
+    srv = LiveServer([f"router={router_file}", "max_len=512", "max_batch_size=1", "queue_limit=0", "warmup=false"])
+    try:
+        srv.wait_ready()
+        long = dict(model=srv.model, prompt="hi", max_tokens=480, extra_body={"draft": "none"})
+        stream = srv.client.completions.create(stream=True, **long)
+        next(iter(stream))  # it holds the slot now
+        with pytest.raises(openai.RateLimitError) as info:
+            srv.client.completions.create(model=srv.model, prompt="hi", max_tokens=2, extra_body={"draft": "none"})
+        assert info.value.body["code"] == "queue_full" and "queue_limit" in info.value.body["message"]
+        stream.close()
+        deadline = time.time() + 20
+        while srv.metrics()[("choral_running_requests", ())] != 0:
+            assert time.time() < deadline, "the disconnected request kept its slot"
+            time.sleep(0.05)
+        assert srv.metrics()[("choral_finished_requests_total", (("reason", "cancelled"),))] == 1
+        assert srv.client.completions.create(model=srv.model, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+
+        srv.app.state.server.cfg.request_timeout_s = 0.05
+        with pytest.raises(openai.APIStatusError) as info:
+            srv.client.completions.create(**long)
+        assert info.value.status_code == 504 and "request_timeout_s" in info.value.body["message"]
+        with pytest.raises(openai.APIError, match="request_timeout_s"):
+            list(srv.client.chat.completions.create(model=srv.model, messages=CHAT, max_tokens=400, stream=True))
+        srv.app.state.server.cfg.request_timeout_s = 60
+        assert srv.client.completions.create(model=srv.model, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+    finally:
+        srv.stop()
+
+
+def test_serve_cli_fails_fast_on_bad_config(router_file, tmp_path, capsys):
+    assert cli_serve.main(["--describe"]) == 0
+    assert "queue_limit" in capsys.readouterr().out
+    assert cli_serve.main([]) == 2
+    assert "needs a router" in capsys.readouterr().err
+    assert cli_serve.main(["--router", str(tmp_path / "missing.pt")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert cli_serve.main(["--router", str(router_file), "max_batch=4"]) == 2
+    assert "unknown key 'max_batch'" in capsys.readouterr().err
+    assert cli_serve.main(["--role", "draft", "--router", str(router_file)]) == 2
+    assert "--target HOST:PORT" in capsys.readouterr().err
