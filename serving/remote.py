@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections import deque
 
 import grpc
 import torch
@@ -79,6 +80,8 @@ class RemoteSpeculativeEngine(SpeculativeEngine):
         self._sessions: list[str | None] = [None] * config.max_batch_size
         self._carry: list[StepOutput] = []  # outputs of a step that raised, handed out next step
         self._lost: dict[int, str] = {}  # slot -> why the target dropped its session this step
+        # (round trip, time the target spent on it) in seconds, of recent Verify calls.
+        self.verify_times: deque[tuple[float, float]] = deque(maxlen=4096)
         self._setup(tokenizer, draft, config, info.vocab_size, list(info.eos_ids), device)
 
     # ---- public API: SpeculativeEngine's, plus failure handling -------------------------------
@@ -179,7 +182,9 @@ class RemoteSpeculativeEngine(SpeculativeEngine):
             )  # fmt: skip
             for b in live
         ]
+        sent = time.perf_counter()
         reply = self._call("Verify", verify_pb2.VerifyRequest(k=k, items=items))
+        self.verify_times.append((time.perf_counter() - sent, reply.target_ms / 1e3))
         clock("target")
         n_acc = torch.zeros(B, dtype=torch.long)
         next_token = torch.zeros(B, dtype=torch.long)

@@ -1,0 +1,99 @@
+"""End to end: `serve --role target` (a real process) and `serve --role draft` (the HTTP server
+in this process) on loopback, driven by the official ``openai`` client: greedy output equals the
+fused engine's; killing the target mid-stream gives the client a clean error; after a restart on
+the same port requests succeed again without touching the draft node."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import openai
+import pytest
+
+from routing.router import Router
+from serving.engine import EngineConfig, Request, SpeculativeEngine
+from tests.test_server import LiveServer
+
+MAX_LEN = 128
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TargetProcess:
+    """``serve --role target`` as its own process."""
+
+    def __init__(self, target_dir, port: int) -> None:
+        self.address = f"127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "serving.cli_serve", "--role", "target", "--port", str(port),
+               f"target_model={target_dir}", "device=cpu", f"max_len={MAX_LEN}", "max_batch_size=4", "log_level=warning"]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 90
+        with grpc.insecure_channel(self.address) as channel:
+            while True:
+                if self.proc.poll() is not None:
+                    pytest.fail(f"serve --role target exited with {self.proc.returncode}:\n{self.proc.stdout.read()}")
+                try:
+                    grpc.channel_ready_future(channel).result(timeout=0.5)
+                    return
+                except grpc.FutureTimeoutError:
+                    assert time.monotonic() < deadline, "serve --role target did not come up in 90 s"
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def router_file(model_dirs, tmp_path_factory):
+    path = tmp_path_factory.mktemp("router") / "router.pt"
+    Router.create({"code": str(model_dirs["draft"])}, str(model_dirs["target"])).save(path)
+    return path
+
+
+def test_serve_target_and_draft_roles_end_to_end(model_dirs, router_file):
+    port = free_port()
+    target = TargetProcess(model_dirs["target"], port)
+    draft = None
+    try:
+        draft = LiveServer([f"router={router_file}", "role=draft", f"target_address={target.address}",
+                            f"max_len={MAX_LEN}", "max_batch_size=2", "k=4"])  # fmt: skip
+        draft.wait_ready(90)
+        fused = SpeculativeEngine.load(str(model_dirs["target"]), str(model_dirs["draft"]), device="cpu",
+                                       config=EngineConfig(max_batch_size=1, max_len=MAX_LEN, k=4))  # fmt: skip
+        prompt = "def add(a, b):"
+        ids = fused.tokenizer.encode(prompt, add_special_tokens=False)
+        [ref] = fused.generate([Request(ids, max_new_tokens=24)])
+        out = draft.client.completions.create(model=draft.model, prompt=prompt, max_tokens=24, temperature=0)
+        assert out.choices[0].text == ref.text and out.usage.completion_tokens == len(ref.token_ids)
+        assert out.model_extra["choral"]["draft"] == "code" and out.model_extra["choral"]["target_calls"] >= 1
+
+        # Mid-stream: the target dies after the first tokens; the stream ends with an error event.
+        budget = MAX_LEN - len(ids) - 6
+        stream = draft.client.completions.create(model=draft.model, prompt=prompt, max_tokens=budget, temperature=0,
+                                                 stream=True, extra_body={"draft": "none"})  # fmt: skip
+        received = []
+        with pytest.raises(openai.APIError, match="(?i)target.*unavailable"):
+            for chunk in stream:
+                received.append(chunk.choices[0].text)
+                if len(received) == 1:
+                    target.kill()
+        assert 0 < len(received) < budget
+        with pytest.raises(openai.APIStatusError) as e:  # while it is down: 503, naming the address
+            draft.client.completions.create(model=draft.model, prompt=prompt, max_tokens=8, temperature=0)
+        assert e.value.status_code == 503 and target.address in e.value.message
+
+        target = TargetProcess(model_dirs["target"], port)  # restarted: no sessions, same address
+        again = draft.client.completions.create(model=draft.model, prompt=prompt, max_tokens=24, temperature=0)
+        assert again.choices[0].text == ref.text
+    finally:
+        if draft is not None:
+            draft.stop()
+        target.kill()
