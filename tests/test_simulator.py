@@ -245,3 +245,13 @@ def test_from_router_data_and_load_test(tmp_path):
     assert q.drafts["b"] == p.drafts["b"] and q.network["loopback"].latency_ms == 0.2
     with pytest.raises(ValueError, match="server.steps"):
         from_load_test({"requests": load["requests"]})
+
+
+def test_static_batch_pays_for_every_slot(tmp_path):
+    """Choral's engine runs all max_batch rows every step: one client then pays the full batch."""
+    p = iid_profile()
+    p.target = CostModel(base_ms=TARGET_MS, per_row_ms=0.5)
+    s = simulate(one_on_one(tmp_path, "architecture=fused", "targets=[{count: 1, max_batch: 8, static_batch: true}]"), p)["summary"]
+    expected = (1 - A ** (K + 1)) / (1 - A)
+    step_ms = K * DRAFT_MS + TARGET_MS + 8 * 0.5
+    assert s["throughput_tokens_per_s"] == pytest.approx(1e3 * expected / step_ms, rel=0.02)
