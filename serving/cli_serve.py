@@ -49,10 +49,28 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if cfg.role == "target":
-        from serving.verify_service import serve_target
-
-        return serve_target(cfg) or 0
+        return _serve_target(cfg)
     return _serve_http(cfg)
+
+
+def _serve_target(cfg: ServeConfig) -> int:
+    from serving.engine import EngineConfig
+    from serving.verify_service import serve_target
+
+    target_ref = cfg.target_model
+    if target_ref is None:
+        # Only the target's name is needed here: read it from router.pt without loading the
+        # router's embedder (router.pt is a plain dict; see routing.router.Router.to_dict).
+        import torch
+
+        target_ref = torch.load(cfg.router, map_location="cpu", weights_only=True)["target_ref"]
+    serve_target(
+        target_ref, host=cfg.host, port=cfg.port, device=cfg.device, dtype=cfg.dtype,
+        max_batch_size=cfg.max_batch_size, max_len=cfg.max_len, k_buckets=EngineConfig().k_buckets,
+        session_timeout_s=cfg.session_timeout_s, batch_window_ms=cfg.batch_window_ms,
+        cpu_kernels=cfg.cpu_kernels and cfg.compile_backend is None,
+    )  # fmt: skip
+    return 0
 
 
 def _check(cfg: ServeConfig) -> None:

@@ -237,7 +237,10 @@ class Scheduler:
         try:
             outputs = engine.step()
         except self.unavailable as e:
-            self._fail_engine(name, APIError(503, f"the target is unavailable: {e}", code="target_unavailable"))
+            # The remote engine names the requests that failed (the others go on next step); a
+            # failure that names none takes the whole engine's requests with it.
+            error = APIError(503, f"the target is unavailable: {e}", code="target_unavailable")
+            self._fail_engine(name, error, getattr(e, "request_ids", None))
             return
         except Exception as e:
             log.exception("engine %r failed a step", name)
@@ -299,11 +302,11 @@ class Scheduler:
         self.metrics.finished.labels(reason).inc()
         ticket.send(Failed(error))
 
-    def _fail_engine(self, name: str, error: APIError) -> None:
-        """Everyone on a failed engine gets the error; their slots are freed so the engine can
-        serve new requests once the cause (e.g. a restarting target) is gone."""
-        for (draft, _), ticket in list(self._tickets.items()):
-            if draft == name:
+    def _fail_engine(self, name: str, error: APIError, request_ids: list[int] | None = None) -> None:
+        """The engine's requests (or only ``request_ids``) get the error; their slots are freed
+        so the engine serves new requests once the cause (e.g. a restarting target) is gone."""
+        for (draft, rid), ticket in list(self._tickets.items()):
+            if draft == name and (request_ids is None or rid in request_ids):
                 self._fail(ticket, error, "error")
 
     def _expire(self) -> None:
