@@ -47,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"serve: error: {e}", file=sys.stderr)
         return 2
+    if cfg.threads is not None:
+        import torch
+
+        torch.set_num_threads(cfg.threads)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if cfg.role == "target":
         return _serve_target(cfg)

@@ -51,6 +51,9 @@ class ServeConfig:
         "torch.compile backend for the step shapes (e.g. inductor); null = eager"))
     cpu_kernels: bool = field(default=True, metadata=doc(
         "on a CPU in fp32, Choral's batch-invariant kernels (eager only: off when compiling)"))
+    threads: int | None = field(default=None, metadata=doc(
+        "torch intra-op threads of the serve process; null = torch's default (one per core). On a "
+        "CPU shared with other busy processes, 1 avoids threads waiting on each other"))
     warmup: bool = field(default=True, metadata=doc(
         "run a short request through every engine before /health reports ready"))
     session_timeout_s: float = field(default=60.0, metadata=doc(
@@ -71,5 +74,7 @@ class ServeConfig:
             raise ValueError(f"default_max_tokens={self.default_max_tokens} must be >= 1")
         if not (isinstance(self.k, int) or self.k == "auto"):
             raise ValueError(f"k={self.k!r} must be an integer or 'auto'")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads={self.threads} must be >= 1 (or null for torch's default)")
         if not 0 < self.port < 65536:
             raise ValueError(f"port={self.port} must be in 1..65535")

@@ -306,6 +306,16 @@ def test_full_queue_429_disconnect_frees_slot_and_timeout(router_file):
         assert srv.metrics()[("choral_finished_requests_total", (("reason", "cancelled"),))] == 1
         assert srv.client.completions.create(model=srv.model, prompt="hi", max_tokens=2).usage.completion_tokens == 2
 
+        # A non-streaming client that gives up is noticed too: its request is cancelled.
+        impatient = srv.client.with_options(timeout=0.5)
+        with pytest.raises(openai.APITimeoutError):
+            impatient.completions.create(**long)
+        deadline = time.time() + 20
+        while srv.metrics()[("choral_finished_requests_total", (("reason", "cancelled"),))] != 2:
+            assert time.time() < deadline, "the abandoned non-streaming request was not cancelled"
+            time.sleep(0.05)
+        assert srv.metrics()[("choral_running_requests", ())] == 0
+
         srv.app.state.server.cfg.request_timeout_s = 0.05
         with pytest.raises(openai.APIStatusError) as info:
             srv.client.completions.create(**long)
@@ -319,6 +329,7 @@ def test_full_queue_429_disconnect_frees_slot_and_timeout(router_file):
 
 
 def test_serve_cli_fails_fast_on_bad_config(router_file, tmp_path, capsys):
+    assert load_config(ServeConfig, Path(__file__).parents[1] / "configs" / "serve.yaml").max_batch_size == 8
     assert cli_serve.main(["--describe"]) == 0
     assert "queue_limit" in capsys.readouterr().out
     assert cli_serve.main([]) == 2
