@@ -35,7 +35,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 PROFILES = {
     # The quick draft config is a short-budget copy of configs/distill_code.yaml.
-    "quick": {"draft_config": "configs/distill_code_quick.yaml", "collect": ["sources.0.n=8", "sources.1.n=8", "sources.2.n=8", "decode.max_new_tokens=48"]},
+    "quick": {"draft_config": "configs/distill_code_quick.yaml", "collect": [
+        "sources=[{domain: code, n: 10, offset: 100}, {domain: chat, n: 10, offset: 100}, {domain: math, n: 10, offset: 100}]",
+        "decode.max_new_tokens=48",
+    ]},
     "full": {"draft_config": "configs/distill_code.yaml", "collect": []},
 }
 
