@@ -161,6 +161,12 @@ def create_app(
         error = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
         return JSONResponse(error.body(), status_code=exc.status_code)
 
+    @app.exception_handler(Exception)
+    async def internal_error(request: HTTPRequest, exc: Exception) -> JSONResponse:
+        log.exception("choral: %s %s failed", request.method, request.url.path)
+        error = APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+        return JSONResponse(error.body(), status_code=500)
+
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest) -> Response:
         return await server.generate(request, chat=False)

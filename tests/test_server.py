@@ -292,7 +292,7 @@ def test_full_queue_429_disconnect_frees_slot_and_timeout(router_file):
     srv = LiveServer([f"router={router_file}", "max_len=512", "max_batch_size=1", "queue_limit=0", "warmup=false"])
     try:
         srv.wait_ready()
-        long = dict(model=srv.model, prompt="hi", max_tokens=480, extra_body={"draft": "none"})
+        long = dict(model=srv.model, prompt="hi", max_tokens=480, temperature=0, extra_body={"draft": "none"})  # no EOS
         stream = srv.client.completions.create(stream=True, **long)
         next(iter(stream))  # it holds the slot now
         with pytest.raises(openai.RateLimitError) as info:
@@ -307,7 +307,7 @@ def test_full_queue_429_disconnect_frees_slot_and_timeout(router_file):
         assert srv.client.completions.create(model=srv.model, prompt="hi", max_tokens=2).usage.completion_tokens == 2
 
         # A non-streaming client that gives up is noticed too: its request is cancelled.
-        impatient = srv.client.with_options(timeout=0.5)
+        impatient = srv.client.with_options(timeout=0.3)  # the 480 steps take far longer
         with pytest.raises(openai.APITimeoutError):
             impatient.completions.create(**long)
         deadline = time.time() + 20
