@@ -24,17 +24,16 @@ from pathlib import Path
 from typing import Any
 
 from serving.config import ConfigError, describe, load_config
-from serving.profile import Profile, load_profile, reference_profile
+from serving.profile import Profile, load_profile
 from serving.simulator import SimulateConfig, simulate
 
 
 def load_scenario_profile(cfg: SimulateConfig) -> Profile:
-    if cfg.profile is None:
-        return reference_profile()
-    if not Path(cfg.profile).exists():
+    if cfg.profile is None or not Path(cfg.profile).exists():
         raise ConfigError(
             f"profile={cfg.profile!r} does not exist: write one with `spec-bench --profile PATH` "
-            "(or serving.profile.from_router_data / from_load_test), or set profile=null for the reference profile"
+            "(or serving.profile.from_router_data / from_load_test), or use the measured "
+            "configs/profiles/cpu_bundled.yaml"
         )
     return load_profile(cfg.profile)
 

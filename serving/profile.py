@@ -220,32 +220,6 @@ class Profile:
         return path
 
 
-def reference_profile() -> Profile:
-    """The profile ``simulate`` uses when its config names none: rounded from the README's
-    ``spec-bench`` run (CPU, 2 threads, float32, Qwen2.5-Coder-1.5B-Instruct target,
-    0.5B draft, K=4, 10 prompts per domain, 64 new tokens): ``from_bench(runs/bench/bench.json)``."""
-    return Profile(
-        target=CostModel(base_ms=230.0, per_token_ms=30.0, prefill_per_token_ms=21.0),
-        drafts={
-            "qwen2.5-coder-0.5b-instruct": DraftProfile(
-                cost=CostModel(base_ms=124.0, prefill_per_token_ms=8.3),
-                acceptance={
-                    "code": [0.874, 0.764, 0.668, 0.583],
-                    "chat": [0.772, 0.596, 0.460, 0.355],
-                    "math": [0.877, 0.769, 0.675, 0.592],
-                    "all": [0.841, 0.707, 0.595, 0.500],
-                },
-            )
-        },
-        domains={
-            "code": DomainProfile(prompt_tokens=LengthDist(mean=101, cv=0.12), output_tokens=LengthDist(mean=64)),
-            "chat": DomainProfile(prompt_tokens=LengthDist(mean=64, cv=0.41), output_tokens=LengthDist(mean=64)),
-            "math": DomainProfile(prompt_tokens=LengthDist(mean=51, cv=0.07), output_tokens=LengthDist(mean=64)),
-        },
-        meta={"source": "reference (README spec-bench run, CPU)"},
-    )
-
-
 def load_profile(path: str | Path) -> Profile:
     """Read a YAML or JSON profile; problems raise ``ConfigError`` naming the key and the file."""
     return load_config(Profile, path)
@@ -535,6 +509,6 @@ def _lstsq(a: list[list[float]], b: list[float]) -> list[float] | None:
 
 __all__ = [
     "ConfigError", "CostModel", "CostPoint", "DomainProfile", "DraftProfile", "LengthDist", "Link", "Profile",
-    "from_bench", "from_load_test", "from_router_data", "geometric_rate", "iid_curve", "load_profile", "reference_profile",
+    "from_bench", "from_load_test", "from_router_data", "geometric_rate", "iid_curve", "load_profile",
     "with_target",
 ]  # fmt: skip

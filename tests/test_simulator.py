@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -22,9 +23,16 @@ from serving.profile import (
     from_router_data,
     iid_curve,
     load_profile,
-    reference_profile,
 )
 from serving.simulator import SimulateConfig, simulate
+
+ROOT = Path(__file__).resolve().parent.parent
+PROFILE = f"profile={ROOT}/configs/profiles/cpu_bundled.yaml"
+
+
+def reference_profile() -> Profile:
+    """The committed profile measured on the bundled pair (configs/profiles/cpu_bundled.yaml)."""
+    return load_profile(ROOT / "configs" / "profiles" / "cpu_bundled.yaml")
 
 A, K = 0.7, 4
 TARGET_MS, DRAFT_MS, LATENCY_MS = 2.0, 0.25, 0.5
@@ -81,7 +89,7 @@ def small(tmp_path, *extra: str) -> SimulateConfig:
     base = [
         "duration_s=60", "warmup_s=10", "clients={phone: 300, laptop: 100, server: 20}",
         "targets=[{count: 3, speed: 20, max_batch: 16, window_ms: 2}, {count: 2, speed: 10, max_batch: 16}]",
-        "arrivals.kind=poisson", "arrivals.rate_per_client=0.02", f"output.dir={tmp_path}/out", "output.plots=false",
+        "arrivals.kind=poisson", "arrivals.rate_per_client=0.02", f"output.dir={tmp_path}/out", "output.plots=false", PROFILE,
     ]  # fmt: skip
     return load_config(SimulateConfig, None, [*base, *extra])
 
@@ -138,21 +146,21 @@ def test_router_picks_the_draft_that_is_accepted_more(tmp_path):
     ],
 )
 def test_bad_config_names_the_key(tmp_path, capsys, override, key):
-    rc = main(["--no-progress", f"output.dir={tmp_path}/out", "duration_s=20", "warmup_s=1", "clients={phone: 10}", override])
+    rc = main(["--no-progress", PROFILE, f"output.dir={tmp_path}/out", "duration_s=20", "warmup_s=1", "clients={phone: 10}", override])
     err = capsys.readouterr().err
     assert rc == 2 and key in err, err
 
 
 def test_sweep_gives_one_result_per_value(tmp_path):
     cfg = small(tmp_path, "duration_s=20", "sweep.param=clients", "sweep.values=[100, 400]", "sweep.compare_values=[round_robin, jsq2]")
-    runs = run_sweep(None, [], cfg, progress=False)
+    runs = run_sweep(None, [PROFILE], cfg, progress=False)
     assert [(r["value"], r["compare"]) for r in runs] == [(100, "round_robin"), (100, "jsq2"), (400, "round_robin"), (400, "jsq2")]
     # More clients (same class mix) carry more traffic.
     assert runs[2]["summary"]["requests_arrived"] > 2 * runs[0]["summary"]["requests_arrived"]
 
 
 def test_cli_writes_reports(tmp_path):
-    overrides = ["--no-progress", f"output.dir={tmp_path}/out", "duration_s=20", "warmup_s=2", "clients={phone: 50, laptop: 20}",
+    overrides = ["--no-progress", PROFILE, f"output.dir={tmp_path}/out", "duration_s=20", "warmup_s=2", "clients={phone: 50, laptop: 20}",
                  "targets=[{count: 2, speed: 20}]", "arrivals.rate_per_client=0.05"]  # fmt: skip
     assert main(overrides) == 0
     result = json.loads((tmp_path / "out" / "simulate.json").read_text())
