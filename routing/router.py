@@ -13,7 +13,9 @@ speedup with the draft's measured costs and picks the best, or "none" when no dr
 Cost model (Leviathan et al.): with per-token acceptance a and K drafted tokens a step commits
 E = (1 - a^(K+1)) / (1 - a) tokens for K draft forwards and one verification, so relative to the
 target alone (one forward per token) the speedup is E / (K*c + v) with c = draft step / target
-step and v = verification step / target step, both measured during collection.
+step and v = verification step / target step, both measured during collection. The MLP predicts
+the measured acceptance *rate* at the collected K_c (accepted / drafted = mean of a^i, i = 1..K_c,
+which is lower than a), so ``speedups`` first solves for the per-token a behind that rate.
 
 ``Router.create`` builds an untrained but valid router (random MLP, identity normalisation) from
 draft references alone, for tests and for wiring a server up before any data is collected.
@@ -77,6 +79,19 @@ def expected_tokens(a: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     (broadcasting); the a -> 1 limit is k + 1."""
     a = a.clamp(0.0, 1.0 - 1e-6)
     return (1 - a ** (k + 1)) / (1 - a)
+
+
+def per_token_acceptance(rate: torch.Tensor, k: int) -> torch.Tensor:
+    """The per-token acceptance a whose acceptance rate with k drafts, accepted / drafted =
+    mean(a^i for i = 1..k), equals ``rate`` (elementwise bisection; the rate grows with a)."""
+    rate = rate.clamp(0.0, 1.0)
+    lo, hi = torch.zeros_like(rate), torch.ones_like(rate)
+    powers = torch.arange(1, k + 1, dtype=rate.dtype)  # [k]
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        below = (mid[..., None] ** powers).mean(-1) < rate
+        lo, hi = torch.where(below, mid, lo), torch.where(below, hi, mid)
+    return (lo + hi) / 2
 
 
 def speedup_model(a: torch.Tensor, k: torch.Tensor, draft_cost: float, verify_cost: float) -> torch.Tensor:
@@ -298,7 +313,8 @@ class Router:
         ks = torch.tensor(self.k_buckets, dtype=torch.float32)  # [Kb]
         c = torch.tensor([self.costs[n]["draft_cost"] for n in self.drafts])[:, None]  # [D, 1]
         v = torch.tensor([self.costs[n]["verify_cost"] for n in self.drafts])[:, None]  # [D, 1]
-        s = expected_tokens(acceptance.float()[:, :, None], ks) / (ks * c + v)  # [N, D, Kb]
+        a = per_token_acceptance(acceptance.float(), int(self.info.get("collected_k") or 4))  # [N, D]
+        s = expected_tokens(a[:, :, None], ks) / (ks * c + v)  # [N, D, Kb]
         best, idx = s.max(dim=2)  # [N, D]
         return best, ks[idx].long()
 

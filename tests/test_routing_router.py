@@ -50,9 +50,10 @@ def test_expected_tokens_matches_the_closed_form():
 def test_speedup_objective_chooses_none_when_no_draft_pays():
     cheap = Router.create({"d": "models/d"}, "t", objective="speedup", costs={"d": {"draft_cost": 0.05, "verify_cost": 1.0}})
     assert cheap.draft_names == ["d", "none"]  # the fallback is always a choice under speedup
-    acc = torch.tensor([[0.9], [0.02]])
+    acc = torch.tensor([[0.9], [0.005]])  # acceptance rates at the collected K (4)
     paid, unpaid = cheap.decide(acc)
-    # a=0.9 with c=0.05: the best K is large and pays; a=0.02 cannot beat the target alone.
+    # rate 0.9 with c=0.05: the best K is large and pays; rate 0.005 (per-token a ~0.02) cannot
+    # beat the target alone even at K=1: (1 + a) / (1 + 0.05) < 1.
     assert paid.draft == "d" and paid.k > 1 and paid.predicted_speedup["d"] > 1.5
     assert unpaid.draft == "none" and unpaid.k == 0 and unpaid.predicted_speedup["d"] < 1.0
     costly = Router.create({"d": "models/d"}, "t", objective="speedup", costs={"d": {"draft_cost": 2.0, "verify_cost": 1.0}})
@@ -107,3 +108,15 @@ def test_save_is_atomic_and_leaves_no_temporary_files(router, tmp_path):
     router.save(path)  # replacing an existing file
     assert [p.name for p in path.parent.iterdir()] == ["router.pt"]
     Router.load(path)
+
+
+def test_per_token_acceptance_inverts_the_measured_rate():
+    from routing.router import expected_tokens, per_token_acceptance
+
+    a = torch.tensor([0.0, 0.3, 0.8, 0.99])
+    for k in (1, 4, 8):
+        rate = torch.stack([(a ** i) for i in range(1, k + 1)]).mean(0)  # accepted / drafted at k
+        torch.testing.assert_close(per_token_acceptance(rate, k), a, atol=1e-5, rtol=0)
+    # The rate at K=4 understates a: with a = 0.8 it is 0.59, and E uses a, not the rate.
+    rate = torch.tensor([0.5904])
+    assert abs(expected_tokens(per_token_acceptance(rate, 4), torch.tensor(4.0)).item() - 3.3616) < 1e-3
