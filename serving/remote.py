@@ -113,6 +113,11 @@ class RemoteSpeculativeEngine(SpeculativeEngine):
             )
         return outputs
 
+    def has_unfinished_requests(self) -> bool:
+        # Outputs carried over from a step that raised (possibly a Finished one) still need a step
+        # to be handed out, even when no slot is running any more.
+        return bool(self._carry) or super().has_unfinished_requests()
+
     def warmup(self) -> None:
         """Only the draft runs here; the target warms itself up."""
         if self.draft is None:

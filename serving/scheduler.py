@@ -150,14 +150,21 @@ class Scheduler:
 
     def _run(self) -> None:
         while not self._stopping:
-            busy = any(e.has_unfinished_requests() for e in self.engines.values())
-            self._drain_inbox(block=not busy)
-            self._expire()
-            name = self._next_engine()
-            if name is not None:
-                self._step(name)
-            self.metrics.queue_depth.set(sum(e.num_waiting for e in self.engines.values()))
-            self.metrics.running.set(sum(e.num_running for e in self.engines.values()))
+            try:
+                busy = any(e.has_unfinished_requests() for e in self.engines.values())
+                self._drain_inbox(block=not busy)
+                self._expire()
+                name = self._next_engine()
+                if name is not None:
+                    self._step(name)
+                self.metrics.queue_depth.set(sum(e.num_waiting for e in self.engines.values()))
+                self.metrics.running.set(sum(e.num_running for e in self.engines.values()))
+            except Exception as e:
+                # A dead scheduler thread would leave every request hanging: fail what is in
+                # flight with the cause and keep serving.
+                log.exception("scheduler loop failed")
+                for ticket in list(self._tickets.values()):
+                    self._fail(ticket, APIError(500, f"internal error: {type(e).__name__}: {e}"), "error")
         for ticket in list(self._tickets.values()):
             self._fail(ticket, APIError(503, "the server is shutting down"), "shutdown")
 
