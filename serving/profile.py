@@ -346,6 +346,8 @@ def from_router_data(path: str | Path, base: Profile | None = None) -> Profile:
         raise ValueError(f"{path} has no rows")
     groups: dict[str, list[dict]] = {}
     for r in rows:
+        if r.get("draft") == "none":
+            continue  # the target alone: only its one-token step time is used (below)
         groups.setdefault(str(r.get("draft") or "draft"), []).append(r)
     drafts = dict(base.drafts) if base else {}
     for name, rs in groups.items():
@@ -370,9 +372,14 @@ def from_router_data(path: str | Path, base: Profile | None = None) -> Profile:
                 raise ValueError(f"{path}: rows of draft {name!r} have neither per_position_acceptance nor acceptance_rate")
             acc = drafts[name].acceptance
         drafts[name] = DraftProfile(cost=cost, acceptance=acc)
-    tpts = [
-        CostPoint(1, 1 + float(r.get("mean_k") or r.get("k") or 4), float(r["target_step_ms"])) for r in rows if r.get("target_step_ms")
-    ]
+    def width(r: dict) -> float:
+        # Tokens per row in the row's target step: 1 for the target alone, else K + 1.
+        if r.get("draft") == "none":
+            return 1.0
+        k = r.get("mean_k") if r.get("mean_k") is not None else r.get("k")
+        return 1.0 + float(4 if k is None else k)
+
+    tpts = [CostPoint(1, width(r), float(r["target_step_ms"])) for r in rows if r.get("target_step_ms")]
     if tpts:
         target = CostModel.fit(tpts + [p for p in (base.target.points if base else []) if p.kind == "prefill"])
     elif base:

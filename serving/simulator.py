@@ -159,7 +159,7 @@ class Output:
 
 @dataclass
 class SimulateConfig:
-    profile: str | None = field(default=None, metadata=doc("profile file (spec-bench --profile, ...); null: the reference profile"))
+    profile: str | None = field(default=None, metadata=doc("profile file (spec-bench --profile, ...); e.g. the measured configs/profiles/cpu_bundled.yaml"))
     seed: int = 0
     duration_s: float = field(default=600.0, metadata=doc("simulated seconds"))
     warmup_s: float = field(default=60.0, metadata=doc("requests arriving earlier are not measured"))

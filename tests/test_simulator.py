@@ -263,3 +263,20 @@ def test_static_batch_pays_for_every_slot(tmp_path):
     expected = (1 - A ** (K + 1)) / (1 - A)
     step_ms = K * DRAFT_MS + TARGET_MS + 8 * 0.5
     assert s["throughput_tokens_per_s"] == pytest.approx(1e3 * expected / step_ms, rel=0.02)
+
+
+def test_from_router_data_reads_collect_rows_with_the_target_alone(tmp_path):
+    """Rows as collect-router-data writes them: the target alone is draft "none" with k=0 and
+    draft_step_ms 0.0; its steps are one-token target steps, not a draft."""
+    common = {"domain": "code", "prompt_tokens": 40, "new_tokens": 32, "mode": "greedy", "repeat": 0}
+    rows = [
+        common | {"prompt_id": "p0", "draft": "none", "k": 0, "acceptance_rate": 0.0, "per_position_acceptance": [],
+                  "draft_step_ms": 0.0, "target_step_ms": 100.0, "target_calls": 31},
+        common | {"prompt_id": "p0", "draft": "base", "k": 4, "acceptance_rate": 0.6, "per_position_acceptance": [0.8, 0.6, 0.5, 0.5],
+                  "draft_step_ms": 40.0, "target_step_ms": 140.0, "target_calls": 12},
+    ]  # fmt: skip
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    p = from_router_data(path)
+    assert set(p.drafts) == {"base"}
+    assert p.target.ms(1, 1) == pytest.approx(100.0, rel=1e-3) and p.target.ms(1, 5) == pytest.approx(140.0, rel=1e-3)
