@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from serving.cpu_kernels import InvariantLinear
 from serving.kv_cache import StaticKVCache
 
 
@@ -50,8 +51,14 @@ class ModelRunner:
             self.head_ids = torch.tensor(kept, dtype=torch.long, device=self.device)  # [N]
             if int(self.head_ids.max()) >= self.vocab_size:
                 raise ValueError(f"draft_vocab names token id {int(self.head_ids.max())} >= vocabulary size {self.vocab_size}")
-            weight = model.get_output_embeddings().weight.detach()
-            self.head_weight = weight.index_select(0, self.head_ids).contiguous()  # [N, H]
+            head = model.get_output_embeddings()
+            if int(self.head_ids.max()) >= self.model_vocab:
+                raise ValueError(f"draft_vocab names token id {int(self.head_ids.max())} but the draft's head has {self.model_vocab} rows")
+            kept_head = torch.nn.Linear(head.weight.shape[1], len(kept), bias=False, device=self.device, dtype=self.dtype)
+            kept_head.weight = torch.nn.Parameter(head.weight.detach().index_select(0, self.head_ids).contiguous(), requires_grad=False)
+            if isinstance(head, InvariantLinear):  # Choral's CPU kernels are on: keep the draft's rows batch-invariant too
+                kept_head = InvariantLinear(kept_head, head.kernel, head.max_rows, pack_rows=max(2, head.max_rows))
+            self.kept_head = kept_head  # [N, H] rows of the output head
         self.cache = StaticKVCache.for_model(config, batch_size, max_len, self.dtype, self.device)
         self._forward = self._eager_forward
 
@@ -98,7 +105,7 @@ class ModelRunner:
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.head_ids is not None:
-            kept = torch.nn.functional.linear(hidden, self.head_weight).float()  # [B, T, N]
+            kept = self.kept_head(hidden).float()  # [B, T, N]
             logits = kept.new_full((*kept.shape[:-1], self.vocab_size), float("-inf"))  # [B, T, V]
             return logits.index_copy(-1, self.head_ids, kept)
         logits = self.model.get_output_embeddings()(hidden).float()  # [B, T, V_model]

@@ -123,6 +123,14 @@ def test_reduced_vocab_draft_stays_lossless_and_reloads(tiny_target, tiny_draft,
     assert torch.isinf(logits[..., ~kept]).all() and torch.isfinite(logits[..., kept]).all()
     full = ModelRunner(tiny_draft, batch_size=1, max_len=16).forward(torch.tensor([[4, 5]]), torch.tensor([[0, 1]]))
     torch.testing.assert_close(logits[..., kept], full[..., kept])  # the kept rows are the same head rows
+    # With Choral's CPU kernels the reduced head is batch-invariant like every other layer.
+    from serving.cpu_kernels import InvariantLinear, prepare_for_cpu
+
+    fast = ModelRunner(prepare_for_cpu(copy.deepcopy(reloaded), token_counts=(1, 2)), batch_size=2, max_len=16)
+    assert isinstance(fast.kept_head, InvariantLinear)
+    both = fast.forward(torch.tensor([[4, 5], [6, 7]]), torch.tensor([[0, 1], [0, 1]]))  # [2, 2, V]
+    fast_one = ModelRunner(fast.model, batch_size=1, max_len=16).forward(torch.tensor([[4, 5]]), torch.tensor([[0, 1]]))
+    assert torch.equal(both[:1], fast_one)
 
     prompts = ragged_prompts(4, seed=5)
     engine = SpeculativeEngine(tiny_target, tokenizer, reloaded, EngineConfig(max_batch_size=2, max_len=96, k=4))
