@@ -86,7 +86,7 @@ def wait_ready(base: str, server: subprocess.Popen, timeout_s: float) -> None:
     raise SystemExit(f"[serve] not ready after {timeout_s:.0f} s")
 
 
-def ask(client, model: str, kind: str, text: str, max_tokens: int, draft: str | None) -> tuple[str, dict, float]:
+def ask(client, model: str, kind: str, text: str, max_tokens: int, draft: str | None) -> tuple[str, dict, float, int]:
     extra = {"draft": draft} if draft else {}
     started = time.perf_counter()
     if kind == "completion":
@@ -97,7 +97,7 @@ def ask(client, model: str, kind: str, text: str, max_tokens: int, draft: str | 
             model=model, messages=[{"role": "user", "content": text}], max_tokens=max_tokens, temperature=0, extra_body=extra
         )
         answer = r.choices[0].message.content
-    return answer, (r.model_extra or {}).get("choral", {}), time.perf_counter() - started
+    return answer, (r.model_extra or {}).get("choral", {}), time.perf_counter() - started, r.usage.completion_tokens
 
 
 def serve_and_ask(router: Path, out: Path, log: Path, max_tokens: int) -> list[dict]:
@@ -115,9 +115,8 @@ def serve_and_ask(router: Path, out: Path, log: Path, max_tokens: int) -> list[d
         model = client.models.list().data[0].id
         answers = []
         for domain, kind, text in REQUESTS:
-            answer, spec, routed_s = ask(client, model, kind, text, max_tokens, None)
-            alone, alone_spec, alone_s = ask(client, model, kind, text, max_tokens, "none")
-            tokens = spec.get("completion_tokens") or max_tokens
+            answer, spec, routed_s, tokens = ask(client, model, kind, text, max_tokens, None)
+            alone, _, alone_s, _ = ask(client, model, kind, text, max_tokens, "none")
             row = {
                 "domain": domain, "prompt": text, "answer": answer, "draft": spec.get("draft"),
                 "acceptance_rate": spec.get("acceptance_rate"), "tokens_per_target_call": spec.get("tokens_per_target_call"),

@@ -44,16 +44,19 @@ def measure_routed(args) -> dict:
     tokenizer = load_tokenizer(router.target_ref)
     target = load_model(router.target_ref)
     refs = {name: ref for name, ref in router.draft_refs.items() if ref is not None}
-    refs.setdefault("generic", GENERIC)
-    models = {}
+    if GENERIC not in refs.values():
+        refs["generic"] = GENERIC
+    models, by_ref = {}, {}
     for name, ref in refs.items():
-        check_same_tokenizer(tokenizer, load_tokenizer(ref), draft_name=f"draft {name!r}")
-        models[name] = load_model(ref)
+        if ref not in by_ref:  # one copy per model, however many names point at it
+            check_same_tokenizer(tokenizer, load_tokenizer(ref), draft_name=f"draft {name!r}")
+            by_ref[ref] = load_model(ref)
+        models[name] = by_ref[ref]
     generic_name = next(n for n, r in refs.items() if r == GENERIC)
     k_max = args.k
     config = lambda k: EngineConfig(k=k, k_buckets=tuple(range(1, k_max + 1)) if k else (1,), draft_confidence=args.draft_confidence)  # noqa: E731
     widths = EngineConfig(k="auto", k_buckets=tuple(range(1, k_max + 1))).step_widths
-    use_cpu_kernels([target, *models.values()], device=torch.device("cpu"), dtype="float32", widths=widths)
+    use_cpu_kernels([target, *by_ref.values()], device=torch.device("cpu"), dtype="float32", widths=widths)
     target_engine = SpeculativeEngine(target, tokenizer, None, config(0))
     engines = {name: SpeculativeEngine(target, tokenizer, m, config(args.k)) for name, m in models.items()}
     engines["none"] = target_engine
@@ -161,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         routed = json.loads(Path(args.routed_json).read_text())
     elif args.router:
         routed = measure_routed(args)
-        (out / "routed.json").write_text(json.dumps(routed, indent=1))
+        tmp = out / "routed.json.tmp"
+        tmp.write_text(json.dumps(routed, indent=1))
+        os.replace(tmp, out / "routed.json")
     if routed:
         routed_plot(routed, out / "routed.png")
         parts.append("## Routed drafts\n\n" + routed_markdown(routed) + "\n![routed](routed.png)\n\n")
