@@ -235,6 +235,8 @@ class VerifyService(verify_pb2_grpc.VerifierServicer):
                 bad, f"need a prompt, max_new_tokens >= 1 and 0 <= k_max <= {self.k_max} (got {len(r.prompt_ids)} "
                 f"prompt tokens, max_new_tokens={r.max_new_tokens}, k_max={r.k_max})",
             )  # fmt: skip
+        if any(not 0 <= t < self.vocab_size for t in r.prompt_ids):
+            raise _CallError(bad, f"prompt token ids must be in 0..{self.vocab_size - 1}")
         need = len(r.prompt_ids) + r.max_new_tokens + r.k_max + 1
         if need > self.max_len:
             raise _CallError(bad, f"session needs {need} positions; the target's max_len is {self.max_len}")
@@ -299,6 +301,9 @@ class VerifyService(verify_pb2_grpc.VerifierServicer):
             return f"q has {len(item.q)} bytes, expected float32 [{k}, {self.vocab_size}]"
         if not item.q and k > 0 and not sess.params.greedy:
             return "a sampled session needs q"
+        bad = [t for t in item.draft_tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            return f"draft token ids {bad[:3]} are outside the vocabulary 0..{self.vocab_size - 1}"
         n, pending = item.length, list(item.pending)
         if not pending or n != int(self.state.lengths[b]) or self.state.tokens[b, n - len(pending) : n].tolist() != pending:
             return f"session out of sync: the draft node is at {n} tokens, the target at {int(self.state.lengths[b])}"
@@ -342,8 +347,10 @@ class VerifyService(verify_pb2_grpc.VerifierServicer):
         s.done |= ~live  # rows outside this group must not move
         rand = StepRandom(draft=u_accept[:, :0].to(dev), accept=u_accept.to(dev), next=u_next.to(dev))
         sampling = SamplingTensors.build(params, dev)
-        n_acc, next_token, _ = verify_half(self.runner, s, sampling, rand, draft_tokens.to(dev), q.to(dev))
-        s.done.copy_(torch.where(live, s.done, frozen))
+        try:
+            n_acc, next_token, _ = verify_half(self.runner, s, sampling, rand, draft_tokens.to(dev), q.to(dev))
+        finally:  # also when the forward fails: the other sessions' rows must not stay frozen
+            s.done.copy_(torch.where(live, s.done, frozen))
         self.forwards += 1
         rows = torch.stack([n_acc, next_token, s.done.long()], 1).tolist()  # the one host sync
         for sid, out, i, b in answer:
