@@ -161,8 +161,9 @@ class Router:
         if not bool((self.std > 0).all()) or not bool(torch.isfinite(self.mean).all()):
             raise RouterError("normalisation statistics must be finite with std > 0")
         self.mlp_config = dict(mlp_config)
-        torch.manual_seed(seed)
-        self.mlp = RouterMLP(self.featurizer.dim, len(self.drafts), **self.mlp_config)
+        with torch.random.fork_rng(devices=[]):  # seeds the MLP's init without touching the caller's RNG
+            torch.manual_seed(seed)
+            self.mlp = RouterMLP(self.featurizer.dim, len(self.drafts), **self.mlp_config)
         if state_dict is not None:
             try:
                 self.mlp.load_state_dict(state_dict)

@@ -21,6 +21,7 @@ everything else (slots, seeds, stop strings, stats, retirement) from here.
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -357,7 +358,8 @@ class SpeculativeEngine:
         slot and whether the request is already finished (EOS, one-token limit or stop string),
         or None if the target cannot take it now."""
         started = time.perf_counter()
-        seed = request.params.seed if request.params.seed is not None else torch.seed()
+        # Unseeded requests draw a fresh seed without reseeding torch's global generator.
+        seed = request.params.seed if request.params.seed is not None else secrets.randbits(63)
         generator = torch.Generator().manual_seed(seed)
         ids = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)  # [1, L]
         first_id = self._prefill_target(b, request, ids, torch.rand(1, generator=generator))
