@@ -36,8 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PROFILES = {
     # The quick draft config is a short-budget copy of configs/distill_code.yaml.
     "quick": {"draft_config": "configs/distill_code_quick.yaml", "collect": [
-        "sources=[{domain: code, n: 10, offset: 100}, {domain: chat, n: 10, offset: 100}, {domain: math, n: 10, offset: 100}]",
-        "decode.max_new_tokens=48",
+        "sources=[{domain: code, n: 6, offset: 100}, {domain: chat, n: 6, offset: 100}, {domain: math, n: 6, offset: 100}]",
+        "decode.max_new_tokens=40",
     ]},
     "full": {"draft_config": "configs/distill_code.yaml", "collect": []},
 }
