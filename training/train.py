@@ -220,6 +220,11 @@ def train(cfg: TrainDraftConfig, *, resume: bool = False) -> dict:
             accelerator.unwrap_model(student).save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
 
+    if main and "best_step" not in progress:
+        # The untrained student is a candidate too: a short or bad run can make a draft worse.
+        progress["best_acceptance"], progress["best_step"] = progress["before"]["acceptance_rate"], 0
+        save_best()
+
     started = time.perf_counter()
     step0, tokens0 = progress["step"], progress["tokens"]
     bar = tqdm(total=cfg.train.max_steps, initial=progress["step"], desc="train-draft", disable=not main)
