@@ -49,11 +49,11 @@ class ModelRunner:
         kept = getattr(config, "draft_vocab", None)
         if kept:
             self.head_ids = torch.tensor(kept, dtype=torch.long, device=self.device)  # [N]
-            if int(self.head_ids.max()) >= self.vocab_size:
-                raise ValueError(f"draft_vocab names token id {int(self.head_ids.max())} >= vocabulary size {self.vocab_size}")
+            top, limit = int(self.head_ids.max()), min(self.vocab_size, self.model_vocab)
+            if top >= limit:  # an id must be a row of the draft's head and a column of the logits
+                raise ValueError(f"draft_vocab names token id {top}, but the draft's head has {self.model_vocab} rows "
+                                 f"and the logits {self.vocab_size} columns")  # fmt: skip
             head = model.get_output_embeddings()
-            if int(self.head_ids.max()) >= self.model_vocab:
-                raise ValueError(f"draft_vocab names token id {int(self.head_ids.max())} but the draft's head has {self.model_vocab} rows")
             kept_head = torch.nn.Linear(head.weight.shape[1], len(kept), bias=False, device=self.device, dtype=self.dtype)
             kept_head.weight = torch.nn.Parameter(head.weight.detach().index_select(0, self.head_ids).contiguous(), requires_grad=False)
             if isinstance(head, InvariantLinear):  # Choral's CPU kernels are on: keep the draft's rows batch-invariant too
