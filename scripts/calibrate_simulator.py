@@ -4,19 +4,19 @@
     python scripts/calibrate_simulator.py --architectures fused --concurrency 4 --requests 48
 
 For each architecture: start the server on 127.0.0.1 with small random Qwen2 models (built here,
-never the bundled ones), run ``scripts/load_test.py`` against it, stop it, then measure the
-profile in the same run with the same models and engine settings (``SpeculativeEngine`` with the
-server's static batch: the verification and draft step costs at ``max_batch_size`` rows, the
-prefill cost per prompt token), take acceptance and lengths from the load test's own rows
-(``serving.profile.from_load_test``), and simulate the same closed loop (``--concurrency``
-clients, no think time, one target, static batch, loopback link) for the load test's wall
-time. Compared: throughput and p50 of TTFT, inter-token latency (TPOT) and end-to-end latency;
-the goal is within 15%.
+never the bundled ones: a word-level tokenizer, so every streamed token is visible text, and a
+draft that is the target's first layers, so it agrees often), run ``scripts/load_test.py``
+against it, then measure the profile in the same run with the same models and engine settings
+(every ``engine.step()`` of the server's static batch timed; distributed: through the still-running
+target server, so the gRPC round trip is in the measured verification cost), take acceptance and
+lengths from the load test's own rows (``serving.profile.from_load_test``), and simulate the same
+closed loop (``--concurrency`` clients, no think time, one target, static batch, loopback link)
+for the load test's wall time. Compared: throughput and p50 of TTFT, inter-token latency (TPOT)
+and end-to-end latency; the goal is within 15%.
 
 The distributed server (``serve --role draft`` + ``serve --role target``) batches every running
 request of the draft node into one draft forward and one Verify call per step, so it is
-simulated like a fused server whose step also pays the gRPC round trip
-(``targets[0].step_overhead_ms``; ``--grpc-overhead-ms``, default 1 ms, an assumption, not fitted).
+simulated like a fused server whose verification cost is the measured round trip.
 
 Load-test JSON fields used (scripts/load_test.py): ``wall_s``, ``throughput_tokens_per_s``,
 ``ttft_ms``/``itl_ms``/``e2e_ms`` percentiles (``p50``), ``concurrency``, ``rows[]`` with
@@ -48,23 +48,56 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def build_models(root: Path, hidden: int, layers: int, draft_layers: int, seed: int) -> tuple[Path, Path]:
-    """A random target and a draft made of its first ``draft_layers`` layers (same embeddings
-    and head), so the draft agrees with the target often but not always."""
+def word_tokenizer(vocab_size: int, n_prompts: int):
+    """A word-level tokenizer over the load test's own prompts: every id decodes to a whole word,
+    so each streamed step shows text at once. (A random model over a byte-level vocabulary emits
+    partial UTF-8 that the server rightly holds back, which hides when tokens really arrive.)"""
+    import re
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from serving.prompts import load_prompts
+
+    from tests.conftest import CHAT_TEMPLATE, SPECIALS
+
+    counts: dict[str, int] = {}
+    for d in ("code", "chat", "math"):
+        for p in load_prompts(d, n_prompts):
+            for w in re.findall(r"\w+|[^\w\s]+", p.text):
+                counts[w] = counts.get(w, 0) + 1
+    words = sorted(counts, key=lambda w: (-counts[w], w))[: vocab_size - len(SPECIALS) - 1]
+    words += [f"w{i}" for i in range(vocab_size - len(SPECIALS) - 1 - len(words))]
+    vocab = {t: i for i, t in enumerate([*SPECIALS, "[UNK]", *words])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(SPECIALS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="[UNK]")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_models(root: Path, a: argparse.Namespace) -> tuple[Path, Path]:
+    """A random target whose layers past the first ``draft_layers`` write to the residual stream
+    at ``deep_scale`` of their random strength, and a draft made of those first layers (same
+    embeddings and head): the draft agrees with the target often but not always, like a real pair."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from tests.conftest import make_tokenizer
-
-    tokenizer = make_tokenizer()
-    torch.manual_seed(seed)
+    vocab = 384
+    tokenizer = word_tokenizer(vocab, a.n_prompts)
+    torch.manual_seed(a.seed)
     config = Qwen2Config(
-        vocab_size=384, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+        vocab_size=vocab, hidden_size=a.hidden, intermediate_size=4 * a.hidden, num_hidden_layers=a.layers,
         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
-        eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
     )  # fmt: skip
     target = Qwen2ForCausalLM(config).eval()
-    small = {k: v for k, v in config.to_dict().items() if k != "layer_types"} | {"num_hidden_layers": draft_layers}
+    with torch.no_grad():
+        for layer in target.model.layers[a.draft_layers :]:
+            layer.self_attn.o_proj.weight.mul_(a.deep_scale)
+            layer.mlp.down_proj.weight.mul_(a.deep_scale)
+    small = {k: v for k, v in config.to_dict().items() if k != "layer_types"} | {"num_hidden_layers": a.draft_layers}
     draft = Qwen2ForCausalLM(Qwen2Config(**small)).eval()
     draft.load_state_dict(target.state_dict(), strict=False)  # the first layers, embeddings, norm, head
     dirs = []
@@ -113,16 +146,43 @@ def stop(procs: list[subprocess.Popen]) -> None:
             p.kill()
 
 
-def serve_and_load(arch: str, router: Path, out: Path, a: argparse.Namespace) -> dict:
+def server_totals(url: str) -> dict[str, tuple[float, float]]:
+    """``{histogram: (count, sum)}`` of the server's Prometheus ``/metrics`` so far, for the
+    engine step time (``choral_engine_step_seconds``) and the server-side time to first token
+    (``choral_time_to_first_token_seconds``: from the request queued to its first tokens)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    totals = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in ("choral_engine_step_seconds", "choral_time_to_first_token_seconds"):
+            count = sum(x.value for x in family.samples if x.name.endswith("_count"))
+            total = sum(x.value for x in family.samples if x.name.endswith("_sum"))
+            totals[family.name] = (count, total)
+    return totals
+
+
+def mean_ms(before: dict, after: dict, name: str) -> float:
+    n = after[name][0] - before[name][0]
+    return 1e3 * (after[name][1] - before[name][1]) / n if n else float("nan")
+
+
+def serve_and_load(arch: str, target: Path, draft: Path, router: Path, out: Path, a: argparse.Namespace):
+    """Start the server, run the load test against it, then measure the profile with the same
+    models and settings (distributed: through the still-running target server, so the gRPC round
+    trip is measured, not assumed) and stop it. Returns (load test JSON, profile)."""
     http = free_port()
     common = [f"max_batch_size={a.batch}", f"k={a.k}", "log_level=warning", "device=cpu"]
     procs = []
+    grpc_address = None
     try:
         if arch == "distributed":
             grpc_port = free_port()
+            grpc_address = f"127.0.0.1:{grpc_port}"
             procs.append(start(["--role", "target", "--router", str(router), "--port", str(grpc_port), *common], out / f"serve_target.log"))
             time.sleep(2.0)
-            procs.append(start(["--role", "draft", "--target", f"127.0.0.1:{grpc_port}", "--router", str(router),
+            procs.append(start(["--role", "draft", "--target", grpc_address, "--router", str(router),
                                 "--port", str(http), *common], out / f"serve_draft.log"))  # fmt: skip
         else:
             procs.append(start(["--router", str(router), "--port", str(http), *common], out / "serve_fused.log"))
@@ -132,56 +192,101 @@ def serve_and_load(arch: str, router: Path, out: Path, a: argparse.Namespace) ->
         cmd = [sys.executable, str(REPO / "scripts" / "load_test.py"), "--url", url, "--concurrency", str(a.concurrency),
                "--requests", str(a.requests), "--max-tokens", str(a.max_tokens), "--draft", "draft",
                "--n-prompts", str(a.n_prompts), "--out", str(load_out), "--quiet"]  # fmt: skip
+        before = server_totals(url)
         subprocess.run(cmd, check=False, cwd=REPO)
-        return json.loads((load_out / "load_test.json").read_text())
+        after = server_totals(url)
+        load = json.loads((load_out / "load_test.json").read_text())
+        # The server's own step time during the load run (it shares the cores with the load
+        # test's clients and its HTTP work, which a quiet profiling run does not see).
+        load["server_step_ms"] = mean_ms(before, after, "choral_engine_step_seconds")
+        load["server_ttft_mean_ms"] = mean_ms(before, after, "choral_time_to_first_token_seconds")
+        stop(procs[1:])  # the draft node (distributed) or nothing; the target stays for the profile
+        return load, measure_profile(target, draft, load, a, grpc_address)
     finally:
         stop(procs)
 
 
-def measure_profile(target: Path, draft: Path, load: dict, a: argparse.Namespace):
-    """Engine costs with the server's settings (static batch of ``a.batch`` rows), acceptance and
-    lengths from the load test's rows."""
+def measure_profile(target: Path, draft: Path, load: dict, a: argparse.Namespace, grpc_address: str | None = None):
+    """Engine costs with the server's settings, timed the way the server's scheduler runs them:
+    every load-test prompt queued on one engine with ``a.batch`` static slots and each
+    ``engine.step()`` timed. A step that admits nobody costs K draft forwards plus one
+    verification plus the engine's own work (and, distributed, the gRPC round trip); all but the
+    draft forwards is the profile's verification cost. A step that admits requests costs that
+    plus their prefills, shared out by prompt length. Acceptance and lengths come from the load
+    test's rows."""
     import torch
 
     from serving.engine import EngineConfig, Request, SpeculativeEngine, use_cpu_kernels
     from serving.models import load_model, load_tokenizer
     from serving.profile import CostModel, CostPoint, DomainProfile, DraftProfile, Profile, from_load_test
     from serving.prompts import encode_prompt, load_prompts
+    from serving.remote import RemoteSpeculativeEngine
 
     tok = load_tokenizer(str(target))
-    t_model, d_model = load_model(str(target), dtype="float32", device=torch.device("cpu")), load_model(str(draft), dtype="float32", device=torch.device("cpu"))
+    cpu = torch.device("cpu")
+    d_model = load_model(str(draft), dtype="float32", device=cpu)
     cfg = EngineConfig(max_batch_size=a.batch, k=a.k)
-    use_cpu_kernels([t_model, d_model], device=torch.device("cpu"), dtype="float32", widths=cfg.step_widths)
-    engine = SpeculativeEngine(t_model, tok, d_model, cfg)
+    if grpc_address:
+        use_cpu_kernels([d_model], device=cpu, dtype="float32", widths=cfg.step_widths)
+        engine = RemoteSpeculativeEngine(d_model, tok, grpc_address, cfg)
+    else:
+        t_model = load_model(str(target), dtype="float32", device=cpu)
+        use_cpu_kernels([t_model, d_model], device=cpu, dtype="float32", widths=cfg.step_widths)
+        engine = SpeculativeEngine(t_model, tok, d_model, cfg)
     prompts = [p for d in ("code", "chat", "math") for p in load_prompts(d, a.n_prompts)]
     reqs = [Request(encode_prompt(tok, p), max_new_tokens=a.max_tokens) for p in prompts]
     engine.generate(reqs[: a.batch])  # warm-up
-    outs = engine.generate(reqs)
-    stats = [o.stats for o in outs if o.stats["target_calls"]]
-    verify_ms = statistics.median(s["target_step_ms"] for s in stats)
+    ids = [engine.add_request(r) for r in reqs]
+    prompt_len = dict(zip(ids, (len(r.prompt_ids) for r in reqs)))
+    queued = list(ids)
+    steps: list[tuple[float, list[int]]] = []  # (seconds, prompt lengths admitted in the step)
+    stats: list[dict] = []
+    while engine.has_unfinished_requests():
+        waiting = engine.num_waiting
+        t0 = time.perf_counter()
+        outs = engine.step()
+        wall = time.perf_counter() - t0
+        admitted, queued = queued[: waiting - engine.num_waiting], queued[waiting - engine.num_waiting :]
+        steps.append((wall, [prompt_len[i] for i in admitted]))
+        stats += [o.finished.stats for o in outs if o.finished is not None and o.finished.stats["target_calls"]]
+    if hasattr(engine, "close"):
+        engine.close()
+    quiet_step_ms = 1e3 * sum(w for w, _ in steps) / len(steps)
     draft_ms = statistics.median(s["draft_step_ms"] for s in stats)
-    # Prefill (target and draft, one request at a time) per prompt token.
-    pre = [CostPoint(1, len(r.prompt_ids), 1e3 * o.stats["prefill_time_s"], "prefill") for r, o in zip(reqs, outs)]
+    step_ms = 1e3 * statistics.median(w for w, adm in steps if not adm)
+    verify_ms = step_ms - a.k * draft_ms
+    pre = []
+    for wall, adm in steps:
+        extra = 1e3 * wall - step_ms
+        if adm and extra > 0:
+            pre += [CostPoint(1, n, extra * n / sum(adm), "prefill") for n in adm]
     base = Profile(
         target=CostModel.fit([CostPoint(a.batch, a.k + 1, verify_ms), *pre]),
         drafts={"draft": DraftProfile(cost=CostModel.fit([CostPoint(a.batch, 1, draft_ms)]), acceptance={"all": [0.5]})},
         domains={"all": DomainProfile()},  # replaced by the load test's measured lengths
     )
     profile = from_load_test(load, base=base, k=a.k)
-    profile.meta |= {"verify_ms_at_batch": verify_ms, "draft_step_ms_at_batch": draft_ms, "batch": a.batch, "k": a.k}
+    profile.meta |= {"mean_step_ms": quiet_step_ms, "step_ms_at_batch": step_ms, "verify_ms_at_batch": verify_ms, "draft_step_ms_at_batch": draft_ms,
+                     "batch": a.batch, "k": a.k, "measured_through": grpc_address or "in-process engine"}  # fmt: skip
     return profile
 
 
 def simulate_like(arch: str, load: dict, profile, a: argparse.Namespace) -> dict:
+    """The load test's closed loop in the simulator. The profile's costs were measured on a quiet
+    machine; under load the server's steps run slower (the load test's clients and the server's
+    HTTP work share the cores), by the ratio of its mean step time during the run (``/metrics``)
+    to the profiling run's: the simulated server runs at that speed (``--no-load-speed``: 1.0)."""
     from serving.config import load_config
     from serving.simulator import SimulateConfig, simulate
 
-    overhead = a.grpc_overhead_ms if arch == "distributed" else 0.0
+    speed = 1.0 if a.no_load_speed else profile.meta["mean_step_ms"] / load["server_step_ms"]
+    profile.meta["load_speed"] = speed
+
     overrides = [
         f"duration_s={load['wall_s']}", "warmup_s=0", "metrics_interval_s=1", "architecture=fused",
         f"clients={{loop: {load['concurrency']}}}",
         "devices={loop: {draft_speed: 1.0, link: {latency_ms: 0.05, bandwidth_mbps: 10000}}}",
-        f"targets=[{{count: 1, speed: 1.0, max_batch: {a.batch}, static_batch: true, step_overhead_ms: {overhead}}}]",
+        f"targets=[{{count: 1, speed: {speed}, max_batch: {a.batch}, static_batch: true}}]",
         "arrivals.kind=closed", "arrivals.think_time_s=0", f"k.k={a.k}", "k.k_max=8", "draft.name=draft",
         f"seed={a.seed}", "output.plots=false",
     ]  # fmt: skip
@@ -215,6 +320,11 @@ def markdown(report: dict) -> str:
         for metric, c in r["comparison"].items():
             err = "-" if c["error"] is None else f"{100 * c['error']:+.1f}%"
             lines.append(f"| {arch} | {metric} | {c['measured']:.1f} | {c['simulated']:.1f} | {err} |")
+    lines += ["", "| architecture | mean acceptance | server step ms under load | profiling-run step ms | simulated speed | TTFT mean ms: client / server-side / simulated |",
+              "|---|---|---|---|---|---|"]  # fmt: skip
+    for arch, r in report["results"].items():
+        lines.append(f"| {arch} | {r['acceptance']:.2f} | {r['server_step_ms']:.1f} | {r['quiet_step_ms']:.1f} | {r['load_speed']:.2f} | "
+                     f"{r['client_ttft_mean_ms']:.0f} / {r['server_ttft_mean_ms']:.0f} / {r['simulated_ttft_mean_ms']:.0f} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -230,23 +340,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--n-prompts", type=int, default=8, help="prompts per domain")
-    ap.add_argument("--grpc-overhead-ms", type=float, default=1.0, help="distributed: gRPC round trip added to every step")
+    ap.add_argument("--no-load-speed", action="store_true", help="simulate at the quiet profile's speed")
+    ap.add_argument("--deep-scale", type=float, default=0.15, help="strength of the target's layers past the draft's")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/calibrate")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    target, draft = build_models(out / "models", a.hidden, a.layers, a.draft_layers, a.seed)
+    target, draft = build_models(out / "models", a)
     router = write_router(out, target, draft)
     report = {"settings": vars(a), "results": {}}
     for arch in [x for x in a.architectures.split(",") if x]:
-        load = serve_and_load(arch, router, out, a)
+        load, profile = serve_and_load(arch, target, draft, router, out, a)
         if load.get("errors"):
             print(f"{arch}: load test had {load['errors']} errors: {load.get('error_examples')}", file=sys.stderr)
-        profile = measure_profile(target, draft, load, a)
         profile.save(out / f"profile_{arch}.yaml")
         sim = simulate_like(arch, load, profile, a)
-        report["results"][arch] = {"comparison": compare(load, sim), "simulated": sim["summary"], "profile": str(out / f"profile_{arch}.yaml")}
+        report["results"][arch] = {"comparison": compare(load, sim), "simulated": sim["summary"], "profile": str(out / f"profile_{arch}.yaml"),
+                                   "server_step_ms": load["server_step_ms"], "quiet_step_ms": profile.meta["mean_step_ms"],
+                                   "load_speed": profile.meta["load_speed"], "server_ttft_mean_ms": load["server_ttft_mean_ms"],
+                                   "client_ttft_mean_ms": load["ttft_ms"]["mean"], "simulated_ttft_mean_ms": sim["summary"]["ttft_ms"]["mean"],
+                                   "acceptance": statistics.fmean(r["acceptance"] for r in load["rows"] if r.get("ok"))}  # fmt: skip
         print(markdown(report))
     tmp = out / "calibration.json.tmp"
     tmp.write_text(json.dumps(report, indent=1, default=str))

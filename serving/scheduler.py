@@ -190,14 +190,18 @@ class Scheduler:
 
     def _admit(self, tickets: list[Ticket]) -> None:
         choices: list[Any] = [None] * len(tickets)
-        if self.router is not None:
+        # Forced requests skip the router: embedding their prompts would only delay the next step.
+        routed = [i for i, t in enumerate(tickets) if t.forced_draft is None]
+        if self.router is not None and routed:
             try:
-                choices = self.router.choose_batch([t.route_text for t in tickets])
+                for i, c in zip(routed, self.router.choose_batch([tickets[i].route_text for i in routed])):
+                    choices[i] = c
             except Exception as e:  # a broken router must not take the server down
                 log.exception("routing failed")
-                for t in tickets:
-                    self._fail(t, APIError(500, f"routing failed: {type(e).__name__}: {e}"), "error")
-                return
+                for i in routed:
+                    self._fail(tickets[i], APIError(500, f"routing failed: {type(e).__name__}: {e}"), "error")
+                keep = [i for i in range(len(tickets)) if i not in set(routed)]
+                tickets, choices = [tickets[i] for i in keep], [None] * len(keep)
         for ticket, choice in zip(tickets, choices):
             draft = ticket.forced_draft or (choice.draft if choice is not None else self._order[0])
             engine = self.engines.get(draft)

@@ -17,8 +17,10 @@ couple of minutes, so nothing is simulated per token):
   ``speed``). One event per batch plus one per row.
 * **Fused server** (``fused``): draft and target both on the server; one process per server runs
   continuous batching over its admitted sessions (``max_batch``), one iteration = the draft's K
-  forwards plus one verification over all rows (new rows are prefilled in the same iteration).
-  One event per iteration; sessions have no process. Clients only send prompts and receive tokens.
+  forwards plus one verification over all rows. As in ``SpeculativeEngine.step``, a new row is
+  prefilled (its first token) at the start of an iteration and then drafts and verifies in that
+  same iteration, so its first chunk reaches the client with the iteration's tokens (TTFT = wait +
+  prefill + one step). One event per iteration; sessions have no process. Clients only send prompts and receive tokens.
 
 Load balancing picks a target per session (sessions are sticky: the KV cache lives there):
 ``round_robin``, ``jsq`` (fewest active sessions), ``jsq2`` (the lesser of two picked at random),
@@ -518,7 +520,7 @@ class Simulation:
             pre += p
             widest = max(widest, s)
             prefills += p > 0
-        cost = self._forward_s(t, n, step, widest, prefills, pre)
+        cost = self._forward_s(t, n - prefills, step, widest, prefills, pre)
         t.busy += cost
         t.busy_until = self.env.now + cost
         t.batches += 1
@@ -526,15 +528,15 @@ class Simulation:
         Timeout(self.env, cost).callbacks.append(lambda _e: self._batch_done(t, batch))
 
     @staticmethod
-    def _forward_s(t: _Target, rows: int, step: int, widest: int, prefills: int, pre: int) -> float:
-        """Seconds of one target batch: ``rows`` rows of which ``prefills`` prefill ``pre`` prompt
-        tokens in all and the rest verify ``step`` tokens in all (``widest`` the most per row)."""
+    def _forward_s(t: _Target, verifying: int, step: int, widest: int, prefills: int, pre: int) -> float:
+        """Seconds of one target batch: ``verifying`` rows verify ``step`` tokens in all
+        (``widest`` the most per row) and ``prefills`` rows prefill ``pre`` prompt tokens in all."""
         if not t.static:
-            return t.overhead + t.c_base + t.c_row * rows + t.c_tok * step + t.c_pre * pre
+            return t.overhead + t.c_base + t.c_row * (verifying + prefills) + t.c_tok * step + t.c_pre * pre
         # Static shapes: verification runs every slot at the widest width; each prefill is a
         # forward of its own.
         b = t.max_batch
-        verify = t.c_base + t.c_row * b + t.c_tok * b * widest if rows > prefills else 0.0
+        verify = t.c_base + t.c_row * b + t.c_tok * b * widest if verifying else 0.0
         return t.overhead + verify + prefills * (t.c_base + t.c_row) + t.c_pre * pre
 
     def _batch_done(self, t: _Target, batch: list) -> None:
@@ -553,7 +555,7 @@ class Simulation:
         s.client, s.req, s.k, s.committed, s.new = client, req, self.cfg.k.k, 0, True
         s.draft = self.draft_of_domain[req.domain]
         s.negc = self.negc[s.draft, req.domain]
-        s.sent, s.ttft = req.sent, 0.0
+        s.sent, s.ttft = req.sent, -1.0  # set when its first tokens go out
         lat, per_byte, jitter, _ = self.links[cls]
         s.down = (lat, self.msg[3] * per_byte, jitter)
         up = self._transfer(cls, self.msg[0] + self.msg[2] * req.prompt)
@@ -583,24 +585,26 @@ class Simulation:
             per_draft: dict[int, list[int]] = {}  # draft -> [decoding rows, their largest K, new prompt tokens]
             for s in active:
                 acc = per_draft.setdefault(s.draft, [0, 0, 0])
-                if s.new:
+                if s.new:  # prefill gives the first token; the row decodes in this iteration too
+                    s.new = False
+                    s.committed = 1
                     pre += s.req.prompt
                     prefills += 1
                     acc[2] += s.req.prompt
-                else:
+                if s.committed < s.req.output:
                     kk = min(s.k, s.req.output - s.committed - 1)
                     step += kk + 1
                     widest = max(widest, kk + 1)
                     acc[0] += 1
                     acc[1] = max(acc[1], kk)
-            n = len(active)
-            cost_s = self._forward_s(t, n, step, widest, prefills, pre)
+            cost_s = self._forward_s(t, sum(acc[0] for acc in per_draft.values()), step, widest, prefills, pre)
             for d, (rows, kk, prompt) in per_draft.items():
                 cost, pre_ms = dcost[d]
                 # The batch's K sequential draft forwards over the decoding rows (rows with a
                 # smaller K idle through the extra ones), and the new rows' draft prefill.
                 r = t.max_batch if t.static else rows
                 cost_s += ((kk * cost.ms(r, r) if rows else 0.0) + prompt * pre_ms) / (1e3 * t.draft_speed)
+            n = len(active)
             t.busy += cost_s
             t.busy_until = env.now + cost_s
             t.batches += 1
@@ -612,18 +616,18 @@ class Simulation:
             for s in active:
                 lat, per, jitter = s.down
                 arrive = now + lat + per + (rng.expovariate(1.0 / jitter) if jitter else 0.0)
-                if s.new:
-                    s.new = False
-                    s.committed = 1
+                new = 0
+                if s.ttft < 0:  # the prefill's token goes out with this iteration's
                     s.ttft = arrive - s.sent
                     new = 1
-                else:
+                if s.committed < s.req.output:
                     kk = min(s.k, s.req.output - s.committed - 1)
                     a = bisect.bisect_left(s.negc, -rng.random())
                     if a > kk:
                         a = kk
-                    new = min(a + 1, s.req.output - s.committed)
-                    s.committed += new
+                    gained = min(a + 1, s.req.output - s.committed)
+                    s.committed += gained
+                    new += gained
                     self.verify_calls += 1
                     self.verify_tokens += a + 1
                     self.drafted += kk

@@ -341,3 +341,22 @@ def test_serve_cli_fails_fast_on_bad_config(router_file, tmp_path, capsys):
     assert "unknown key 'max_batch'" in capsys.readouterr().err
     assert cli_serve.main(["--role", "draft", "--router", str(router_file)]) == 2
     assert "--target HOST:PORT" in capsys.readouterr().err
+
+
+def test_forced_requests_skip_the_router(live, monkeypatch):
+    """A request that names its draft is not embedded (that would only delay the next step), so
+    it is served even while the router fails; a routed request then gets a clean 500."""
+    calls = []
+
+    def broken(texts):
+        calls.append(texts)
+        raise RuntimeError("router down")
+
+    monkeypatch.setattr(live.app.state.server.scheduler.router, "choose_batch", broken)
+    forced = live.client.completions.create(model=live.model, prompt="def f(x):", max_tokens=4, temperature=0,
+                                            extra_body={"draft": "code"})  # fmt: skip
+    assert forced.usage.completion_tokens == 4 and forced.model_extra["choral"]["draft"] == "code"
+    assert calls == []
+    with pytest.raises(openai.InternalServerError, match="routing failed: RuntimeError: router down"):
+        live.client.completions.create(model=live.model, prompt="def f(x):", max_tokens=4, temperature=0)
+    assert len(calls) == 1

@@ -80,6 +80,21 @@ def test_single_client_matches_closed_form(tmp_path, architecture):
     assert s["throughput_tokens_per_s"] == pytest.approx(1e3 * expected / step_ms, rel=0.02)
 
 
+def test_fused_first_chunk_comes_after_prefill_and_one_step(tmp_path):
+    """As in SpeculativeEngine.step: a new request is prefilled and then drafts and verifies in
+    the same iteration; its first chunk (1 + K + 1 tokens when all are accepted) goes out at the
+    end of that iteration, and every later chunk one iteration apart."""
+    p = iid_profile(a=1.0)
+    p.target = CostModel(base_ms=TARGET_MS, prefill_per_token_ms=0.5)
+    p.domains = {"x": DomainProfile(prompt_tokens=LengthDist(mean=16), output_tokens=LengthDist(mean=1 + 4 * (K + 1)))}
+    s = simulate(one_on_one(tmp_path, "architecture=fused"), p)["summary"]
+    step_ms = K * DRAFT_MS + TARGET_MS
+    prefill_ms = 16 * 0.5  # continuous batching (not static): the prompt rides in the step's forward
+    assert s["ttft_ms"]["p50"] == pytest.approx(LATENCY_MS + prefill_ms + step_ms + LATENCY_MS)
+    assert s["e2e_ms"]["p50"] == pytest.approx(LATENCY_MS + prefill_ms + 4 * step_ms + LATENCY_MS)
+    assert s["tokens_per_target_call"] == pytest.approx(K + 1)
+
+
 def test_acceptance_rate_is_per_position_mean(tmp_path):
     s = simulate(one_on_one(tmp_path), iid_profile(a=0.5))["summary"]
     assert s["acceptance_rate"] == pytest.approx(sum(iid_curve(0.5, K)) / K, abs=0.02)
