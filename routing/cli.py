@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from serving.config import ConfigError, describe, load_config
 
@@ -24,6 +25,7 @@ def collect_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", help="YAML file (configs/router_collect.yaml)")
     ap.add_argument("--shard", help="i/n: take prompts i, i+n, ... (0 <= i < n) into <output>.shard<i>of<n>.jsonl")
     ap.add_argument("--merge", nargs="+", metavar=("OUT", "SHARD"), help="join shard files into OUT and exit")
+    ap.add_argument("--profile", metavar="PATH", help="also write a simulator profile (YAML/JSON) of the rows (serving/profile.py)")
     ap.add_argument("--show-config", action="store_true", help="list every key with its type, default and doc")
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. decode.max_new_tokens=32")
     args = ap.parse_args(argv)
@@ -41,7 +43,7 @@ def collect_main(argv: list[str] | None = None) -> int:
             print(f"collect-router-data: error: {e}", file=sys.stderr)
             return 2
         print(f"collect-router-data: merged {len(args.merge) - 1} files into {args.merge[0]} ({n} rows)")
-        return 0
+        return _write_profile(args.merge[0], args.profile)
     try:
         cfg = load_config(CollectConfig, args.config, args.overrides)
         from routing.collect import collect, load_sources, parse_shard
@@ -53,6 +55,21 @@ def collect_main(argv: list[str] | None = None) -> int:
         return 2
     path = collect(cfg, shard=shard)
     print(f"collect-router-data: rows in {path}")
+    return _write_profile(path, args.profile)
+
+
+def _write_profile(rows: str | Path, out: str | None) -> int:
+    """The simulator's profile of collected rows (costs, acceptance per draft and domain, lengths)."""
+    if not out:
+        return 0
+    from serving.profile import from_router_data
+
+    try:
+        from_router_data(rows).save(out)
+    except ValueError as e:
+        print(f"collect-router-data: error: cannot make a profile of {rows}: {e}", file=sys.stderr)
+        return 2
+    print(f"collect-router-data: simulator profile in {out}")
     return 0
 
 

@@ -245,6 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=float, default=600.0, help="client timeout per request (s)")
     ap.add_argument("--out", default="runs/load", help="folder for load_test.json and load_test.md")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    ap.add_argument("--profile", metavar="PATH",
+                    help="also write a simulator profile (YAML/JSON): this run's lengths, domain mix and acceptance "
+                         "on the costs of --profile-base (serving.profile.from_load_test)")
+    ap.add_argument("--profile-base", metavar="PATH", help="profile with the target and draft costs (e.g. from spec-bench --profile)")
     return ap
 
 
@@ -288,6 +292,16 @@ def main(argv: list[str] | None = None) -> int:
     md = markdown(report)
     write_atomic(out / "load_test.md", md)
     print(md)
+    if args.profile:
+        from serving.profile import from_load_test, load_profile
+
+        try:
+            base = load_profile(args.profile_base) if args.profile_base else None
+            from_load_test(report, base=base).save(args.profile)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"load_test: error: cannot write the profile: {e}", file=sys.stderr)
+            return 2
+        print(f"simulator profile in {args.profile}")
     return 0 if report["errors"] == 0 and report.get("sequential", {}).get("errors", 0) == 0 else 1
 
 

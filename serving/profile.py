@@ -463,7 +463,8 @@ def from_load_test(result: str | Path | dict, base: Profile | None = None, k: in
         dpts = [CostPoint(1, 1, float(server["draft_step_ms"]))]
     if old and not any(p.kind == "prefill" for p in dpts):
         dpts += [p for p in old.cost.points if p.kind == "prefill"]
-    cost = CostModel.fit(dpts) if dpts else (old.cost if old else None)
+    # Prefill points from the base alone are no measurement of the draft: keep the base's cost.
+    cost = CostModel.fit(dpts) if any(p.kind == "step" for p in dpts) else (old.cost if old else None)
     ppa = server.get("per_position_acceptance")
     acc = {"all": [float(p) for p in ppa]} if isinstance(ppa, list) and ppa else (
         {d: [float(p) for p in c] for d, c in ppa.items()} if isinstance(ppa, dict) and ppa else None)  # fmt: skip

@@ -134,7 +134,13 @@ def test_interrupted_collection_resumes_and_shards_merge_to_one_run(setup, tmp_p
     shards = [shard_output(tmp_path / "sh.jsonl", (i, 2)) for i in range(2)]
     assert all(len(read_rows(s)) == expected // 2 for s in shards)
     merged = tmp_path / "merged.jsonl"
-    assert collect_main(["--merge", str(merged), *map(str, reversed(shards)), str(shards[0])]) == 0
+    profile = tmp_path / "profile.yaml"
+    assert collect_main(["--merge", str(merged), *map(str, reversed(shards)), str(shards[0]), "--profile", str(profile)]) == 0
+    from serving.profile import load_profile
+
+    p = load_profile(profile)  # the simulator's view of the rows: every draft with a cost and acceptance
+    assert set(p.drafts) == {r["draft"] for r in read_rows(merged) if r["draft"] != "none"}
+    assert p.target.base_ms > 0 and all(d.cost.base_ms > 0 and d.acceptance for d in p.drafts.values())
 
     def canon(path):
         return sorted((without_timing(r) for r in read_rows(path)), key=row_key)

@@ -272,8 +272,12 @@ def test_load_test_script_has_no_lost_or_malformed_responses(live, tmp_path):
     prompts.write_text('{"text": "def add(a, b):", "domain": "code"}\n{"text": "What is 12 + 30?"}\n'
                        '{"text": "The quick brown fox", "use_chat_template": false}\n')  # fmt: skip
     args = ["--url", live.url, "--concurrency", "4", "--requests", "8", "--max-tokens", "8", "--prompt-file",
-            str(prompts), "--out", str(tmp_path / "load"), "--quiet", "--compare-sequential"]  # fmt: skip
+            str(prompts), "--out", str(tmp_path / "load"), "--quiet", "--compare-sequential",
+            "--profile", str(tmp_path / "p.yaml"), "--profile-base", str(Path(__file__).parents[1] / "configs/profiles/cpu_bundled.yaml")]  # fmt: skip
     assert load_test.main(args) == 0
+    from serving.profile import load_profile
+
+    assert set(load_profile(tmp_path / "p.yaml").domains) == {"prompts"}  # ids of a prompt file: <stem>/<i>
     report = json.loads((tmp_path / "load" / "load_test.json").read_text())
     for run in (report, report["sequential"]):
         assert run["n_requests"] == 8 and run["errors"] == 0 and run["n_ok"] == 8
