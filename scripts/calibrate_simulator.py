@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,11 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 REPO = Path(__file__).resolve().parents[1]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from serving.launch import free_port, stop, wait_healthy  # noqa: E402  (after the path above)
 
 
 def word_tokenizer(vocab_size: int, n_prompts: int):
@@ -116,34 +111,8 @@ def write_router(root: Path, target: Path, draft: Path) -> Path:
     return path
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before it was healthy")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1.0)
-    raise RuntimeError(f"{url} not healthy after {timeout:.0f} s")
-
-
 def start(args: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "serving.cli_serve", *args], stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO)
-
-
-def stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            p.kill()
 
 
 def server_totals(url: str) -> dict[str, tuple[float, float]]:

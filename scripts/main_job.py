@@ -24,12 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
+
+from serving.launch import free_port, stop, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -65,27 +65,6 @@ def run(stage: str, cmd: list[str], log: Path) -> None:
             raise SystemExit(f"[{stage}] failed with exit code {proc.returncode}; see {log}")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(base: str, server: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"[serve] the server exited with code {server.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(f"{base}/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(2)
-    raise SystemExit(f"[serve] not ready after {timeout_s:.0f} s")
-
-
 def ask(client, model: str, kind: str, text: str, max_tokens: int, draft: str | None) -> tuple[str, dict, float, int]:
     extra = {"draft": draft} if draft else {}
     started = time.perf_counter()
@@ -112,7 +91,10 @@ def serve_and_ask(router: Path, out: Path, log: Path, max_tokens: int) -> list[d
     with open(log, "a") as f:
         server = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
     try:
-        wait_ready(base, server, timeout_s=900)
+        try:
+            wait_healthy(base, server, timeout_s=900, poll_s=2.0)
+        except RuntimeError as e:
+            raise SystemExit(f"[serve] {e}") from None
         client = OpenAI(base_url=f"{base}/v1", api_key="none", timeout=600)
         model = client.models.list().data[0].id
         answers = []
@@ -131,11 +113,7 @@ def serve_and_ask(router: Path, out: Path, log: Path, max_tokens: int) -> list[d
             print(answer.strip())
         return answers
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop([server])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,6 @@ the same port requests succeed again without touching the draft node."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -16,15 +15,10 @@ import pytest
 
 from routing.router import Router
 from serving.engine import EngineConfig, Request, SpeculativeEngine
+from serving.launch import free_port
 from tests.test_server import LiveServer
 
 MAX_LEN = 128
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class TargetProcess:

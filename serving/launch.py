@@ -1,0 +1,45 @@
+"""Run ``serve`` as a child process on loopback, as scripts and tests do: a free port, waiting
+until ``/health`` answers, and stopping the processes again."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+import urllib.request
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300.0, poll_s: float = 1.0) -> None:
+    """Return once ``url``/health answers 200; raise ``RuntimeError`` if ``proc`` exits first or
+    ``timeout_s`` passes (loading and warming up the bundled models takes minutes)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(poll_s)
+    raise RuntimeError(f"{url} not ready after {timeout_s:.0f} s")
+
+
+def stop(procs: list[subprocess.Popen], timeout_s: float = 30.0) -> None:
+    """Terminate every process still running, then kill those that do not exit in ``timeout_s``."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
