@@ -200,7 +200,10 @@ def _build_engines(cfg: CollectConfig, tokenizer, engine_cfg: dict) -> dict[str,
         drafts[name] = load_model(ref, dtype=e.dtype, device=device)
     if e.cpu_kernels:
         widths = EngineConfig(**engine_cfg).step_widths
-        use_cpu_kernels([target, *drafts.values()], device=device, dtype=e.dtype, widths=widths)
+        use_cpu_kernels([target], drafts=list(drafts.values()), draft_weights=e.draft_weights, device=device,
+                        dtype=e.dtype, widths=widths)
+    elif e.draft_weights == "int8":
+        raise ValueError(f"engine.draft_weights={e.draft_weights} needs engine.cpu_kernels=true")
     engines = {}
     if cfg.baseline:
         engines[NONE] = SpeculativeEngine(target, tokenizer, None, EngineConfig(**engine_cfg))

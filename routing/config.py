@@ -66,6 +66,9 @@ class EngineSettings:
     device: Literal["auto", "cpu", "cuda", "neuron"] = "auto"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     cpu_kernels: bool = field(default=True, metadata=doc("batch-invariant CPU kernels (CPU, fp32)"))
+    draft_weights: Literal["auto", "fp32", "int8"] = field(default="auto", metadata=doc(
+        "int8: drafts run as W8A8 int8 on the CPU kernels (cheaper draft steps, same outputs); auto: int8 "
+        "wherever the CPU kernels run"))
     batch_size: int = field(
         default=1, metadata=doc("prompts decoded together; >1 is faster but rows of one batch share their timings")
     )

@@ -56,13 +56,16 @@ def measure_routed(args) -> dict:
     k_max = args.k
     config = lambda k: EngineConfig(k=k, k_buckets=tuple(range(1, k_max + 1)) if k else (1,), draft_confidence=args.draft_confidence)  # noqa: E731
     widths = EngineConfig(k="auto", k_buckets=tuple(range(1, k_max + 1))).step_widths
-    use_cpu_kernels([target, *by_ref.values()], device=torch.device("cpu"), dtype="float32", widths=widths)
+    # HF assisted generation runs its users' setup: the generic draft in fp32 on stock kernels.
+    hf_draft = models[generic_name] if args.draft_weights == "fp32" else load_model(GENERIC)
+    use_cpu_kernels([target], drafts=list(by_ref.values()), draft_weights=args.draft_weights,
+                    device=torch.device("cpu"), dtype="float32", widths=widths)
     target_engine = SpeculativeEngine(target, tokenizer, None, config(0))
     engines = {name: SpeculativeEngine(target, tokenizer, m, config(args.k)) for name, m in models.items()}
     engines["none"] = target_engine
     eos = sorted(target_engine._eos)
     prompts = {d: load_prompts(d, args.prompts_per_domain) for d in DOMAINS}
-    report = {"config": {"router": args.router, "k": args.k, "draft_confidence": args.draft_confidence,
+    report = {"config": {"router": args.router, "k": args.k, "draft_weights": args.draft_weights, "draft_confidence": args.draft_confidence,
                          "prompts_per_domain": args.prompts_per_domain, "max_new_tokens": args.max_new_tokens,
                          "machine": f"{platform.machine()} {os.cpu_count()} cpus, {torch.get_num_threads()} threads",
                          "command": " ".join(["python scripts/report.py", *sys.argv[1:]])},  # fmt: skip
@@ -76,7 +79,7 @@ def measure_routed(args) -> dict:
             for i, prompt in enumerate(prompts[d]):
                 ids = encode_prompt(tokenizer, prompt)
                 choice = router.choose(prompt.text)
-                row = bench_prompt((target_engine, engines[choice.draft]), (target, models[generic_name]),
+                row = bench_prompt((target_engine, engines[choice.draft]), (target, hf_draft),
                                    ids, args.max_new_tokens, eos, i, True)  # fmt: skip
                 generic_ids, s = run_engine(engines[generic_name], ids, args.max_new_tokens)
                 row |= {"id": prompt.id, "draft": choice.draft, "generic_tokens": len(generic_ids),
@@ -149,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--draft-confidence", type=float, default=0.4)
+    ap.add_argument("--draft-weights", choices=["fp32", "int8"], default="fp32",
+                    help="Choral's drafts in fp32 or W8A8 int8 (HF assisted keeps the fp32 generic draft)")
     ap.add_argument("--bench", default="runs/bench-conf/bench.json", help="a spec-bench bench.json")
     ap.add_argument("--router-eval", default=None, help="eval.md of train-router (default: next to --router)")
     ap.add_argument("--load-test", nargs="*", default=[], help="load_test.py JSON results")

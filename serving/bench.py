@@ -153,7 +153,7 @@ def markdown(report: dict) -> str:
         "",
         f"{cfg['dtype']} on {cfg['device']} ({cfg['machine']}), greedy, {cfg['max_new_tokens']} new tokens, "
         f"K={cfg['k']}, draft confidence stop: {cfg.get('draft_confidence')}, {cfg['prompts_per_domain']} prompts per domain, Choral CPU kernels: "
-        f"{cfg.get('choral_cpu_kernels')}, HF assisted kernels: {cfg['hf_kernels']}. Command: `{cfg['command']}`",
+        f"{cfg.get('choral_cpu_kernels')}, Choral's draft weights: {cfg.get('draft_weights', 'fp32')}, HF assisted kernels: {cfg['hf_kernels']}. Command: `{cfg['command']}`",
         "",
         "| domain | target tok/s | HF assisted tok/s | Choral tok/s | Choral speedup | Choral / HF | acceptance "
         "| tokens/target call | drafted/call | draft step ms | 1-token step ms | verify ms | verify / 1-token | predicted speedup "
@@ -230,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--quantize", choices=["int8-dynamic"], default=None)
+    ap.add_argument("--draft-weights", choices=["fp32", "int8"], default="fp32",
+                    help="int8: run Choral's draft in W8A8 int8 (the target stays fp32; HF keeps its fp32 draft)")
     ap.add_argument("--compile", action="store_true", help="compile the step shapes")
     ap.add_argument("--no-cpu-kernels", action="store_true", help="Choral on stock PyTorch CPU kernels")
     ap.add_argument("--hf-kernels", choices=["stock", "choral"], default="stock",
@@ -253,19 +255,26 @@ def main(argv: list[str] | None = None) -> int:
     check_same_tokenizer(tokenizer, load_tokenizer(args.draft), draft_name=args.draft)
     target = load_model(args.target, dtype=args.dtype, device=device, quantize=args.quantize)
     draft = load_model(args.draft, dtype=args.dtype, device=device, quantize=args.quantize)
+    # An int8 draft is Choral's own: HF assisted generation keeps the fp32 one (its users' setup).
+    choral_draft = draft
+    if args.draft_weights != "fp32":
+        choral_draft = load_model(args.draft, dtype=args.dtype, device=device, quantize=args.quantize)
     sweep = [int(k) for k in args.k_sweep.split(",") if k.strip()]
     cpu_kernels = False
     if not (args.no_cpu_kernels or args.compile):  # the CPU kernels are eager-only
         every_k = EngineConfig(k="auto", k_buckets=tuple(range(1, max([args.k, *sweep]) + 1)))
         cpu_kernels = use_cpu_kernels(
-            [target, draft], device=device, dtype=args.dtype, widths=every_k.step_widths, quantize=args.quantize
+            [target], drafts=[choral_draft], draft_weights=args.draft_weights, device=device, dtype=args.dtype,
+            widths=every_k.step_widths, quantize=args.quantize,
         )
+    if args.draft_weights != "fp32" and not cpu_kernels:
+        raise SystemExit(f"--draft-weights {args.draft_weights} needs Choral's CPU kernels (cpu, float32, no --compile)")
     hf_stock = args.hf_kernels == "stock"
 
     def engine(k: int) -> SpeculativeEngine:
         cfg = EngineConfig(max_len=args.max_len, k=k, k_buckets=tuple(range(1, max([k, *sweep]) + 1)) if k else (1,),
                            draft_confidence=args.draft_confidence)
-        e = SpeculativeEngine(target, tokenizer, draft if k else None, cfg)
+        e = SpeculativeEngine(target, tokenizer, choral_draft if k else None, cfg)
         if args.compile:
             e.enable_compile()
         return e

@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--quantize", choices=["int8-dynamic"], default=None,
                     help="CPU dynamic int8 (fast, but greedy output may differ from fp32: see README)")
+    ap.add_argument("--draft-weights", choices=["auto", "fp32", "int8"], default="auto",
+                    help="int8: the draft runs as W8A8 int8 on the CPU kernels (output unchanged); auto: int8 wherever they run")
     ap.add_argument("--no-cpu-kernels", action="store_true",
                     help="use stock PyTorch kernels on the CPU instead of Choral's batch-invariant ones")
     ap.add_argument("--batch-size", type=int, default=1, help="prompts decoded together")
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = SpeculativeEngine.load(
             args.target, args.draft, device=args.device, dtype=args.dtype, quantize=args.quantize,
             # The CPU kernels are eager-only (an extension call, host-side attention lengths).
-            cpu_kernels=not (args.no_cpu_kernels or args.compile), config=config
+            cpu_kernels=not (args.no_cpu_kernels or args.compile), draft_weights=args.draft_weights, config=config
         )
         if args.compile:
             engine.enable_compile()

@@ -53,7 +53,21 @@ One Linear(1536, 8960), ms per call, weights rotated so they do not sit in L3:
   multi-row one (seen with the same ops in eager), so compiled 1- and 5-token graphs are not
   batch-invariant either. (Not re-timed here: compiling the 1.5B takes 60-75 s per shape.)
 * Dynamic int8 is fast but its activation scales depend on the rows in the batch; bf16
-  changes the target's numerics. Neither is used.
+  changes the target's numerics. Neither is used for the target.
+
+Drafts may round (the target's fp32 verification decides the output), so `weights="int8"`
+stores a draft as W8A8 int8 (`Int8Linear`): per-row int8 weights, each input row quantized on
+its own, AVX-512 VNNI integer dot products (exact, so still batch-invariant). Measured the same
+way on a slower day (`prepare_for_cpu` fp32 vs int8, 2 threads, ms per call):
+
+    Linear (out x in), M rows       1 row          5 rows
+    4864 x 896                   1.04 -> 0.49   1.29 -> 0.64
+    896 x 4864                   0.90 -> 0.32   1.22 -> 0.48
+    32768 x 896 (a 32k head)     6.66 -> 2.64   9.38 -> 4.10
+    whole 0.5B step, 32k head    140  -> 59     (1.5B target fp32: 459)
+
+A first version that widened int8 weights to fp32 in registers (fp32 activations) was only
+1.3-1.5x faster than fp32: the widening, not memory, was the limit.
 
 Invariance holds for steps of at most `max_rows` tokens (default 16); longer inputs (the
 prompt prefill) use plain F.linear / SDPA, which is fine because the baseline and the
@@ -75,12 +89,15 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 KERNELS = ("auto", "rowdot", "mkl")
+WEIGHTS = ("fp32", "int8")
 ATTN_NAME = "choral_rowwise_sdpa"
 
 _CPP = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <cmath>
+#include <vector>
 
 #if defined(__AVX512F__)
 typedef __m512 vec;
@@ -109,17 +126,20 @@ static inline float vsum(vec a) {  // fixed reduction tree
   return _mm_cvtss_f32(t);
 }
 
+static inline vec wload(const float* p) { return vload(p); }
+
 // NB weight rows against R input rows. Each output has one accumulator that receives the
 // same FMAs in the same order whatever NB and R are: that is the batch invariance.
-template <int NB, int R>
-static inline void block(const float* w, int64_t K, const float* x, float* out, int64_t ldo) {
+// `scale` (int8 weights only) multiplies each finished dot product once, also fixed per output.
+template <int NB, int R, typename W>
+static inline void block(const W* w, int64_t K, const float* x, float* out, int64_t ldo, const float* scale) {
   vec acc[NB][R];
   for (int i = 0; i < NB; ++i)
     for (int r = 0; r < R; ++r) acc[i][r] = vzero();
   int64_t k = 0;
   for (; k + VL <= K; k += VL) {
     vec wv[NB];
-    for (int i = 0; i < NB; ++i) wv[i] = vload(w + i * K + k);
+    for (int i = 0; i < NB; ++i) wv[i] = wload(w + i * K + k);
     for (int r = 0; r < R; ++r) {
       vec xv = vload(x + r * K + k);
       for (int i = 0; i < NB; ++i) acc[i][r] = vfma(wv[i], xv, acc[i][r]);
@@ -128,21 +148,22 @@ static inline void block(const float* w, int64_t K, const float* x, float* out, 
   for (int i = 0; i < NB; ++i)
     for (int r = 0; r < R; ++r) {
       float s = vsum(acc[i][r]);
-      for (int64_t j = k; j < K; ++j) s = __builtin_fmaf(w[i * K + j], x[r * K + j], s);
-      out[r * ldo + i] = s;
+      for (int64_t j = k; j < K; ++j) s = __builtin_fmaf(static_cast<float>(w[i * K + j]), x[r * K + j], s);
+      out[r * ldo + i] = scale ? s * scale[i] : s;
     }
 }
 
 // A panel of 8 weight rows is read from memory once; wider row groups use fewer weight
 // rows per block so that all accumulators stay in registers (32 with AVX-512, 16 with AVX2).
 #if VL == 16
-#define WIDE(R) block<8, R>(w, K, xm, o, ldo)
-#define NARROW(R) block<4, R>(w, K, xm, o, ldo); block<4, R>(w + 4 * K, K, xm, o + 4, ldo)
+#define WIDE(R) block<8, R>(w, K, xm, o, ldo, sc)
+#define NARROW(R) block<4, R>(w, K, xm, o, ldo, sc); block<4, R>(w + 4 * K, K, xm, o + 4, ldo, sc ? sc + 4 : sc)
 #else
-#define WIDE(R) block<4, R>(w, K, xm, o, ldo); block<4, R>(w + 4 * K, K, xm, o + 4, ldo)
-#define NARROW(R) for (int h = 0; h < 8; h += 2) block<2, R>(w + h * K, K, xm, o + h, ldo)
+#define WIDE(R) block<4, R>(w, K, xm, o, ldo, sc); block<4, R>(w + 4 * K, K, xm, o + 4, ldo, sc ? sc + 4 : sc)
+#define NARROW(R) for (int h = 0; h < 8; h += 2) block<2, R>(w + h * K, K, xm, o + h, ldo, sc ? sc + h : sc)
 #endif
-static void panel(const float* w, int64_t K, const float* x, int64_t M, float* out, int64_t ldo) {
+template <typename W>
+static void panel(const W* w, int64_t K, const float* x, int64_t M, float* out, int64_t ldo, const float* sc) {
   for (int64_t m = 0; m < M; m += 6) {
     const float* xm = x + m * K;
     float* o = out + m * ldo;
@@ -157,6 +178,23 @@ static void panel(const float* w, int64_t K, const float* x, int64_t M, float* o
   }
 }
 
+template <typename W>
+static void rowdot(const float* xp, const W* wp, const float* sp, float* yp, int64_t M, int64_t K, int64_t N) {
+  at::parallel_for(0, (N + 7) / 8, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n = b * 8;
+      const float* sc = sp ? sp + n : nullptr;
+      if (n + 8 <= N) {
+        panel(wp + n * K, K, xp, M, yp + n, N, sc);
+      } else {
+        for (int64_t j = n; j < N; ++j)
+          for (int64_t m = 0; m < M; ++m)
+            block<1, 1>(wp + j * K, K, xp + m * K, yp + m * N + j, N, sp ? sp + j : nullptr);
+      }
+    }
+  });
+}
+
 torch::Tensor rowdot_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "shape mismatch");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "fp32 only");
@@ -164,17 +202,91 @@ torch::Tensor rowdot_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   auto y = torch::empty({M, N}, x.options());
+  rowdot<float>(x.data_ptr<float>(), w.data_ptr<float>(), nullptr, y.data_ptr<float>(), M, K, N);
+  if (bias.has_value() && bias->defined()) y.add_(*bias);
+  return y;
+}
+
+// ---- int8 for drafts: weights AND activations in int8, one scale per weight row and one per
+// input row (W8A8, per-token dynamic). A draft's numerics never change the speculative output, so
+// it may round; what it buys is 1 byte per weight and VNNI's 64 multiply-adds per instruction.
+// Integer dot products are exact, so the result is batch-invariant whatever the blocking.
+// Weights are stored zero-padded to a multiple of 64 columns (KP); activations are shifted to
+// unsigned (q + 128) for vpdpbusd and the shift is undone with the weight row sums.
+
+template <int NB, int R>
+static inline void qblock(const int8_t* w, int64_t KP, const uint8_t* x, const float* xs, float* out, int64_t ldo,
+                          const float* ws, const int32_t* wsum) {
+  int32_t dot[NB][R];
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  __m512i acc[NB][R];
+  for (int i = 0; i < NB; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_si512();
+  for (int64_t k = 0; k < KP; k += 64) {
+    __m512i wv[NB];
+    for (int i = 0; i < NB; ++i) wv[i] = _mm512_loadu_si512(w + i * KP + k);
+    for (int r = 0; r < R; ++r) {
+      __m512i xv = _mm512_loadu_si512(x + r * KP + k);
+      for (int i = 0; i < NB; ++i) acc[i][r] = _mm512_dpbusd_epi32(acc[i][r], xv, wv[i]);
+    }
+  }
+  for (int i = 0; i < NB; ++i)
+    for (int r = 0; r < R; ++r) dot[i][r] = _mm512_reduce_add_epi32(acc[i][r]);
+#else
+  for (int i = 0; i < NB; ++i)
+    for (int r = 0; r < R; ++r) {
+      int32_t d = 0;
+      for (int64_t k = 0; k < KP; ++k) d += int32_t(x[r * KP + k]) * int32_t(w[i * KP + k]);
+      dot[i][r] = d;
+    }
+#endif
+  for (int i = 0; i < NB; ++i)
+    for (int r = 0; r < R; ++r) out[r * ldo + i] = float(dot[i][r] - 128 * wsum[i]) * xs[r] * ws[i];
+}
+
+torch::Tensor rowdot_linear_w8a8(torch::Tensor x, torch::Tensor w, torch::Tensor wscale, torch::Tensor wsum,
+                                 c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.size(1) % 64 == 0 && x.size(1) <= w.size(1), "shape mismatch");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar, "fp32 input, int8 weight");
+  TORCH_CHECK(wscale.scalar_type() == at::kFloat && wsum.scalar_type() == at::kInt, "fp32 scales, int32 sums");
+  TORCH_CHECK(w.is_contiguous() && wscale.is_contiguous() && wsum.is_contiguous(), "contiguous weights");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), KP = w.size(1), N = w.size(0);
+  // Quantize each input row on its own (so a row's result never depends on the others).
+  std::vector<uint8_t> xq(M * KP, 128);
+  std::vector<float> xs(M);
   const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xp[m * K + k]));
+    const float s = amax > 0.f ? amax / 127.f : 1.f;
+    xs[m] = s;
+    for (int64_t k = 0; k < K; ++k) {
+      const float q = std::nearbyint(xp[m * K + k] / s);
+      xq[m * KP + k] = uint8_t(int32_t(std::min(127.f, std::max(-127.f, q))) + 128);
+    }
+  }
+  auto y = torch::empty({M, N}, x.options());
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* sp = wscale.data_ptr<float>();
+  const int32_t* up = wsum.data_ptr<int32_t>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, (N + 7) / 8, 16, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n = b * 8;
-      if (n + 8 <= N) {
-        panel(wp + n * K, K, xp, M, yp + n, N);
-      } else {
+      if (n + 8 > N) {
         for (int64_t j = n; j < N; ++j)
-          for (int64_t m = 0; m < M; ++m) block<1, 1>(wp + j * K, K, xp + m * K, yp + m * N + j, N);
+          for (int64_t m = 0; m < M; ++m)
+            qblock<1, 1>(wp + j * KP, KP, xq.data() + m * KP, xs.data() + m, yp + m * N + j, N, sp + j, up + j);
+        continue;
+      }
+      for (int64_t m = 0; m < M; m += 2) {
+        const uint8_t* xm = xq.data() + m * KP;
+        float* o = yp + m * N + n;
+        if (M - m >= 2)
+          qblock<8, 2>(wp + n * KP, KP, xm, xs.data() + m, o, N, sp + n, up + n);
+        else
+          qblock<8, 1>(wp + n * KP, KP, xm, xs.data() + m, o, N, sp + n, up + n);
       }
     }
   });
@@ -196,13 +308,18 @@ def _rowdot_ext():
         flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
         tag = hashlib.sha256((_CPP + flags + torch.__version__).encode()).hexdigest()[:12]
         return load_inline(
-            name=f"choral_rowdot_{tag}", cpp_sources=_CPP, functions=["rowdot_linear"],
+            name=f"choral_rowdot_{tag}", cpp_sources=_CPP, functions=["rowdot_linear", "rowdot_linear_w8a8"],
             extra_cflags=["-O3", "-march=native", "-fno-fast-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"], verbose=False,
         )
     except Exception as exc:  # noqa: BLE001 - no compiler, no headers: fall back, say why
         log.warning("choral: building the rowdot CPU kernel failed (%s); using MKL packed sgemm", exc)
         return None
+
+
+def rowdot_available() -> bool:
+    """Whether the C++ kernel (fp32 rowdot and the int8 draft kernel) builds on this machine."""
+    return _rowdot_ext() is not None
 
 
 class InvariantLinear(nn.Module):
@@ -223,6 +340,14 @@ class InvariantLinear(nn.Module):
             # _mkl_linear reads only the output size from the original weight when the row
             # count equals batch_size, which it always does here.
             self._shape_only = torch.zeros((), dtype=torch.float32).expand(self.out_features, self.in_features)
+
+    def select_rows(self, ids: torch.Tensor) -> "InvariantLinear":
+        """The same layer computing only output rows ``ids`` (a reduced draft vocabulary)."""
+        sub = nn.Linear(self.in_features, len(ids), bias=self.bias is not None, device=self.weight.device)
+        sub.weight = nn.Parameter(self.weight.detach().index_select(0, ids).contiguous(), requires_grad=False)
+        if self.bias is not None:
+            sub.bias = nn.Parameter(self.bias.detach().index_select(0, ids), requires_grad=False)
+        return InvariantLinear(sub, self.kernel, self.max_rows, pack_rows=max(2, self.max_rows))
 
     def extra_bytes(self) -> int:
         packed = getattr(self, "_packed", None)
@@ -251,6 +376,61 @@ class InvariantLinear(nn.Module):
             y = torch.ops.mkl._mkl_linear(x2.expand(2, -1), self._packed, self._shape_only, bias, 2)[:1]
         else:
             y = torch.ops.mkl._mkl_linear(x2, self._packed, self._shape_only, bias, x2.shape[0])
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class Int8Linear(nn.Module):
+    """int8 Linear for drafts (W8A8): each weight row is int8 with one fp32 scale (symmetric,
+    absmax / 127), each input row is quantized the same way when it arrives, and the C++ kernel
+    multiplies them with VNNI's integer dot products. A draft step reads a quarter of the fp32
+    bytes and does next to no float work, so it runs near the memory-bandwidth limit.
+
+    For drafts only: int8 changes a model's numerics, so a target's greedy output would no
+    longer be the fp32 model's. A draft's numerics only decide how often its proposals are
+    accepted; the target's verification keeps the output exact whatever the draft computes.
+    Integer sums are exact, so rows are batch-invariant anyway. Steps longer than ``max_rows``
+    (prefill) run F.linear on the dequantized weights.
+    """
+
+    def __init__(self, linear: nn.Linear | None, max_rows: int):
+        super().__init__()
+        self.max_rows = max_rows
+        if linear is None:  # filled in by _from_parts
+            return
+        w = linear.weight.detach().float()  # [N, K]
+        self.out_features, self.in_features = w.shape
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [N]
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)  # [N, K]
+        padded = torch.zeros(w.shape[0], -(-w.shape[1] // 64) * 64, dtype=torch.int8)  # [N, KP], KP % 64 == 0
+        padded[:, : w.shape[1]] = q
+        self._set(padded, scale, None if linear.bias is None else linear.bias.detach().float())
+
+    def _set(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.register_buffer("qweight", qweight.contiguous())  # [N, KP]
+        self.register_buffer("scale", scale.float().contiguous())  # [N]
+        self.register_buffer("row_sums", qweight.sum(dim=1, dtype=torch.int32).contiguous())  # [N]
+        self.bias = None if bias is None else nn.Parameter(bias.clone(), requires_grad=False)
+
+    def select_rows(self, ids: torch.Tensor) -> "Int8Linear":
+        """The same layer computing only output rows ``ids`` (a reduced draft vocabulary)."""
+        sub = Int8Linear(None, self.max_rows)
+        sub.in_features, sub.out_features = self.in_features, len(ids)
+        bias = None if self.bias is None else self.bias.detach().index_select(0, ids)
+        sub._set(self.qweight.index_select(0, ids), self.scale.index_select(0, ids), bias)
+        return sub
+
+    def dequantized(self) -> torch.Tensor:
+        return self.qweight[:, : self.in_features].float() * self.scale[:, None]  # [N, K]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, w8a8"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if x.dtype != torch.float32 or x.device.type != "cpu" or not 0 < rows <= self.max_rows:
+            return F.linear(x, self.dequantized().to(x.dtype), self.bias)
+        y = _rowdot_ext().rowdot_linear_w8a8(x.reshape(-1, self.in_features), self.qweight, self.scale,
+                                             self.row_sums, self.bias)
         return y.view(*x.shape[:-1], self.out_features)
 
 
@@ -293,7 +473,7 @@ def _use_rowwise_attention(model: nn.Module) -> None:
     model.set_attn_implementation(ATTN_NAME)
 
 
-def _check_invariance(mod: InvariantLinear, counts: Sequence[int]) -> bool:
+def _check_invariance(mod: nn.Module, counts: Sequence[int]) -> bool:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(max(counts), mod.in_features, generator=g)
     with torch.no_grad():
@@ -309,6 +489,7 @@ def prepare_for_cpu(
     kernel: str = "auto",
     max_rows: int = 16,
     attention: bool = True,
+    weights: str = "fp32",
 ) -> nn.Module:
     """Make the forward of `model` batch-invariant and cheap for small token counts, in place.
 
@@ -317,7 +498,15 @@ def prepare_for_cpu(
     kernel: "rowdot" (the C++ kernel), "mkl" (packed sgemm, no compiler needed) or "auto".
     max_rows: steps longer than this (prefill) use the library kernels.
     attention: also switch a Hugging Face model to the row-wise SDPA.
+    weights: "fp32" keeps the model's numerics (for the target); "int8" stores every Linear as
+      weight-only int8 (`Int8Linear`, needs the C++ kernel): ~3x cheaper steps, different numerics,
+      so for drafts only, whose numerics never change the speculative output.
     """
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    if weights == "int8" and _rowdot_ext() is None:
+        raise RuntimeError("int8 draft weights need the rowdot C++ kernel, which could not be built here; "
+                           "use draft_weights=fp32")
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel in ("auto", "rowdot") and _rowdot_ext() is None:
@@ -335,7 +524,10 @@ def prepare_for_cpu(
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear or child.weight.dtype != torch.float32:
                 continue
-            new = InvariantLinear(child, kernel, max_rows, pack_rows=max(2, counts[-1]))
+            if weights == "int8":
+                new = Int8Linear(child, max_rows)
+            else:
+                new = InvariantLinear(child, kernel, max_rows, pack_rows=max(2, counts[-1]))
             key = (child.out_features, child.in_features, child.bias is not None)
             if key not in checked:
                 checked[key] = _check_invariance(new, counts)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from serving.cpu_kernels import InvariantLinear
 from serving.kv_cache import StaticKVCache
 
 
@@ -38,7 +37,7 @@ class ModelRunner:
         self.config = config
         self.batch_size = batch_size
         self.max_len = max_len
-        self.model_vocab = model.get_output_embeddings().weight.shape[0]
+        self.model_vocab = model.get_output_embeddings().out_features
         self.vocab_size = vocab_size or self.model_vocab
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -54,10 +53,11 @@ class ModelRunner:
                 raise ValueError(f"draft_vocab names token id {top}, but the draft's head has {self.model_vocab} rows "
                                  f"and the logits {self.vocab_size} columns")  # fmt: skip
             head = model.get_output_embeddings()
-            kept_head = torch.nn.Linear(head.weight.shape[1], len(kept), bias=False, device=self.device, dtype=self.dtype)
-            kept_head.weight = torch.nn.Parameter(head.weight.detach().index_select(0, self.head_ids).contiguous(), requires_grad=False)
-            if isinstance(head, InvariantLinear):  # Choral's CPU kernels are on: keep the draft's rows batch-invariant too
-                kept_head = InvariantLinear(kept_head, head.kernel, head.max_rows, pack_rows=max(2, head.max_rows))
+            if hasattr(head, "select_rows"):  # Choral's CPU kernels (fp32 or int8): keep using them
+                kept_head = head.select_rows(self.head_ids)
+            else:
+                kept_head = torch.nn.Linear(head.weight.shape[1], len(kept), bias=False, device=self.device, dtype=self.dtype)
+                kept_head.weight = torch.nn.Parameter(head.weight.detach().index_select(0, self.head_ids).contiguous(), requires_grad=False)
             self.kept_head = kept_head  # [N, H] rows of the output head
         self.cache = StaticKVCache.for_model(config, batch_size, max_len, self.dtype, self.device)
         self._forward = self._eager_forward

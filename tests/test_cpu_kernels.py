@@ -163,3 +163,85 @@ def test_bad_arguments():
         prepare_for_cpu(_tiny(), kernel="int8")
     with pytest.raises(ValueError):
         prepare_for_cpu(_tiny(), token_counts=(1, 33), max_rows=16)
+
+
+# ---- int8 drafts (W8A8) ------------------------------------------------------------------------
+
+needs_rowdot = pytest.mark.skipif(cpu_kernels._rowdot_ext() is None, reason="rowdot kernel cannot be built here")
+
+
+def _w8a8_reference(x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
+    """The kernel's arithmetic in plain PyTorch: per-row symmetric int8 for weights and inputs,
+    exact integer dot products, then the two scales."""
+    w = lin.weight.detach()
+    ws = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [N]
+    wq = torch.round(w / ws[:, None]).clamp(-127, 127).to(torch.int64)  # [N, K]
+    xs = x.abs().amax(dim=1) / 127.0  # [M]
+    xs = torch.where(xs > 0, xs, torch.ones_like(xs))
+    xq = torch.round(x / xs[:, None]).clamp(-127, 127).to(torch.int64)  # [M, K]
+    dot = xq @ wq.T  # [M, N] exact
+    y = dot.float() * xs[:, None] * ws[None, :]
+    return y if lin.bias is None else y + lin.bias.detach()
+
+
+@needs_rowdot
+@pytest.mark.parametrize("in_f,out_f,bias", [(64, 40, False), (72, 19, True), (200, 8, False)])
+def test_int8_linear_is_the_w8a8_arithmetic(in_f, out_f, bias):
+    torch.manual_seed(0)
+    lin = nn.Linear(in_f, out_f, bias=bias)
+    mod = cpu_kernels.Int8Linear(lin, max_rows=16)
+    x = torch.randn(7, in_f)
+    with torch.no_grad():
+        got = mod(x)
+        ref = _w8a8_reference(x, lin)
+        assert torch.allclose(got, ref, rtol=1e-6, atol=1e-6)
+        # Each row is quantized alone and integer sums are exact: batch-invariant bit for bit.
+        assert all(torch.equal(mod(x[i : i + 1]), got[i : i + 1]) for i in range(7))
+        assert torch.equal(mod(x.view(1, 7, in_f))[0], got)
+        # Close to the float layer (what a draft needs), but not equal to it.
+        exact = lin(x)
+        assert (got - exact).norm() / exact.norm() < 0.03
+        assert not torch.equal(got, exact)
+        # Long inputs (prefill) use the dequantized weights with F.linear.
+        big = torch.randn(20, in_f)
+        assert torch.allclose(mod(big), F.linear(big, mod.dequantized(), lin.bias), atol=1e-5)
+        # A reduced vocabulary keeps the same rows.
+        ids = torch.tensor([0, out_f - 1, out_f // 2])
+        assert torch.equal(mod.select_rows(ids)(x), got[:, ids])
+    assert mod.qweight.dtype == torch.int8 and mod.qweight.shape[1] % 64 == 0
+
+
+@needs_rowdot
+def test_int8_draft_keeps_speculative_output_exact():
+    """An int8 draft changes what is proposed, never what is produced: greedy speculative output
+    equals the fp32 target's own, and a draft that is an int8 copy of the target still agrees
+    with it most of the time."""
+    from serving.engine import EngineConfig, Request, SpeculativeEngine, use_cpu_kernels
+    from tests.conftest import make_tokenizer
+
+    tok = make_tokenizer()
+    target, draft = _tiny(0), _tiny(0)
+    config = EngineConfig(k=4, k_buckets=(4,), max_len=64)
+    assert use_cpu_kernels([target], drafts=[draft], draft_weights="int8", device="cpu", dtype="float32",
+                           widths=config.step_widths)
+    assert sum(isinstance(m, cpu_kernels.Int8Linear) for m in draft.modules()) == 2 * 7 + 1
+    assert not any(isinstance(m, cpu_kernels.Int8Linear) for m in target.modules())
+    prompts = [[t % 300 for t in _ids(n, seed=n)[0].tolist()] for n in (5, 9, 13)]
+    alone = SpeculativeEngine(target, tok, None, EngineConfig(k=0, max_len=64))
+    spec = SpeculativeEngine(target, tok, draft, config)
+    ref = alone.generate([Request(p, max_new_tokens=24) for p in prompts])
+    out = spec.generate([Request(p, max_new_tokens=24) for p in prompts])
+    assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+    accepted = sum(o.stats["accepted"] for o in out) / sum(o.stats["drafted"] for o in out)
+    assert accepted > 0.5
+
+
+def test_int8_drafts_need_the_cpu_kernels():
+    from serving.engine import use_cpu_kernels
+
+    with pytest.raises(ValueError, match="draft_weights='int8' needs the CPU kernels"):
+        use_cpu_kernels([_tiny()], drafts=[_tiny()], draft_weights="int8", device="cpu", dtype="bfloat16", widths=(1, 5))
+    with pytest.raises(ValueError, match="must be one of"):
+        use_cpu_kernels([_tiny()], drafts=[_tiny()], draft_weights="int4", device="cpu", dtype="float32", widths=(1, 5))
+    with pytest.raises(ValueError, match="weights must be one of"):
+        prepare_for_cpu(_tiny(), weights="int4")

@@ -189,3 +189,34 @@ def test_datasets_folder_without_datasets_is_a_clear_error(tmp_path):
     (tmp_path / "dataset_info.json").write_text("{}")
     with pytest.raises(ImportError, match="pip install datasets"):
         load_local_texts(tmp_path)
+
+
+def test_function_stubs_are_humaneval_shaped():
+    from training.data import function_stubs
+
+    source = '''import os
+from typing import List
+
+
+def keep(xs: List[int], limit: int) -> List[int]:
+    """Return the items of xs that are below limit, in their original order."""
+    out = [x for x in xs if x < limit]
+    return out
+
+
+def _private(x):
+    """A private helper whose docstring is long enough to count otherwise."""
+    return x
+
+
+def short(x):
+    """Too short."""
+    return x
+'''
+    stubs = function_stubs([source, "def broken(:\n"], 10)
+    assert stubs == [
+        'import os\nfrom typing import List\n\n\n'
+        'def keep(xs: List[int], limit: int) -> List[int]:\n'
+        '    """Return the items of xs that are below limit, in their original order."""\n'
+    ]
+    assert function_stubs([source] * 5, 2) == stubs * 2  # stops at n

@@ -22,6 +22,8 @@ class ModelConfig:
         metadata=doc("keep the N most frequent training tokens in the draft's output head (FR-Spec); null keeps all"),
     )
     dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata=doc("weights' dtype while training"))
+    train_embeddings: bool = field(default=True, metadata=doc(
+        "false freezes the input embeddings (and the head where it is tied; an untied 0.5B's 136M of them: less optimizer state and time)"))
 
     def __post_init__(self) -> None:
         if self.draft_vocab is not None and self.draft_vocab < 2:
@@ -99,6 +101,8 @@ class EvalConfig:
     prompts: int = field(default=16, metadata=doc("held-out evaluation prompts of the domain (HumanEval for code)"))
     max_new_tokens: int = 32
     k: int = field(default=4, metadata=doc("draft tokens per step when measuring acceptance"))
+    draft_weights: Literal["fp32", "int8"] = field(default="fp32", metadata=doc(
+        "measure the student as it will be served: int8 = W8A8 on Choral's CPU kernels (CPU only)"))
 
 
 @dataclass

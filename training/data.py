@@ -87,6 +87,40 @@ def code_texts(n_docs: int, *, seed: int = 0) -> list[str]:
     return texts
 
 
+def function_stubs(texts: Iterable[str], n: int, *, min_doc_chars: int = 40) -> list[str]:
+    """Up to ``n`` HumanEval-shaped prompts cut from Python source: a top-level function's
+    signature and docstring (no body), after the module's imports, for the target to complete.
+
+    Code evaluation is HumanEval, whose prompts are exactly such stubs; on-policy training data
+    made from stubs of the *training* sources teaches the draft the target's function bodies
+    without ever showing it an evaluation prompt. Private functions (``_name``), one-line
+    docstrings shorter than ``min_doc_chars`` and files that do not parse are skipped.
+    """
+    import ast
+
+    stubs: list[str] = []
+    for text in texts:
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError):
+            continue
+        lines = text.splitlines()
+        imports = [ast.get_source_segment(text, node) for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+        header = "\n".join(i for i in imports if i and "\n" not in i)
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_") or node.decorator_list:
+                continue
+            doc = ast.get_docstring(node)
+            first = node.body[0]
+            if not doc or len(doc) < min_doc_chars or len(node.body) < 2:
+                continue
+            stub = "\n".join(lines[node.lineno - 1 : first.end_lineno])  # signature + docstring
+            stubs.append((header + "\n\n\n" if header else "") + stub + "\n")
+            if len(stubs) >= n:
+                return stubs
+    return stubs
+
+
 @functools.cache
 def _eval_texts(domain: str, eval_rows: int) -> frozenset[str]:
     # Evaluation always uses load_prompts' default seed (0).

@@ -4,10 +4,12 @@ ShareGPT and mathematics-dataset sequences for chat and math)."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from serving.engine import EngineConfig, Request, SpeculativeEngine
+from serving.engine import EngineConfig, Request, SpeculativeEngine, use_cpu_kernels
 from serving.prompts import encode_prompt, load_prompts
 
 
@@ -25,15 +27,25 @@ def measure(
     *,
     k: int = 4,
     max_new_tokens: int = 32,
+    draft_weights: str = "fp32",
 ) -> dict:
-    """Greedy decoding of every prompt; ``draft=None`` measures the target alone."""
+    """Greedy decoding of every prompt; ``draft=None`` measures the target alone.
+    ``draft_weights="int8"`` measures an int8 copy of the draft on Choral's CPU kernels (and
+    prepares the target's kernels, which only apply to steps of at most 16 tokens, so training's
+    long teacher forwards are unaffected)."""
     was_training = draft.training if draft is not None else False
     if draft is not None:
         draft.eval()
+    if draft_weights != "fp32":
+        widths = EngineConfig(k=k, k_buckets=(k,)).step_widths
+        if draft is not None:
+            draft = copy.deepcopy(draft)
+        use_cpu_kernels([target], drafts=[draft] if draft is not None else [], draft_weights=draft_weights,
+                        device=target.device, dtype=target.dtype, widths=widths)
     max_len = max(len(p) for p in prompts) + max_new_tokens + k + 2
     engine = SpeculativeEngine(target, tokenizer, draft, EngineConfig(max_len=max_len, k=k if draft is not None else 0))
     outs = engine.generate([Request(p, max_new_tokens=max_new_tokens) for p in prompts])
-    if was_training:
+    if was_training and draft_weights == "fp32":
         draft.train()
     stats = [o.stats for o in outs]
     drafted = sum(s["drafted"] for s in stats)
