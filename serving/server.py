@@ -314,6 +314,10 @@ class _Server:
                 self.scheduler.abort(ticket)
                 return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
             event = get.result()
+        except asyncio.CancelledError:  # the handler itself was cancelled (shutdown, client gone): free the slot
+            if not ticket.done:
+                self.scheduler.abort(ticket)
+            raise
         finally:
             get.cancel()
             disconnect.cancel()

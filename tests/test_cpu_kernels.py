@@ -245,3 +245,14 @@ def test_int8_drafts_need_the_cpu_kernels():
         use_cpu_kernels([_tiny()], drafts=[_tiny()], draft_weights="int4", device="cpu", dtype="float32", widths=(1, 5))
     with pytest.raises(ValueError, match="weights must be one of"):
         prepare_for_cpu(_tiny(), weights="int4")
+
+
+def test_auto_draft_weights_follow_the_kernels():
+    from serving.engine import use_cpu_kernels
+
+    draft = _tiny()
+    assert not use_cpu_kernels([_tiny()], drafts=[draft], draft_weights="auto", device="cpu", dtype="bfloat16", widths=(1, 5))
+    assert not any(isinstance(m, cpu_kernels.Int8Linear) for m in draft.modules())  # no error, left alone
+    if cpu_kernels.rowdot_available():
+        assert use_cpu_kernels([_tiny()], drafts=[draft], draft_weights="auto", device="cpu", dtype="float32", widths=(1, 5))
+        assert isinstance(draft.lm_head, cpu_kernels.Int8Linear)

@@ -364,3 +364,38 @@ def test_forced_requests_skip_the_router(live, monkeypatch):
     with pytest.raises(openai.InternalServerError, match="routing failed: RuntimeError: router down"):
         live.client.completions.create(model=live.model, prompt="def f(x):", max_tokens=4, temperature=0)
     assert len(calls) == 1
+
+
+def test_cancelled_handler_aborts_its_ticket():
+    """A non-streaming handler cancelled while it waits (server shutdown, or the ASGI server
+    dropping the task) must free the request's slot, not leave it decoding for nobody."""
+    import asyncio
+
+    from serving.engine import Request
+    from serving.scheduler import Ticket
+    from serving.serve_config import ServeConfig
+    from serving.server import _Server
+
+    class Scheduler:
+        aborted: list = []
+
+        def abort(self, ticket):
+            self.aborted.append(ticket)
+
+    class Http:
+        async def receive(self):
+            await asyncio.sleep(3600)  # the client never disconnects on its own
+
+    async def run():
+        server = _Server(ServeConfig())
+        server.scheduler = Scheduler()
+        ticket = Ticket(Request([1, 2, 3]), "hi", asyncio.get_running_loop())
+        task = asyncio.create_task(server._collect(Http(), ticket, None))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return server.scheduler.aborted, ticket
+
+    aborted, ticket = asyncio.run(run())
+    assert aborted == [ticket]

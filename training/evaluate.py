@@ -33,7 +33,7 @@ def measure(
     ``draft_weights="int8"`` measures an int8 copy of the draft on Choral's CPU kernels (and
     prepares the target's kernels, which only apply to steps of at most 16 tokens, so training's
     long teacher forwards are unaffected)."""
-    was_training = draft.training if draft is not None else False
+    original, was_training = draft, draft.training if draft is not None else False
     if draft is not None:
         draft.eval()
     if draft_weights != "fp32":
@@ -45,8 +45,8 @@ def measure(
     max_len = max(len(p) for p in prompts) + max_new_tokens + k + 2
     engine = SpeculativeEngine(target, tokenizer, draft, EngineConfig(max_len=max_len, k=k if draft is not None else 0))
     outs = engine.generate([Request(p, max_new_tokens=max_new_tokens) for p in prompts])
-    if was_training and draft_weights == "fp32":
-        draft.train()
+    if was_training:
+        original.train()
     stats = [o.stats for o in outs]
     drafted = sum(s["drafted"] for s in stats)
     calls = sum(s["target_calls"] for s in stats)
