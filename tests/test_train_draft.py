@@ -168,3 +168,28 @@ def test_training_step_compiles_with_static_shapes(monkeypatch):
         opt.zero_grad()
         losses.append(loss.item())
     assert all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_answers_only_trains_on_the_targets_answers(tmp_path, tokenizer):
+    """On-policy rows with ``data.answers_only``: prompt tokens carry no loss, the answer does; a
+    cached file made from other prompts is refused; the reduced head is counted over all text."""
+    from training import data as data_mod
+    from training import train as tr
+
+    cfg = load_config(TrainDraftConfig, None, ["data.n_docs=20", "data.seq_len=64", "data.on_policy=true",
+                                               "data.on_policy_prompts=3", "data.answers_only=true", "data.max_rows=0"])
+    texts = data_mod.load_domain_texts("code", 20, tokenizer=tokenizer, seed=0)
+    prompts = [p for p in tr.on_policy_prompts(cfg, tokenizer, texts) if p]
+    assert len(prompts) == 3
+    torch.save([p + [7, 8, 9] for p in prompts], tmp_path / "on_policy.pt")
+    ids, labels, text_ids = tr.build_rows(cfg, tokenizer, None, tmp_path)
+    assert ids.shape == labels.shape == (3, 64)
+    for row, p in enumerate(prompts):
+        n = min(len(p), 64)
+        assert (labels[row, :n] == -100).all() and ids[row, :n].tolist() == p[:n]
+        if len(p) + 3 <= 64:
+            assert labels[row, len(p) : len(p) + 3].tolist() == [7, 8, 9]
+    assert len(text_ids) > 0  # max_rows=0 trains on no raw text, but the head still sees it all
+    torch.save([[1, 2, 3] + p for p in prompts], tmp_path / "on_policy.pt")
+    with pytest.raises(ValueError, match="other prompts"):
+        tr.build_rows(cfg, tokenizer, None, tmp_path)

@@ -103,9 +103,10 @@ def on_policy_rows(cfg: TrainDraftConfig, teacher, tokenizer, texts: list[str], 
     return rows
 
 
-def build_rows(cfg: TrainDraftConfig, tokenizer, teacher, out_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+def build_rows(cfg: TrainDraftConfig, tokenizer, teacher, out_dir: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Training rows (input_ids, labels), both [N, seq_len]: domain or file texts packed to a fixed
-    length, plus on-policy sequences right-padded (labels -100 on padding)."""
+    length, plus on-policy sequences right-padded (labels -100 on padding); and every packed text
+    row before the ``max_rows`` cut (what a reduced draft vocabulary is counted over)."""
     if cfg.data.files:
         texts = [t for f in cfg.data.files for t in data_mod.load_local_texts(f)][: cfg.data.n_docs]
     else:
@@ -113,15 +114,22 @@ def build_rows(cfg: TrainDraftConfig, tokenizer, teacher, out_dir: Path) -> tupl
     if cfg.data.domain == "code" and not cfg.data.files:
         data_mod.assert_no_eval_overlap(texts, [p.text for p in load_prompts("code", 164)])
     eos = tokenizer.eos_token_id
-    ids = data_mod.tokenize_and_pack(texts, tokenizer, cfg.data.seq_len, eos)[: cfg.data.max_rows]
+    text_ids = data_mod.tokenize_and_pack(texts, tokenizer, cfg.data.seq_len, eos)  # [N_all, L]
+    ids = text_ids[: cfg.data.max_rows]
     labels = ids.clone()
     if cfg.data.on_policy:
         generated = on_policy_rows(cfg, teacher, tokenizer, texts, out_dir)
         more_ids, more_labels = data_mod.pad_to_fixed([r[: cfg.data.seq_len] for r in generated], cfg.data.seq_len, eos)
+        if cfg.data.answers_only:  # learn the target's answers, not the prompts they answer
+            prompts = [p for p in on_policy_prompts(cfg, tokenizer, texts) if p]
+            for row, (p, r) in enumerate(zip(prompts, generated, strict=True)):
+                if r[: len(p)] != p:
+                    raise ValueError(f"{out_dir / 'on_policy.pt'} was generated from other prompts; delete it to regenerate")
+                more_labels[row, : len(p)] = data_mod.IGNORE_INDEX
         ids, labels = torch.cat([ids, more_ids]), torch.cat([labels, more_labels])
     if len(ids) < 2:
         raise ValueError(f"only {len(ids)} training rows of {cfg.data.seq_len} tokens: raise data.n_docs or lower data.seq_len")
-    return ids, labels
+    return ids, labels, text_ids
 
 
 def plot_history(history: list[dict], path: Path) -> None:
@@ -158,9 +166,12 @@ def train(cfg: TrainDraftConfig, *, resume: bool = False) -> dict:
     student = build_student(cfg, accelerator.device)
     vocab = min(teacher.get_output_embeddings().weight.shape[0], student.get_output_embeddings().weight.shape[0])
 
-    ids, labels = build_rows(cfg, tokenizer, teacher, out_dir)
+    ids, labels, text_ids = build_rows(cfg, tokenizer, teacher, out_dir)
     if cfg.model.draft_vocab is not None:
-        reduce_vocab(student, frequent_tokens(labels, cfg.model.draft_vocab, always=eos_token_ids(teacher, tokenizer)))
+        # Counted over all the domain text read (not just the rows trained on, which may hold fewer
+        # distinct tokens than the head keeps), so runs over the same text get the same head.
+        source = text_ids if len(text_ids) else labels
+        reduce_vocab(student, frequent_tokens(source, cfg.model.draft_vocab, always=eos_token_ids(teacher, tokenizer)))
     train_idx, val_idx = data_mod.split_train_val(list(range(len(ids))), cfg.data.val_fraction, cfg.train.seed)
     train_rows = TensorDataset(ids[train_idx], labels[train_idx])
     val_ids, val_labels = ids[val_idx], labels[val_idx]
