@@ -131,6 +131,15 @@ def test_reduced_vocab_draft_stays_lossless_and_reloads(tiny_target, tiny_draft,
     both = fast.forward(torch.tensor([[4, 5], [6, 7]]), torch.tensor([[0, 1], [0, 1]]))  # [2, 2, V]
     fast_one = ModelRunner(fast.model, batch_size=1, max_len=16).forward(torch.tensor([[4, 5]]), torch.tensor([[0, 1]]))
     assert torch.equal(both[:1], fast_one)
+    # As an int8 draft the reduced head is an int8 layer too, still -inf outside the kept rows.
+    from serving import cpu_kernels
+
+    if cpu_kernels.rowdot_available():
+        small = ModelRunner(prepare_for_cpu(copy.deepcopy(reloaded), token_counts=(1, 2), weights="int8"), batch_size=1, max_len=16)
+        assert isinstance(small.kept_head, cpu_kernels.Int8Linear) and small.kept_head.out_features == kept.sum()
+        q = small.forward(torch.tensor([[4, 5]]), torch.tensor([[0, 1]]))
+        assert torch.isinf(q[..., ~kept]).all() and torch.isfinite(q[..., kept]).all()
+        torch.testing.assert_close(q[..., kept], logits[..., kept], atol=0.05, rtol=0.05)
 
     prompts = ragged_prompts(4, seed=5)
     engine = SpeculativeEngine(tiny_target, tokenizer, reloaded, EngineConfig(max_batch_size=2, max_len=96, k=4))

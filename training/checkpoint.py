@@ -5,6 +5,7 @@ Two kinds live under the output folder:
   ``save_state``) plus ``progress.json`` (step, tokens seen, best acceptance, metric history).
 - ``best/``: the student in Hugging Face format (safetensors, config, tokenizer) that
   transformers, vLLM and Choral's engine load directly; chosen by held-out acceptance.
+- ``final/``: the same format, the student at the end of the run (written once, when it ends).
 A folder only exists under its final name once it is complete, so ``--resume`` after a kill
 loads the previous complete checkpoint, never a partial one.
 """

@@ -245,10 +245,12 @@ def train(cfg: TrainDraftConfig, *, resume: bool = False) -> dict:
                 pass
         accelerator.wait_for_everyone()
 
-    def save_best() -> None:
-        with atomic_dir(out_dir / "best") as tmp:
+    def save_hf(name: str) -> None:
+        with atomic_dir(out_dir / name) as tmp:
             accelerator.unwrap_model(student).save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
+
+    save_best = lambda: save_hf("best")  # noqa: E731
 
     if main and "best_step" not in progress:
         # The untrained student is a candidate too: a short or bad run can make a draft worse.
@@ -302,6 +304,7 @@ def train(cfg: TrainDraftConfig, *, resume: bool = False) -> dict:
     bar.close()
 
     if main:
+        save_hf("final")  # the student as trained, whatever best/ chose (for comparisons and ablations)
         progress["after"] = next(h for h in reversed(progress["history"]) if "acceptance_rate" in h)
         progress["train_seconds"] = time.perf_counter() - started
         progress["steps_this_run"] = progress["step"] - step0
