@@ -110,8 +110,8 @@ def build_engines(cfg: ServeConfig, router: Any) -> tuple[Any, dict[str, Engine]
     if cfg.cpu_kernels and cfg.compile_backend is None:
         # The kernels are eager-only; every model is prepared once for every step width in use.
         widths = sorted({w for c in configs.values() for w in c.step_widths})
-        drafts = [m for m in by_ref.values() if m is not None]
-        use_cpu_kernels([target] if target is not None else [], drafts=drafts, draft_weights=cfg.draft_weights,
+        draft_models = [m for m in by_ref.values() if m is not None]
+        use_cpu_kernels([target] if target is not None else [], drafts=draft_models, draft_weights=cfg.draft_weights,
                         device=device, dtype=cfg.dtype, widths=widths)
     elif cfg.draft_weights == "int8":
         raise ValueError(f"draft_weights={cfg.draft_weights} needs cpu_kernels=true and compile_backend=null")
