@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     draft = load_model(args.draft, dtype=args.dtype, device=device, quantize=args.quantize)
     # An int8 draft is Choral's own: HF assisted generation keeps the fp32 one (its users' setup).
     choral_draft = draft
-    if args.draft_weights != "fp32":
+    if args.draft_weights != "fp32" and not args.no_hf:
         choral_draft = load_model(args.draft, dtype=args.dtype, device=device, quantize=args.quantize)
     sweep = [int(k) for k in args.k_sweep.split(",") if k.strip()]
     cpu_kernels = False

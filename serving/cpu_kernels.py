@@ -126,20 +126,17 @@ static inline float vsum(vec a) {  // fixed reduction tree
   return _mm_cvtss_f32(t);
 }
 
-static inline vec wload(const float* p) { return vload(p); }
-
 // NB weight rows against R input rows. Each output has one accumulator that receives the
 // same FMAs in the same order whatever NB and R are: that is the batch invariance.
-// `scale` (int8 weights only) multiplies each finished dot product once, also fixed per output.
-template <int NB, int R, typename W>
-static inline void block(const W* w, int64_t K, const float* x, float* out, int64_t ldo, const float* scale) {
+template <int NB, int R>
+static inline void block(const float* w, int64_t K, const float* x, float* out, int64_t ldo) {
   vec acc[NB][R];
   for (int i = 0; i < NB; ++i)
     for (int r = 0; r < R; ++r) acc[i][r] = vzero();
   int64_t k = 0;
   for (; k + VL <= K; k += VL) {
     vec wv[NB];
-    for (int i = 0; i < NB; ++i) wv[i] = wload(w + i * K + k);
+    for (int i = 0; i < NB; ++i) wv[i] = vload(w + i * K + k);
     for (int r = 0; r < R; ++r) {
       vec xv = vload(x + r * K + k);
       for (int i = 0; i < NB; ++i) acc[i][r] = vfma(wv[i], xv, acc[i][r]);
@@ -148,22 +145,21 @@ static inline void block(const W* w, int64_t K, const float* x, float* out, int6
   for (int i = 0; i < NB; ++i)
     for (int r = 0; r < R; ++r) {
       float s = vsum(acc[i][r]);
-      for (int64_t j = k; j < K; ++j) s = __builtin_fmaf(static_cast<float>(w[i * K + j]), x[r * K + j], s);
-      out[r * ldo + i] = scale ? s * scale[i] : s;
+      for (int64_t j = k; j < K; ++j) s = __builtin_fmaf(w[i * K + j], x[r * K + j], s);
+      out[r * ldo + i] = s;
     }
 }
 
 // A panel of 8 weight rows is read from memory once; wider row groups use fewer weight
 // rows per block so that all accumulators stay in registers (32 with AVX-512, 16 with AVX2).
 #if VL == 16
-#define WIDE(R) block<8, R>(w, K, xm, o, ldo, sc)
-#define NARROW(R) block<4, R>(w, K, xm, o, ldo, sc); block<4, R>(w + 4 * K, K, xm, o + 4, ldo, sc ? sc + 4 : sc)
+#define WIDE(R) block<8, R>(w, K, xm, o, ldo)
+#define NARROW(R) block<4, R>(w, K, xm, o, ldo); block<4, R>(w + 4 * K, K, xm, o + 4, ldo)
 #else
-#define WIDE(R) block<4, R>(w, K, xm, o, ldo, sc); block<4, R>(w + 4 * K, K, xm, o + 4, ldo, sc ? sc + 4 : sc)
-#define NARROW(R) for (int h = 0; h < 8; h += 2) block<2, R>(w + h * K, K, xm, o + h, ldo, sc ? sc + h : sc)
+#define WIDE(R) block<4, R>(w, K, xm, o, ldo); block<4, R>(w + 4 * K, K, xm, o + 4, ldo)
+#define NARROW(R) for (int h = 0; h < 8; h += 2) block<2, R>(w + h * K, K, xm, o + h, ldo)
 #endif
-template <typename W>
-static void panel(const W* w, int64_t K, const float* x, int64_t M, float* out, int64_t ldo, const float* sc) {
+static void panel(const float* w, int64_t K, const float* x, int64_t M, float* out, int64_t ldo) {
   for (int64_t m = 0; m < M; m += 6) {
     const float* xm = x + m * K;
     float* o = out + m * ldo;
@@ -178,23 +174,6 @@ static void panel(const W* w, int64_t K, const float* x, int64_t M, float* out, 
   }
 }
 
-template <typename W>
-static void rowdot(const float* xp, const W* wp, const float* sp, float* yp, int64_t M, int64_t K, int64_t N) {
-  at::parallel_for(0, (N + 7) / 8, 16, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n = b * 8;
-      const float* sc = sp ? sp + n : nullptr;
-      if (n + 8 <= N) {
-        panel(wp + n * K, K, xp, M, yp + n, N, sc);
-      } else {
-        for (int64_t j = n; j < N; ++j)
-          for (int64_t m = 0; m < M; ++m)
-            block<1, 1>(wp + j * K, K, xp + m * K, yp + m * N + j, N, sp ? sp + j : nullptr);
-      }
-    }
-  });
-}
-
 torch::Tensor rowdot_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "shape mismatch");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "fp32 only");
@@ -202,7 +181,20 @@ torch::Tensor rowdot_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   auto y = torch::empty({M, N}, x.options());
-  rowdot<float>(x.data_ptr<float>(), w.data_ptr<float>(), nullptr, y.data_ptr<float>(), M, K, N);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (N + 7) / 8, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n = b * 8;
+      if (n + 8 <= N) {
+        panel(wp + n * K, K, xp, M, yp + n, N);
+      } else {
+        for (int64_t j = n; j < N; ++j)
+          for (int64_t m = 0; m < M; ++m) block<1, 1>(wp + j * K, K, xp + m * K, yp + m * N + j, N);
+      }
+    }
+  });
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
 }
@@ -395,7 +387,7 @@ class Int8Linear(nn.Module):
     def __init__(self, linear: nn.Linear | None, max_rows: int):
         super().__init__()
         self.max_rows = max_rows
-        if linear is None:  # filled in by _from_parts
+        if linear is None:  # filled in by select_rows
             return
         w = linear.weight.detach().float()  # [N, K]
         self.out_features, self.in_features = w.shape
@@ -499,7 +491,7 @@ def prepare_for_cpu(
     max_rows: steps longer than this (prefill) use the library kernels.
     attention: also switch a Hugging Face model to the row-wise SDPA.
     weights: "fp32" keeps the model's numerics (for the target); "int8" stores every Linear as
-      weight-only int8 (`Int8Linear`, needs the C++ kernel): ~3x cheaper steps, different numerics,
+      W8A8 int8 (`Int8Linear`, needs the C++ kernel): ~2.4x cheaper steps, different numerics,
       so for drafts only, whose numerics never change the speculative output.
     """
     if weights not in WEIGHTS:

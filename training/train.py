@@ -250,12 +250,11 @@ def train(cfg: TrainDraftConfig, *, resume: bool = False) -> dict:
             accelerator.unwrap_model(student).save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
 
-    save_best = lambda: save_hf("best")  # noqa: E731
 
     if main and "best_step" not in progress:
         # The untrained student is a candidate too: a short or bad run can make a draft worse.
         progress["best_acceptance"], progress["best_step"] = progress["before"]["acceptance_rate"], 0
-        save_best()
+        save_hf("best")
 
     started = time.perf_counter()
     step0, tokens0 = progress["step"], progress["tokens"]
@@ -294,7 +293,7 @@ def train(cfg: TrainDraftConfig, *, resume: bool = False) -> dict:
                 if result["acceptance_rate"] > progress["best_acceptance"]:
                     progress["best_acceptance"] = result["acceptance_rate"]
                     progress["best_step"] = step
-                    save_best()
+                    save_hf("best")
             if step % cfg.output.save_every == 0 or last_step:
                 save_last()
             if last_step:
