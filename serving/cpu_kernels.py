@@ -57,8 +57,9 @@ One Linear(1536, 8960), ms per call, weights rotated so they do not sit in L3:
 
 Drafts may round (the target's fp32 verification decides the output), so `weights="int8"`
 stores a draft as W8A8 int8 (`Int8Linear`): per-row int8 weights, each input row quantized on
-its own, AVX-512 VNNI integer dot products (exact, so still batch-invariant). Measured the same
-way on a slower day (`prepare_for_cpu` fp32 vs int8, 2 threads, ms per call):
+its own, AVX-512 VNNI integer dot products (exact, so still batch-invariant). Measured on a slower day
+with a throwaway timing loop (weights rotated as above; `scripts/bench_verify_cost.py` does not
+yet cover int8), `prepare_for_cpu` fp32 vs int8, 2 threads, ms per call:
 
     Linear (out x in), M rows       1 row          5 rows
     4864 x 896                   1.04 -> 0.49   1.29 -> 0.64
