@@ -153,7 +153,8 @@ def markdown(report: dict) -> str:
         "",
         f"{cfg['dtype']} on {cfg['device']} ({cfg['machine']}), greedy, {cfg['max_new_tokens']} new tokens, "
         f"K={cfg['k']}, draft confidence stop: {cfg.get('draft_confidence')}, {cfg['prompts_per_domain']} prompts per domain, Choral CPU kernels: "
-        f"{cfg.get('choral_cpu_kernels')}, Choral's draft weights: {cfg.get('draft_weights', 'fp32')}, HF assisted kernels: {cfg['hf_kernels']}. Command: `{cfg['command']}`",
+        f"{cfg.get('choral_cpu_kernels')}, Choral's draft weights: {cfg.get('draft_weights', 'fp32')}, HF assisted kernels: {cfg['hf_kernels']} "
+        f"(draft weights: {cfg.get('draft_weights', 'fp32') if cfg['hf_kernels'] == 'choral' else 'fp32'}). Command: `{cfg['command']}`",
         "",
         "| domain | target tok/s | HF assisted tok/s | Choral tok/s | Choral speedup | Choral / HF | acceptance "
         "| tokens/target call | drafted/call | draft step ms | 1-token step ms | verify ms | verify / 1-token | predicted speedup "
@@ -231,11 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--quantize", choices=["int8-dynamic"], default=None)
     ap.add_argument("--draft-weights", choices=["fp32", "int8"], default="fp32",
-                    help="int8: run Choral's draft in W8A8 int8 (the target stays fp32; HF keeps its fp32 draft)")
+                    help="int8: run Choral's draft in W8A8 int8 (the target stays fp32; HF keeps an fp32 draft unless --hf-kernels choral)")
     ap.add_argument("--compile", action="store_true", help="compile the step shapes")
     ap.add_argument("--no-cpu-kernels", action="store_true", help="Choral on stock PyTorch CPU kernels")
     ap.add_argument("--hf-kernels", choices=["stock", "choral"], default="stock",
-                    help="kernels for HF assisted generation: stock transformers (what its users run) or Choral's")
+                    help="kernels for HF assisted generation: stock transformers (what its users run) or Choral's (and Choral's draft weights)")
     ap.add_argument("--max-len", type=int, default=None)
     ap.add_argument("--out", default="runs/bench")
     ap.add_argument("--from-json", help="re-render the summary, table and plot of a saved bench.json (no runs)")
@@ -255,10 +256,12 @@ def main(argv: list[str] | None = None) -> int:
     check_same_tokenizer(tokenizer, load_tokenizer(args.draft), draft_name=args.draft)
     target = load_model(args.target, dtype=args.dtype, device=device, quantize=args.quantize)
     draft = load_model(args.draft, dtype=args.dtype, device=device, quantize=args.quantize)
-    # An int8 draft is Choral's own: HF assisted generation keeps the fp32 one (its users' setup).
+    # With stock kernels HF assisted generation keeps an fp32 draft (its users' setup); with
+    # --hf-kernels choral it runs the very draft Choral runs, int8 included (same precision).
     choral_draft = draft
-    if args.draft_weights != "fp32" and not args.no_hf:
+    if args.draft_weights != "fp32" and not args.no_hf and args.hf_kernels == "stock":
         choral_draft = load_model(args.draft, dtype=args.dtype, device=device, quantize=args.quantize)
+    hf_draft = draft if args.hf_kernels == "stock" else choral_draft
     sweep = [int(k) for k in args.k_sweep.split(",") if k.strip()]
     cpu_kernels = False
     if not (args.no_cpu_kernels or args.compile):  # the CPU kernels are eager-only
@@ -292,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     # One untimed pass of each decoder first: allocator, thread pools and lazy inits warm up.
     warm = encode_prompt(tokenizer, prompts[domains[0]][0])
-    bench_prompt((target_engine, spec_engine), (target, draft), warm, 8, eos, 0, not args.no_hf, hf_stock)
+    bench_prompt((target_engine, spec_engine), (target, hf_draft), warm, 8, eos, 0, not args.no_hf, hf_stock)
     total = sum(len(p) for p in prompts.values())
     with tqdm(total=total, desc="spec-bench", unit="prompt") as bar:
         for d in domains:
@@ -300,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             for i, prompt in enumerate(prompts[d]):
                 ids = encode_prompt(tokenizer, prompt)
                 row = bench_prompt(
-                    (target_engine, spec_engine), (target, draft), ids, args.max_new_tokens, eos, i, not args.no_hf, hf_stock
+                    (target_engine, spec_engine), (target, hf_draft), ids, args.max_new_tokens, eos, i, not args.no_hf, hf_stock
                 )
                 rows.append(row | {"id": prompt.id})
                 bar.update(1)

@@ -172,7 +172,7 @@ def test_training_step_compiles_with_static_shapes(monkeypatch):
 
 def test_answers_only_trains_on_the_targets_answers(tmp_path, tokenizer):
     """On-policy rows with ``data.answers_only``: prompt tokens carry no loss, the answer does; a
-    cached file made from other prompts is refused; the reduced head is counted over all text."""
+    cached file from other prompts is regenerated row by row; the reduced head is counted over all text."""
     from training import data as data_mod
     from training import train as tr
 
@@ -190,6 +190,12 @@ def test_answers_only_trains_on_the_targets_answers(tmp_path, tokenizer):
         if len(p) + 3 <= 64:
             assert labels[row, len(p) : len(p) + 3].tolist() == [7, 8, 9]
     assert len(text_ids) > 0  # max_rows=0 trains on no raw text, but the head still sees it all
-    torch.save([[1, 2, 3] + p for p in prompts], tmp_path / "on_policy.pt")
-    with pytest.raises(ValueError, match="other prompts"):
-        tr.build_rows(cfg, tokenizer, None, tmp_path)
+    # A cache from other prompts, or one shorter than on_policy_prompts, keeps the rows that match
+    # their prompt and has the target generate only the others.
+    torch.save([prompts[0] + [7, 8, 9], [1, 2, 3] + prompts[1]], tmp_path / "on_policy.pt")
+    teacher = tiny_qwen2(0).eval()
+    rows = tr.on_policy_rows(cfg, teacher, tokenizer, texts, tmp_path)
+    assert rows[0] == prompts[0] + [7, 8, 9]
+    for row, p in zip(rows[1:], prompts[1:]):
+        assert row[: len(p)] == p and len(p) < len(row) <= len(p) + cfg.data.on_policy_new_tokens
+    assert torch.load(tmp_path / "on_policy.pt") == rows

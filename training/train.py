@@ -79,27 +79,31 @@ def on_policy_prompts(cfg: TrainDraftConfig, tokenizer, texts: list[str]) -> lis
 
 def on_policy_rows(cfg: TrainDraftConfig, teacher, tokenizer, texts: list[str], out_dir: Path) -> list[list[int]]:
     """Sequences the target itself generates from training prompts (DistillSpec's on-policy
-    data), cached in the run folder and reused on resume and later runs."""
+    data), cached in the run folder and reused on resume and later runs: a cached row is kept
+    when it starts with its prompt, so raising ``on_policy_prompts`` generates only the new ones."""
     cache = out_dir / "on_policy.pt"
-    if cache.exists():
-        return torch.load(cache)
     prompts = [p for p in on_policy_prompts(cfg, tokenizer, texts) if p]
-    max_len = max(len(p) for p in prompts) + cfg.data.on_policy_new_tokens + 2
+    cached = torch.load(cache) if cache.exists() else []
+    rows = [r if i < len(cached) and (r := cached[i])[: len(p)] == p else None for i, p in enumerate(prompts)]
+    todo = [i for i, r in enumerate(rows) if r is None]
+    if not todo:
+        return rows
+    max_len = max(len(prompts[i]) for i in todo) + cfg.data.on_policy_new_tokens + 2
     # Batched target-only decoding; on a CPU in fp32 with Choral's kernels, 16 rows cost ~2x one.
     # They apply only to steps of <= 16 tokens, so training's long teacher forwards are unchanged.
     config = EngineConfig(max_len=max_len, k=0, max_batch_size=16)
     use_cpu_kernels([teacher], device=teacher.device, dtype=teacher.dtype, widths=config.step_widths)
     engine = SpeculativeEngine(teacher, tokenizer, None, config)
-    ids = [engine.add_request(Request(p, max_new_tokens=cfg.data.on_policy_new_tokens)) for p in prompts]
-    answers = {}
-    with tqdm(total=len(ids), desc="on-policy data", unit="answer") as bar:
+    ids = {engine.add_request(Request(prompts[i], max_new_tokens=cfg.data.on_policy_new_tokens)): i for i in todo}
+    with tqdm(total=len(ids), desc=f"on-policy data ({len(prompts) - len(todo)} cached)", unit="answer") as bar:
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished is not None:
-                    answers[out.request_id] = out.finished.token_ids
+                    i = ids[out.request_id]
+                    rows[i] = prompts[i] + out.finished.token_ids
                     bar.update(1)
-    rows = [p + answers[i] for p, i in zip(prompts, ids)]
-    torch.save(rows, cache)
+    torch.save(rows, cache.with_suffix(".tmp"))
+    cache.with_suffix(".tmp").replace(cache)  # atomic: an interrupted run never leaves half a cache
     return rows
 
 
@@ -122,9 +126,7 @@ def build_rows(cfg: TrainDraftConfig, tokenizer, teacher, out_dir: Path) -> tupl
         more_ids, more_labels = data_mod.pad_to_fixed([r[: cfg.data.seq_len] for r in generated], cfg.data.seq_len, eos)
         if cfg.data.answers_only:  # learn the target's answers, not the prompts they answer
             prompts = [p for p in on_policy_prompts(cfg, tokenizer, texts) if p]
-            for row, (p, r) in enumerate(zip(prompts, generated, strict=True)):
-                if r[: len(p)] != p:
-                    raise ValueError(f"{out_dir / 'on_policy.pt'} was generated from other prompts; delete it to regenerate")
+            for row, p in enumerate(prompts):  # on_policy_rows keeps only rows that start with their prompt
                 more_labels[row, : len(p)] = data_mod.IGNORE_INDEX
         ids, labels = torch.cat([ids, more_ids]), torch.cat([labels, more_labels])
     if len(ids) < 2:
