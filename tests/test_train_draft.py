@@ -179,7 +179,7 @@ def test_answers_only_trains_on_the_targets_answers(tmp_path, tokenizer):
     cfg = load_config(TrainDraftConfig, None, ["data.n_docs=20", "data.seq_len=64", "data.on_policy=true",
                                                "data.on_policy_prompts=3", "data.answers_only=true", "data.max_rows=0"])
     texts = data_mod.load_domain_texts("code", 20, tokenizer=tokenizer, seed=0)
-    prompts = [p for p in tr.on_policy_prompts(cfg, tokenizer, texts) if p]
+    prompts = tr.on_policy_prompts(cfg, tokenizer, texts)
     assert len(prompts) == 3
     torch.save([p + [7, 8, 9] for p in prompts], tmp_path / "on_policy.pt")
     ids, labels, text_ids = tr.build_rows(cfg, tokenizer, None, tmp_path)
@@ -194,7 +194,7 @@ def test_answers_only_trains_on_the_targets_answers(tmp_path, tokenizer):
     # their prompt and has the target generate only the others.
     torch.save([prompts[0] + [7, 8, 9], [1, 2, 3] + prompts[1]], tmp_path / "on_policy.pt")
     teacher = tiny_qwen2(0).eval()
-    rows = tr.on_policy_rows(cfg, teacher, tokenizer, texts, tmp_path)
+    rows = tr.on_policy_rows(cfg, teacher, tokenizer, prompts, tmp_path)
     assert rows[0] == prompts[0] + [7, 8, 9]
     for row, p in zip(rows[1:], prompts[1:]):
         assert row[: len(p)] == p and len(p) < len(row) <= len(p) + cfg.data.on_policy_new_tokens

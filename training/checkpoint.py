@@ -44,11 +44,18 @@ def atomic_dir(final: Path, tmp: Path | None = None) -> Iterator[Path]:
         raise
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
+@contextmanager
+def atomic_file(path: Path) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; once written, it replaces ``path`` in one rename."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
+    yield tmp
     os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=1))
 
 
 def recover(final: Path) -> None:

@@ -31,7 +31,7 @@ from serving.engine import EngineConfig, Request, SpeculativeEngine, use_cpu_ker
 from serving.models import check_same_tokenizer, eos_token_ids, load_model, load_tokenizer
 from serving.prompts import EVAL_ROWS, encode_prompt, load_prompts
 from training import data as data_mod
-from training.checkpoint import atomic_dir, read_progress, write_json_atomic
+from training.checkpoint import atomic_dir, atomic_file, read_progress, write_json_atomic
 from training.config import TrainDraftConfig
 from training.evaluate import held_out_prompts, measure
 from training.losses import DistillLoss
@@ -65,24 +65,26 @@ def build_student(cfg: TrainDraftConfig, device: torch.device) -> torch.nn.Modul
 def on_policy_prompts(cfg: TrainDraftConfig, tokenizer, texts: list[str]) -> list[list[int]]:
     """Training prompts: chat and math take rows past the evaluation ones; code (HumanEval is
     evaluation-only) takes HumanEval-shaped stubs (signature + docstring) of the training sources'
-    functions, topped up with the first lines of source files; local files take their first lines."""
+    functions, topped up with the first lines of source files; local files take their first lines.
+    Empty prompts are dropped."""
     n = cfg.data.on_policy_prompts
     heads = lambda docs: ["\n".join(t.splitlines()[:12]) for t in docs]  # noqa: E731
     if cfg.data.files:
-        return [tokenizer.encode(t, add_special_tokens=False)[:128] for t in heads(texts[:n])]
-    if cfg.data.domain == "code":
+        prompts = [tokenizer.encode(t, add_special_tokens=False)[:128] for t in heads(texts[:n])]
+    elif cfg.data.domain == "code":
         stubs = data_mod.function_stubs(texts, n)
         stubs += heads(texts[: n - len(stubs)])
-        return [tokenizer.encode(t, add_special_tokens=False)[-256:] for t in stubs]
-    return [encode_prompt(tokenizer, p)[-256:] for p in load_prompts(cfg.data.domain, n, offset=EVAL_ROWS)]
+        prompts = [tokenizer.encode(t, add_special_tokens=False)[-256:] for t in stubs]
+    else:
+        prompts = [encode_prompt(tokenizer, p)[-256:] for p in load_prompts(cfg.data.domain, n, offset=EVAL_ROWS)]
+    return [p for p in prompts if p]
 
 
-def on_policy_rows(cfg: TrainDraftConfig, teacher, tokenizer, texts: list[str], out_dir: Path) -> list[list[int]]:
-    """Sequences the target itself generates from training prompts (DistillSpec's on-policy
-    data), cached in the run folder and reused on resume and later runs: a cached row is kept
+def on_policy_rows(cfg: TrainDraftConfig, teacher, tokenizer, prompts: list[list[int]], out_dir: Path) -> list[list[int]]:
+    """Sequences the target itself generates from ``prompts`` (DistillSpec's on-policy data), one
+    per prompt, cached in the run folder and reused on resume and later runs: a cached row is kept
     when it starts with its prompt, so raising ``on_policy_prompts`` generates only the new ones."""
     cache = out_dir / "on_policy.pt"
-    prompts = [p for p in on_policy_prompts(cfg, tokenizer, texts) if p]
     cached = torch.load(cache) if cache.exists() else []
     rows = [r if i < len(cached) and (r := cached[i])[: len(p)] == p else None for i, p in enumerate(prompts)]
     todo = [i for i, r in enumerate(rows) if r is None]
@@ -102,8 +104,8 @@ def on_policy_rows(cfg: TrainDraftConfig, teacher, tokenizer, texts: list[str], 
                     i = ids[out.request_id]
                     rows[i] = prompts[i] + out.finished.token_ids
                     bar.update(1)
-    torch.save(rows, cache.with_suffix(".tmp"))
-    cache.with_suffix(".tmp").replace(cache)  # atomic: an interrupted run never leaves half a cache
+    with atomic_file(cache) as tmp:  # an interrupted run never leaves half a cache
+        torch.save(rows, tmp)
     return rows
 
 
@@ -122,10 +124,10 @@ def build_rows(cfg: TrainDraftConfig, tokenizer, teacher, out_dir: Path) -> tupl
     ids = text_ids[: cfg.data.max_rows]
     labels = ids.clone()
     if cfg.data.on_policy:
-        generated = on_policy_rows(cfg, teacher, tokenizer, texts, out_dir)
+        prompts = on_policy_prompts(cfg, tokenizer, texts)
+        generated = on_policy_rows(cfg, teacher, tokenizer, prompts, out_dir)
         more_ids, more_labels = data_mod.pad_to_fixed([r[: cfg.data.seq_len] for r in generated], cfg.data.seq_len, eos)
         if cfg.data.answers_only:  # learn the target's answers, not the prompts they answer
-            prompts = [p for p in on_policy_prompts(cfg, tokenizer, texts) if p]
             for row, p in enumerate(prompts):  # on_policy_rows keeps only rows that start with their prompt
                 more_labels[row, : len(p)] = data_mod.IGNORE_INDEX
         ids, labels = torch.cat([ids, more_ids]), torch.cat([labels, more_labels])
