@@ -6,6 +6,13 @@ Reads each run's ``metrics.json`` (nothing is re-measured: every number comes fr
 held-out evaluation inside ``train-draft``) and writes ``compare.md`` and ``compare.png``. The
 untrained row is each run's step-0 evaluation; runs of the same student on the same prompts give
 the same greedy acceptance there, which the table shows as a check.
+
+    python scripts/compare_drafts.py runs/draft-code-distill runs/draft-code-finetune --measure 40 --draft-weights fp32
+
+``--measure N`` re-measures instead, all students in one process on the same N held-out prompts of
+the first run's domain: the untrained student (the first run's ``model.student`` with the first
+run's draft vocabulary) and each run's ``final/`` checkpoint, greedy, with the engine of
+``training/evaluate.py``. Written as ``measured.md`` and ``measured.json``.
 """
 
 from __future__ import annotations
@@ -29,13 +36,64 @@ def row(label: str, r: dict, alone: float, steps: str) -> str:
             f"{r['tokens_per_second']:.2f} | {r['tokens_per_second'] / alone:.2f}x | {ratio:.3f} |")
 
 
+def measure_runs(args, out: Path) -> int:
+    """Untrained and every run's final student on the same held-out prompts, one target load."""
+    from tqdm import tqdm
+
+    from serving.engine import EngineConfig, use_cpu_kernels
+    from serving.models import load_model, load_tokenizer
+    from training.evaluate import held_out_prompts, measure
+    from training.students import reduce_vocab
+
+    first = json.loads((Path(args.runs[0]) / "metrics.json").read_text())["config"]
+    tokenizer = load_tokenizer(first["model"]["target"])
+    target = load_model(first["model"]["target"])
+    prompts = held_out_prompts(first["data"]["domain"], args.measure, tokenizer)
+    if args.draft_weights == "fp32":  # measure() prepares the target's kernels only for int8 drafts
+        use_cpu_kernels([target], device=target.device, dtype=target.dtype,
+                        widths=EngineConfig(k=args.k, k_buckets=(args.k,)).step_widths)
+
+    def untrained():
+        student = load_model(first["model"]["student"])
+        vocab = json.loads((Path(args.runs[0]) / "final" / "config.json").read_text()).get("draft_vocab")
+        return reduce_vocab(student, vocab) if vocab else student
+
+    students = [("untrained", first["model"]["student"], untrained)]
+    students += [(rows_of(Path(r))[0]["loss"] + " final", f"{r}/final", lambda r=r: load_model(f"{r}/final")) for r in args.runs]
+    settings = dict(k=args.k, max_new_tokens=args.max_new_tokens, draft_weights=args.draft_weights)
+    results = []
+    for label, ref, build in tqdm(students, desc="students", unit="student"):
+        r = measure(target, build(), tokenizer, prompts, **settings)
+        r.pop("token_ids")
+        results.append({"student": label, "ref": ref} | r)
+    lines = [f"Held-out greedy acceptance, {len(prompts)} {first['data']['domain']} evaluation prompts, "
+             f"{args.max_new_tokens} new tokens, K={args.k}, draft weights {args.draft_weights}, one process. "
+             f"Command: `python scripts/compare_drafts.py {' '.join(args.runs)} --measure {args.measure} "
+             f"--draft-weights {args.draft_weights} --max-new-tokens {args.max_new_tokens} --k {args.k}`", "",
+             "| student | checkpoint | held-out acceptance | tokens / target call | draft / target step |", "|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['student']} | `{r['ref']}` | {r['acceptance_rate']:.3f} | {r['tokens_per_target_call']:.2f} | "
+                     f"{r['draft_step_ms'] / r['target_step_ms']:.3f} |")
+    md = "\n".join(lines) + "\n"
+    (out / "measured.md").write_text(md)
+    (out / "measured.json").write_text(json.dumps({"settings": settings | {"prompts": len(prompts)}, "results": results}, indent=1))
+    print(md)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("runs", nargs="+", help="train-draft output folders (with metrics.json)")
     ap.add_argument("--out", default="runs/drafts-compare")
+    ap.add_argument("--measure", type=int, default=0, metavar="N", help="re-measure on N held-out prompts")
+    ap.add_argument("--draft-weights", choices=["fp32", "int8"], default="int8", help="with --measure")
+    ap.add_argument("--max-new-tokens", type=int, default=48, help="with --measure")
+    ap.add_argument("--k", type=int, default=4, help="with --measure")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.measure:
+        return measure_runs(args, out)
 
     lines = ["| student | steps | held-out acceptance | tokens / target call | tokens/s | vs target alone | draft / target step |",
              "|---|---|---|---|---|---|---|"]
