@@ -69,7 +69,7 @@ def measure_runs(args, out: Path) -> int:
     lines = [f"Held-out greedy acceptance, {len(prompts)} {first['data']['domain']} evaluation prompts, "
              f"{args.max_new_tokens} new tokens, K={args.k}, draft weights {args.draft_weights}, one process. "
              f"Command: `python scripts/compare_drafts.py {' '.join(args.runs)} --measure {args.measure} "
-             f"--draft-weights {args.draft_weights} --max-new-tokens {args.max_new_tokens} --k {args.k}`", "",
+             f"--draft-weights {args.draft_weights} --max-new-tokens {args.max_new_tokens} --k {args.k} --out {args.out}`", "",
              "| student | checkpoint | held-out acceptance | tokens / target call | draft / target step |", "|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['student']} | `{r['ref']}` | {r['acceptance_rate']:.3f} | {r['tokens_per_target_call']:.2f} | "
