@@ -158,6 +158,9 @@ class RouterTrainConfig:
         default="acceptance", metadata=doc("choose by predicted acceptance, or by predicted speedup (may choose none)")
     )
     k_buckets: list[int] | None = field(default=None, metadata=doc("K values to suggest from; null: 1..8"))
+    calibrate_costs: bool = field(default=True, metadata=doc(
+        "fit each draft's per-call cost to the measured speedups of the training prompts (needs the "
+        "target alone collected); false keeps the bare verify-step cost"))
     features: FeatureConfig = field(default_factory=FeatureConfig)
     split: SplitConfig = field(default_factory=SplitConfig)
     mlp: MLPConfig = field(default_factory=MLPConfig)

@@ -99,6 +99,19 @@ def speedup_model(a: torch.Tensor, k: torch.Tensor, draft_cost: float, verify_co
     return expected_tokens(a, k) / (k * draft_cost + verify_cost)
 
 
+def calibrated_verify_cost(rate: torch.Tensor, speedup: torch.Tensor, k: int, draft_cost: float) -> float:
+    """The per-call cost v (relative to a target step) that makes the cost model reproduce measured
+    speedups on average: mean of E(a_i) / s_i - k c over prompts i, from acceptance rates [N] and
+    measured speedups [N] collected at K = k. A measured speedup also pays for what a verify step
+    does not show (both prefills, host work between steps), so this v is larger than the verify
+    step alone; without it the model promises speedups the measurements never reach and never
+    prefers the target alone."""
+    a = per_token_acceptance(rate.float(), k)  # [N]
+    ok = speedup > 0
+    per_prompt = expected_tokens(a[ok], torch.tensor(float(k))) / speedup[ok].float() - k * draft_cost  # [N]
+    return float(per_prompt.mean())
+
+
 class Router:
     def __init__(
         self,

@@ -14,9 +14,12 @@ from routing.rows import RowStore, merge, read_rows
 from serving.config import ConfigError, load_config
 
 
-def test_shipped_configs_load():
-    cfg = load_config(CollectConfig, "configs/router_collect.yaml")
+@pytest.mark.parametrize("name", ["router_collect", "router_collect_domains"])
+def test_shipped_configs_load(name):
+    cfg = load_config(CollectConfig, f"configs/{name}.yaml")
     assert cfg.baseline and cfg.drafts and {s.domain for s in cfg.sources} == {"code", "chat", "math"}
+    with open(f"configs/{name}.yaml") as f:
+        assert f.readline().startswith(f"# collect-router-data --config configs/{name}.yaml")
     assert load_config(RouterTrainConfig, "configs/router_train.yaml").objective == "acceptance"
 
 

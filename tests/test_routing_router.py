@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from routing import Choice, Router, RouterError
-from routing.router import expected_tokens
+from routing.router import calibrated_verify_cost, expected_tokens, per_token_acceptance, speedup_model
 
 REFS = {"code": "models/code", "math": "models/math", "none": None}
 
@@ -111,7 +111,6 @@ def test_save_is_atomic_and_leaves_no_temporary_files(router, tmp_path):
 
 
 def test_per_token_acceptance_inverts_the_measured_rate():
-    from routing.router import expected_tokens, per_token_acceptance
 
     a = torch.tensor([0.0, 0.3, 0.8, 0.99])
     for k in (1, 4, 8):
@@ -120,3 +119,12 @@ def test_per_token_acceptance_inverts_the_measured_rate():
     # The rate at K=4 understates a: with a = 0.8 it is 0.59, and E uses a, not the rate.
     rate = torch.tensor([0.5904])
     assert abs(expected_tokens(per_token_acceptance(rate, 4), torch.tensor(4.0)).item() - 3.3616) < 1e-3
+
+
+def test_calibrated_verify_cost_recovers_the_cost_that_produced_the_speedups():
+    rate = torch.tensor([0.4, 0.6, 0.8, 0.95])  # acceptance rates [N] at K = 4
+    a = per_token_acceptance(rate, 4)
+    measured = speedup_model(a, torch.tensor(4.0), 0.3, 1.9)  # [N]: what a per-call cost of 1.9 gives
+    assert calibrated_verify_cost(rate, measured, 4, 0.3) == pytest.approx(1.9, rel=1e-4)
+    # Slower measurements than the bare model predicts mean a larger per-call cost, never a smaller one.
+    assert calibrated_verify_cost(rate, measured * 0.8, 4, 0.3) > 1.9
