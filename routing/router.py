@@ -103,13 +103,17 @@ def calibrated_verify_cost(rate: torch.Tensor, speedup: torch.Tensor, k: int, dr
     """The per-call cost v (relative to a target step) that makes the cost model reproduce measured
     speedups on average: mean of E(a_i) / s_i - k c over prompts i, from acceptance rates [N] and
     measured speedups [N] collected at K = k. A measured speedup also pays for what a verify step
-    does not show (both prefills, host work between steps), so this v is larger than the verify
-    step alone; without it the model promises speedups the measurements never reach and never
-    prefers the target alone."""
+    does not show (both prefills, host work between steps), so this v is usually larger than the
+    verify step alone; without it the model promises speedups the measurements never reach and
+    never prefers the target alone. NaN when no prompt has a usable measurement or the fit is not
+    positive: callers keep the bare verify cost then."""
     a = per_token_acceptance(rate.float(), k)  # [N]
-    ok = speedup > 0
+    ok = (speedup > 0) & torch.isfinite(speedup) & torch.isfinite(rate)
+    if not ok.any():
+        return float("nan")
     per_prompt = expected_tokens(a[ok], torch.tensor(float(k))) / speedup[ok].float() - k * draft_cost  # [N]
-    return float(per_prompt.mean())
+    v = float(per_prompt.mean())
+    return v if v > 0 else float("nan")
 
 
 class Router:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from pathlib import Path
 
 import torch
@@ -108,9 +109,10 @@ def train(cfg: RouterTrainConfig) -> dict:
     costs = {d: dict(c) for d, c in table.costs.items()}
     if cfg.calibrate_costs and table.speedup is not None:
         for j, d in enumerate(table.drafts):  # training prompts only: the test split stays unseen
+            v = calibrated_verify_cost(table.acceptance[train_idx, j], table.speedup[train_idx, j], table.k, costs[d]["draft_cost"])
             costs[d]["verify_step_cost"] = costs[d]["verify_cost"]
-            costs[d]["verify_cost"] = calibrated_verify_cost(
-                table.acceptance[train_idx, j], table.speedup[train_idx, j], table.k, costs[d]["draft_cost"])
+            if math.isfinite(v):
+                costs[d]["verify_cost"] = v
         print("train-router: per-call costs fitted to measured speedups: " + ", ".join(
             f"{d} {c['verify_step_cost']:.2f} -> {c['verify_cost']:.2f}" for d, c in costs.items()))  # fmt: skip
     names = table.drafts + ([NONE] if table.has_none else [])

@@ -3,6 +3,8 @@ truncated, foreign and mismatched router files."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -128,3 +130,9 @@ def test_calibrated_verify_cost_recovers_the_cost_that_produced_the_speedups():
     assert calibrated_verify_cost(rate, measured, 4, 0.3) == pytest.approx(1.9, rel=1e-4)
     # Slower measurements than the bare model predicts mean a larger per-call cost, never a smaller one.
     assert calibrated_verify_cost(rate, measured * 0.8, 4, 0.3) > 1.9
+
+
+def test_calibrated_verify_cost_is_nan_without_a_usable_fit():
+    rate = torch.tensor([0.5, 0.7])
+    assert math.isnan(calibrated_verify_cost(rate, torch.tensor([float("nan"), 0.0]), 4, 0.3))
+    assert math.isnan(calibrated_verify_cost(rate, torch.tensor([50.0, 50.0]), 4, 0.3))  # v would be < 0
