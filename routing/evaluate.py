@@ -115,7 +115,24 @@ def evaluate(
         "policies": results,
         "confusion": {name: confusion(choices, best_per_prompt, opts) for name, choices in policies.items()},
         "costs": router.costs,
+        "collected": collected_summary(table),
     }
+
+
+def collected_summary(table: Table) -> dict:
+    """Every collected prompt, not just the held-out ones: per domain and draft, the mean measured
+    acceptance and speedup and how many prompts ran slower than the target alone."""
+    out: dict = {}
+    for domain in sorted(set(table.domains)):
+        idx = [i for i, d in enumerate(table.domains) if d == domain]
+        out[domain] = {"prompts": len(idx)}
+        for j, draft in enumerate(table.drafts):
+            entry = {"acceptance": float(table.acceptance[idx, j].mean())}
+            if table.speedup is not None:
+                speed = table.speedup[idx, j]  # [n]
+                entry |= {"speedup": float(speed.mean()), "slower_than_target": int((speed < 1).sum())}
+            out[domain][draft] = entry
+    return out
 
 
 # ---- report ----------------------------------------------------------------------------------
@@ -153,8 +170,22 @@ def markdown(report: dict) -> str:
         lines += ["", f"Confusion of `{name}`: rows = chosen, columns = best in hindsight", "",
                   "| chosen \\ best | " + " | ".join(opts) + " |", "|---|" + "---:|" * len(opts)]  # fmt: skip
         lines += [f"| {o} | " + " | ".join(map(str, row)) + " |" for o, row in zip(opts, counts)]
-    lines += ["", "Measured costs per draft (relative to one target step): " + ", ".join(
-        f"{d}: c={c['draft_cost']:.3f}, v={c['verify_cost']:.3f}" for d, c in report["costs"].items())]  # fmt: skip
+    lines += ["", "Costs per draft (relative to one target step; c: draft step, v: the rest of a call, fitted to "
+              "the measured speedups when a verify step is shown beside it): " + ", ".join(
+        f"{d}: c={c['draft_cost']:.3f}, v={c['verify_cost']:.3f}"
+        + (f" (verify step {c['verify_step_cost']:.3f})" if "verify_step_cost" in c else "")
+        for d, c in report["costs"].items())]  # fmt: skip
+    collected = report.get("collected") or {}
+    if collected:
+        lines += ["", "All collected prompts (training and held-out), per domain and draft: mean acceptance, mean measured "
+                  "speedup over the target alone, prompts slower than it:", "",
+                  "| domain | prompts | draft | acceptance | speedup | slower than target |", "|---|---:|---|---:|---:|---:|"]  # fmt: skip
+        for domain, per in collected.items():
+            for draft, e in per.items():
+                if draft == "prompts":
+                    continue
+                speed = f"{e['speedup']:.3f} | {e['slower_than_target']}" if "speedup" in e else "- | -"
+                lines.append(f"| {domain} | {per['prompts']} | {draft} | {e['acceptance']:.3f} | {speed} |")
     return "\n".join(lines) + "\n"
 
 

@@ -20,6 +20,9 @@ def test_shipped_configs_load(name):
     assert cfg.baseline and cfg.drafts and {s.domain for s in cfg.sources} == {"code", "chat", "math"}
     with open(f"configs/{name}.yaml") as f:
         assert f.readline().startswith(f"# collect-router-data --config configs/{name}.yaml")
+
+
+def test_shipped_router_train_config_loads():
     assert load_config(RouterTrainConfig, "configs/router_train.yaml").objective == "acceptance"
 
 

@@ -77,6 +77,11 @@ def test_collect_train_choose_beats_best_single_draft(setup, tmp_path):
     assert report["n_test"] == len(report["test_prompt_ids"]) == sum(sum(r) for r in report["confusion"]["router (MLP)"])
     assert sum(sum(r) for r in report["confusion"]["logistic regression"]) == report["n_test"]
     assert (out / "eval.md").read_text().startswith("# Router evaluation")
+    # The summary of all collected prompts is the plain mean of the rows (one greedy row per pair here).
+    for domain, per in report["collected"].items():
+        for draft in ("code", "math"):
+            mine = [r["acceptance_rate"] for r in rows if r["draft"] == draft and r["domain"] == domain]
+            assert per["prompts"] == len(mine) and per[draft]["acceptance"] == pytest.approx(sum(mine) / len(mine))
     assert (out / "eval.png").stat().st_size > 1000
 
     loaded = Router.load(out / "router.pt")

@@ -113,7 +113,6 @@ def test_save_is_atomic_and_leaves_no_temporary_files(router, tmp_path):
 
 
 def test_per_token_acceptance_inverts_the_measured_rate():
-
     a = torch.tensor([0.0, 0.3, 0.8, 0.99])
     for k in (1, 4, 8):
         rate = torch.stack([(a ** i) for i in range(1, k + 1)]).mean(0)  # accepted / drafted at k
