@@ -154,7 +154,7 @@ def markdown(report: dict) -> str:
         f"{cfg['dtype']} on {cfg['device']} ({cfg['machine']}), greedy, {cfg['max_new_tokens']} new tokens, "
         f"K={cfg['k']}, draft confidence stop: {cfg.get('draft_confidence')}, {cfg['prompts_per_domain']} prompts per domain, Choral CPU kernels: "
         f"{cfg.get('choral_cpu_kernels')}, Choral's draft weights: {cfg.get('draft_weights', 'fp32')}, HF assisted kernels: {cfg['hf_kernels']} "
-        f"(draft weights: {cfg.get('draft_weights', 'fp32') if cfg['hf_kernels'] == 'choral' else 'fp32'}). Command: `{cfg['command']}`",
+        f"(draft weights: {cfg.get('draft_weights', 'fp32') if cfg['hf_kernels'] == 'choral' else cfg.get('hf_draft_weights', 'fp32')}). Command: `{cfg['command']}`",
         "",
         "| domain | target tok/s | HF assisted tok/s | Choral tok/s | Choral speedup | Choral / HF | acceptance "
         "| tokens/target call | drafted/call | draft step ms | 1-token step ms | verify ms | verify / 1-token | predicted speedup "
@@ -237,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-cpu-kernels", action="store_true", help="Choral on stock PyTorch CPU kernels")
     ap.add_argument("--hf-kernels", choices=["stock", "choral"], default="stock",
                     help="kernels for HF assisted generation: stock transformers (what its users run) or Choral's (and Choral's draft weights)")
+    ap.add_argument("--hf-draft-weights", choices=["fp32", "int8-dynamic"], default="fp32",
+                    help="with --hf-kernels stock: HF's draft in fp32 or in PyTorch's own dynamic int8 (quantize_dynamic), "
+                         "the stock int8 path, to compare with Choral's int8 draft in the same precision")
     ap.add_argument("--max-len", type=int, default=None)
     ap.add_argument("--out", default="runs/bench")
     ap.add_argument("--from-json", help="re-render the summary, table and plot of a saved bench.json (no runs)")
@@ -258,10 +261,16 @@ def main(argv: list[str] | None = None) -> int:
     draft = load_model(args.draft, dtype=args.dtype, device=device, quantize=args.quantize)
     # With stock kernels HF assisted generation keeps an fp32 draft (its users' setup); with
     # --hf-kernels choral it runs the very draft Choral runs, int8 included (same precision).
+    # --hf-draft-weights int8-dynamic gives HF its own int8 draft, PyTorch's stock dynamic int8.
+    hf_int8 = args.hf_draft_weights != "fp32"
+    if hf_int8 and (args.hf_kernels != "stock" or args.no_hf or args.quantize):
+        raise SystemExit("--hf-draft-weights int8-dynamic goes with --hf-kernels stock, HF enabled and no --quantize")
     choral_draft = draft
-    if args.draft_weights != "fp32" and not args.no_hf and args.hf_kernels == "stock":
+    if args.draft_weights != "fp32" and not args.no_hf and args.hf_kernels == "stock" and not hf_int8:
         choral_draft = load_model(args.draft, dtype=args.dtype, device=device, quantize=args.quantize)
     hf_draft = draft if args.hf_kernels == "stock" else choral_draft
+    if hf_int8:
+        hf_draft = load_model(args.draft, dtype=args.dtype, device=device, quantize=args.hf_draft_weights)
     sweep = [int(k) for k in args.k_sweep.split(",") if k.strip()]
     cpu_kernels = False
     if not (args.no_cpu_kernels or args.compile):  # the CPU kernels are eager-only

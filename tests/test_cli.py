@@ -55,3 +55,17 @@ def test_spec_bench_writes_report(model_dirs, tmp_path, capsys):
     assert s["hf_identical"] == 3
     assert {r["k"] for r in report["k_sweep"]} == {1, 3}
     assert (out / "bench.png").stat().st_size > 1000 and "| code |" in (out / "bench.md").read_text()
+
+
+def test_spec_bench_gives_hf_its_own_dynamic_int8_draft(model_dirs, tmp_path):
+    out = tmp_path / "bench"
+    args = ["--target", str(model_dirs["target"]), "--draft", str(model_dirs["draft"]), "--domains", "code",
+            "--prompts-per-domain", "1", "--max-new-tokens", "8", "--k", "2", "--k-sweep", "", "--draft-weights", "int8",
+            "--hf-draft-weights", "int8-dynamic", "--out", str(out)]  # fmt: skip
+    assert bench.main(args) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert report["config"]["hf_draft_weights"] == "int8-dynamic"
+    assert report["summary"]["all"]["hf_identical"] == 1  # the fp32 target verifies: still lossless
+    assert "HF assisted kernels: stock (draft weights: int8-dynamic)" in (out / "bench.md").read_text()
+    with pytest.raises(SystemExit, match="goes with --hf-kernels stock"):
+        bench.main([*args, "--hf-kernels", "choral"])

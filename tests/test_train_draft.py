@@ -199,3 +199,52 @@ def test_answers_only_trains_on_the_targets_answers(tmp_path, tokenizer):
     for row, p in zip(rows[1:], prompts[1:]):
         assert row[: len(p)] == p and len(p) < len(row) <= len(p) + cfg.data.on_policy_new_tokens
     assert torch.load(tmp_path / "on_policy.pt") == rows
+
+
+def test_lora_trains_only_adapters_saves_plain_models_and_resumes(tmp_path, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    teacher = tiny_qwen2(0)  # peaked, as above, so the one-layer student has something to learn
+    with torch.no_grad():
+        teacher.lm_head.weight.mul_(20)
+    teacher.save_pretrained(tmp_path / "teacher")
+    tokenizer.save_pretrained(tmp_path / "teacher")
+    model_dirs = {"target": tmp_path / "teacher"}
+    out = tmp_path / "lora"
+    config = tiny_config(model_dirs, out, model={"target": str(model_dirs["target"]), "student": str(model_dirs["target"]),
+                                                 "student_layers": [0], "lora_rank": 4, "lora_targets": ["q_proj", "v_proj"]},
+                         data={"domain": "code", "n_docs": 20, "seq_len": 32, "max_rows": 64},
+                         optim={"lr": 1e-2, "warmup_steps": 1, "schedule": "constant"},
+                         train={"max_steps": 12, "batch_size": 4, "device": "cpu", "log_every": 1},
+                         eval={"every": 12, "prompts": 2, "max_new_tokens": 4, "k": 2}, output={"dir": str(out), "save_every": 6})  # fmt: skip
+    run_cli(config)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["step"] == 12
+    # Only the adapters train: rank 4 on q_proj and v_proj of the one layer, A and B each.
+    state = torch.load(out / "last" / "state" / "optimizer.bin", weights_only=False)
+    assert len(state["state"]) == 2 * 2
+    assert metrics["trainable_params"] < metrics["student_params"] / 20
+    assert metrics["after"]["val_loss"] < metrics["before"]["val_loss"]
+    # final/ is a plain model with the adapters merged in: no peft files, other weights than the start.
+    assert not (out / "final" / "adapter_config.json").exists()
+    final = AutoModelForCausalLM.from_pretrained(out / "final")
+    start = AutoModelForCausalLM.from_pretrained(out / "best") if metrics["best_step"] == 0 else None
+    names = [n for n, _ in final.named_parameters()]
+    assert not any("lora" in n for n in names)
+    q = final.model.layers[0].self_attn.q_proj.weight
+    k = final.model.layers[0].self_attn.k_proj.weight  # not a target: unchanged
+    source = AutoModelForCausalLM.from_pretrained(model_dirs["target"])
+    assert not torch.equal(q, source.model.layers[0].self_attn.q_proj.weight)
+    assert torch.equal(k, source.model.layers[0].self_attn.k_proj.weight)
+    if start is not None:
+        assert torch.equal(start.model.layers[0].self_attn.q_proj.weight, source.model.layers[0].self_attn.q_proj.weight)
+    run_cli(config, "--resume", "train.max_steps=15")
+    assert json.loads((out / "metrics.json").read_text())["step"] == 15
+
+
+def test_lora_target_that_names_no_layer_is_a_clear_error(model_dirs):
+    from training.students import add_lora
+
+    model = tiny_qwen2(0)
+    with pytest.raises(ValueError, match=r"lora_targets \['qproj'\] name no linear layer"):
+        add_lora(model, 4, 8.0, ["qproj", "v_proj"])

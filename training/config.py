@@ -25,9 +25,21 @@ class ModelConfig:
     train_embeddings: bool = field(default=True, metadata=doc(
         "false freezes the input embeddings (and the head where it is tied; an untied 0.5B's 136M of them: less optimizer state and time)"))
 
+    lora_rank: int = field(default=0, metadata=doc(
+        "> 0 trains LoRA adapters of this rank (peft) instead of every weight; checkpoints are saved merged, as plain models"))
+    lora_alpha: float = field(default=32.0, metadata=doc("LoRA scaling numerator (the update is scaled by alpha / rank)"))
+    lora_targets: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        metadata=doc("names of the linear layers that get adapters"),
+    )
+
     def __post_init__(self) -> None:
         if self.draft_vocab is not None and self.draft_vocab < 2:
             raise ValueError(f"draft_vocab={self.draft_vocab} must be >= 2 (or null for the full vocabulary)")
+        if self.lora_rank < 0:
+            raise ValueError(f"lora_rank={self.lora_rank} must be >= 0 (0 trains every weight)")
+        if self.lora_rank and not self.lora_targets:
+            raise ValueError("lora_targets is empty: name the linear layers that get adapters (e.g. [q_proj, v_proj])")
 
 
 @dataclass

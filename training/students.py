@@ -16,6 +16,11 @@ most frequent token ids of the domain's training text in ``config.draft_vocab``;
 checkpoint stay a plain full-vocabulary Hugging Face model (transformers and vLLM load it as is),
 and Choral's engine (``serving.runner.ModelRunner``) computes only those rows of the head and
 fills the rest of the row with -inf. Verification stays exact: the target still scores every token.
+
+Low-rank adapters (LoRA, Hu et al. 2021, through peft): ``add_lora(student, rank=16)`` freezes the
+student and trains a rank-``r`` update of its linear layers. A short CPU distillation moves far fewer
+numbers, so Adam's first steps add less noise to weights the run cannot afford to retrain.
+``plain_model`` merges the adapters into a copy, which is what is evaluated and saved.
 """
 
 from __future__ import annotations
@@ -122,6 +127,30 @@ def reduce_vocab(model: PreTrainedModel, token_ids: list[int]) -> PreTrainedMode
     if bad:
         raise ValueError(f"draft_vocab ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}")
     model.config.draft_vocab = sorted(set(int(t) for t in token_ids))
+    return model
+
+
+def add_lora(model: PreTrainedModel, rank: int, alpha: float, targets: list[str]) -> nn.Module:
+    """``model`` wrapped with trainable LoRA adapters on the linear layers named ``targets``; every
+    other weight is frozen. Adapters start as a zero update, so the wrapped model computes exactly
+    what ``model`` does until the first optimizer step."""
+    from peft import LoraConfig, get_peft_model
+
+    names = {name.split(".")[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    missing = sorted(set(targets) - names)
+    if missing:
+        raise ValueError(f"lora_targets {missing} name no linear layer of {type(model).__name__}: choose from {sorted(names)}")
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0, bias="none")
+    return get_peft_model(model, config)
+
+
+def plain_model(model: nn.Module) -> PreTrainedModel:
+    """The student as a plain Hugging Face model: a LoRA-wrapped one is merged into a copy (the
+    training model keeps its adapters); any other is returned as is."""
+    from peft import PeftModel
+
+    if isinstance(model, PeftModel):
+        return copy.deepcopy(model).merge_and_unload()
     return model
 
 

@@ -35,7 +35,7 @@ from training.checkpoint import atomic_dir, atomic_file, read_progress, write_js
 from training.config import TrainDraftConfig
 from training.evaluate import held_out_prompts, measure
 from training.losses import DistillLoss
-from training.students import count_parameters, derive_student, frequent_tokens, reduce_vocab
+from training.students import add_lora, count_parameters, derive_student, frequent_tokens, plain_model, reduce_vocab
 
 
 def lr_lambda(cfg: TrainDraftConfig):
@@ -176,6 +176,8 @@ def train(cfg: TrainDraftConfig, *, resume: bool = False) -> dict:
         # distinct tokens than the head keeps), so runs over the same text get the same head.
         source = text_ids if len(text_ids) else labels
         reduce_vocab(student, frequent_tokens(source, cfg.model.draft_vocab, always=eos_token_ids(teacher, tokenizer)))
+    if cfg.model.lora_rank:
+        student = add_lora(student, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.lora_targets)
     train_idx, val_idx = data_mod.split_train_val(list(range(len(ids))), cfg.data.val_fraction, cfg.train.seed)
     train_rows = TensorDataset(ids[train_idx], labels[train_idx])
     val_ids, val_labels = ids[val_idx], labels[val_idx]
@@ -224,7 +226,7 @@ def train(cfg: TrainDraftConfig, *, resume: bool = False) -> dict:
         return {"val_loss": sum(losses) / len(losses), "val_agreement": agree / max(real, 1)}
 
     def evaluate(label: str) -> dict:
-        result = measure(teacher, accelerator.unwrap_model(student), tokenizer, eval_prompts,
+        result = measure(teacher, plain_model(accelerator.unwrap_model(student)), tokenizer, eval_prompts,
                          k=cfg.eval.k, max_new_tokens=cfg.eval.max_new_tokens, draft_weights=cfg.eval.draft_weights)  # fmt: skip
         result.pop("token_ids")
         return result | {"label": label} | validation()
@@ -232,7 +234,8 @@ def train(cfg: TrainDraftConfig, *, resume: bool = False) -> dict:
     if main and "before" not in progress:
         progress["target_alone"] = {k: v for k, v in measure(teacher, None, tokenizer, eval_prompts, max_new_tokens=cfg.eval.max_new_tokens, draft_weights=cfg.eval.draft_weights).items() if k != "token_ids"}
         progress["before"] = evaluate("before training")
-        progress["student_params"] = count_parameters(accelerator.unwrap_model(student))
+        progress["student_params"] = count_parameters(plain_model(accelerator.unwrap_model(student)))
+        progress["trainable_params"] = sum(p.numel() for p in student.parameters() if p.requires_grad)
 
     def save_last() -> None:
         # Every process writes its part of the state into one shared temporary folder, then the
@@ -251,7 +254,7 @@ def train(cfg: TrainDraftConfig, *, resume: bool = False) -> dict:
 
     def save_hf(name: str) -> None:
         with atomic_dir(out_dir / name) as tmp:
-            accelerator.unwrap_model(student).save_pretrained(tmp, safe_serialization=True)
+            plain_model(accelerator.unwrap_model(student)).save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
 
 
