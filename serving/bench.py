@@ -152,7 +152,7 @@ def markdown(report: dict) -> str:
         f"# spec-bench: {cfg['target']} with draft {cfg['draft']}",
         "",
         f"{cfg['dtype']} on {cfg['device']} ({cfg['machine']}), greedy, {cfg['max_new_tokens']} new tokens, "
-        f"K={cfg['k']}, draft confidence stop: {cfg.get('draft_confidence')}, {cfg['prompts_per_domain']} prompts per domain, Choral CPU kernels: "
+        f"K={cfg['k']}, draft confidence stop: {cfg.get('draft_confidence')} ({cfg.get('draft_stop', 'token')}), {cfg['prompts_per_domain']} prompts per domain, Choral CPU kernels: "
         f"{cfg.get('choral_cpu_kernels')}, Choral's draft weights: {cfg.get('draft_weights', 'fp32')}, HF assisted kernels: {cfg['hf_kernels']} "
         f"(draft weights: {cfg.get('draft_weights', 'fp32') if cfg['hf_kernels'] == 'choral' else cfg.get('hf_draft_weights', 'fp32')}). Command: `{cfg['command']}`",
         "",
@@ -225,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--draft-confidence", type=float, default=None,
                     help="stop drafting when the draft's top probability falls below this (CPU)")
+    ap.add_argument("--draft-stop", choices=["token", "cumulative"], default="token",
+                    help="with --draft-confidence: compare each token's top probability (transformers' rule) or their running product")
     ap.add_argument("--k-sweep", default="1,2,3,4,5,6,7,8", help="comma list; empty to skip")
     ap.add_argument("--sweep-prompts", type=int, default=2, help="prompts per domain in the K sweep")
     ap.add_argument("--no-hf", action="store_true", help="skip Hugging Face assisted generation")
@@ -285,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def engine(k: int) -> SpeculativeEngine:
         cfg = EngineConfig(max_len=args.max_len, k=k, k_buckets=tuple(range(1, max([k, *sweep]) + 1)) if k else (1,),
-                           draft_confidence=args.draft_confidence)
+                           draft_confidence=args.draft_confidence, draft_stop=args.draft_stop)
         e = SpeculativeEngine(target, tokenizer, choral_draft if k else None, cfg)
         if args.compile:
             e.enable_compile()

@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--k", type=parse_k, default=4, help="draft tokens per step, or 'auto'")
     ap.add_argument("--draft-confidence", type=float, default=None,
                     help="stop drafting once the draft's top probability drops below this (CPU)")
+    ap.add_argument("--draft-stop", choices=["token", "cumulative"], default="token",
+                    help="with --draft-confidence: each token's top probability, or their running product")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "neuron"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -66,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             max_len=args.max_len,
             k=args.k if args.draft else 0,
             draft_confidence=args.draft_confidence,
+            draft_stop=args.draft_stop,
         )
         engine = SpeculativeEngine.load(
             args.target, args.draft, device=args.device, dtype=args.dtype, quantize=args.quantize,

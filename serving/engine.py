@@ -53,6 +53,8 @@ class EngineConfig:
     draft_confidence: stop a step's drafting once the draft's top probability drops below this
         (transformers' assistant_confidence_threshold); the verification covers the shorter block,
         whose width must be a bucket + 1. A host check per draft token: for CPUs, not Neuron.
+    draft_stop: "token" compares each draft token's top probability with ``draft_confidence``;
+        "cumulative" compares their running product (the block's chance of surviving whole).
     """
 
     max_batch_size: int = 1
@@ -61,8 +63,11 @@ class EngineConfig:
     k_buckets: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
     compile_backend: str | None = None
     draft_confidence: float | None = None
+    draft_stop: str = "token"
 
     def __post_init__(self) -> None:
+        if self.draft_stop not in ("token", "cumulative"):
+            raise ValueError(f"draft_stop={self.draft_stop!r} must be 'token' or 'cumulative'")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size={self.max_batch_size} must be >= 1")
         if not self.k_buckets or min(self.k_buckets) < 1:
@@ -507,7 +512,8 @@ class SpeculativeEngine:
 
         # speculative_step's two halves, split so that the verify half can run elsewhere.
         sampling, rand = self._batch_sampling(slots), self._random(slots, k)
-        draft_tokens, q = draft_half(self.draft, s, sampling, rand, k, self.vocab_size, self.config.draft_confidence)
+        draft_tokens, q = draft_half(self.draft, s, sampling, rand, k, self.vocab_size, self.config.draft_confidence,
+                                     self.config.draft_stop)
         clock("draft")
         n_acc, n_new = self._verify(slots, sampling, rand, draft_tokens, q, clock)
         k = draft_tokens.shape[1]

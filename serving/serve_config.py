@@ -41,6 +41,9 @@ class ServeConfig:
         "request is reported in the response, not applied"))
     draft_confidence: float | None = field(default=None, metadata=doc(
         "stop drafting once the draft's top probability drops below this (CPU)"))
+    draft_stop: Literal["token", "cumulative"] = field(default="token", metadata=doc(
+        "with draft_confidence: compare each draft token's top probability, or their running product "
+        "(the block's chance of surviving whole)"))
     queue_limit: int = field(default=64, metadata=doc(
         "requests that may wait for a slot; beyond that new ones get HTTP 429"))
     request_timeout_s: float = field(default=300.0, metadata=doc(

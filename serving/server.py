@@ -69,6 +69,7 @@ def engine_config(cfg: ServeConfig, has_draft: bool) -> EngineConfig:
         k=cfg.k if has_draft else 0,
         compile_backend=cfg.compile_backend,
         draft_confidence=cfg.draft_confidence if has_draft else None,
+        draft_stop=cfg.draft_stop,
     )
 
 

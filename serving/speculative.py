@@ -53,6 +53,7 @@ def speculative_step(
     k: int,
     clock: Callable[[str], None] | None = None,
     draft_confidence: float | None = None,
+    draft_stop: str = "token",
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Advance every row by one target call. Mutates ``state`` (tokens, lengths, done) in place and
     returns (n_accepted [B], n_new [B], k): draft tokens accepted, tokens committed this step
@@ -66,8 +67,9 @@ def speculative_step(
     top probability), as transformers' assisted generation does; the verification then covers the
     shorter block. It reads a flag back after each draft token, so it is meant for CPUs, where that
     costs nothing; leave it None for one host sync per step and a single compiled graph.
+    ``draft_stop="cumulative"`` compares the running product of those probabilities instead.
     """
-    draft_tokens, q = draft_half(draft, state, sampling, rand, k, target.vocab_size, draft_confidence)
+    draft_tokens, q = draft_half(draft, state, sampling, rand, k, target.vocab_size, draft_confidence, draft_stop)
     if clock is not None:
         clock("draft")
     n_accepted, _, n_new = verify_half(target, state, sampling, rand, draft_tokens, q, clock)
@@ -82,10 +84,13 @@ def draft_half(
     k: int,
     vocab_size: int,
     draft_confidence: float | None = None,
+    draft_stop: str = "token",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 1: draft up to k tokens per row. Returns (draft_tokens [B, K] long, q [B, K, V]), K = k,
     fewer after a ``draft_confidence`` stop, 0 without a draft. Reads ``state``, writes only the
-    draft's cache."""
+    draft's cache. ``draft_stop``: "token" stops once the draft's top probability of the latest
+    token is below ``draft_confidence`` (transformers' rule); "cumulative" once the product of
+    the top probabilities so far is, a proxy for the chance the whole block is accepted."""
     B = state.lengths.shape[0]
     n = state.lengths  # [B]
     # The first call re-feeds x_{n-2} too: after a step in which all K were accepted the draft
@@ -102,8 +107,10 @@ def draft_half(
             drafted.append(sample(q_i, rand.draft[:, i]))  # [B]
             q.append(q_i)
             if draft_confidence is not None and i + 1 < k:
-                unsure = torch.softmax(logits[:, 0].float(), -1).amax(-1) < draft_confidence  # [B]
-                if bool((unsure | state.done).all()):
+                top = torch.softmax(logits[:, 0].float(), -1).amax(-1)  # [B]
+                # "cumulative": the chance that the whole block so far survives, not just this token.
+                sure = top if draft_stop == "token" else (sure * top if i > 0 else top)  # [B]
+                if bool(((sure < draft_confidence) | state.done).all()):
                     break
     draft_tokens = torch.stack(drafted, 1) if drafted else n.new_zeros(B, 0)  # [B, K]
     q_all = torch.stack(q, 1) if q else torch.zeros(B, 0, vocab_size, device=n.device)  # [B, K, V]

@@ -1,6 +1,7 @@
 """The CLIs, run in-process on tiny model folders."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,3 +70,21 @@ def test_spec_bench_gives_hf_its_own_dynamic_int8_draft(model_dirs, tmp_path):
     assert "HF assisted kernels: stock (draft weights: int8-dynamic)" in (out / "bench.md").read_text()
     with pytest.raises(SystemExit, match="goes with --hf-kernels stock"):
         bench.main([*args, "--hf-kernels", "choral"])
+
+
+def test_tune_draft_stop_script_compares_stops_losslessly(model_dirs, tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tune_draft_stop", Path(__file__).parents[1] / "scripts" / "tune_draft_stop.py")
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    out = tmp_path / "tune"
+    args = ["--target", str(model_dirs["target"]), "--draft", str(model_dirs["draft"]), "--prompts-per-domain", "1",
+            "--max-new-tokens", "8", "--k", "3", "--settings", "token:0.4", "cumulative:0.4", "--out", str(out)]  # fmt: skip
+    assert tune.main(args) == 0
+    rows = json.loads((out / "tune.json").read_text())
+    assert [(r["stop"], r["confidence"]) for r in rows] == [("token", 0.4), ("cumulative", 0.4)]
+    assert all(r["identical"] == r["prompts"] == 3 for r in rows)
+    assert all(r["tokens_per_second"] > 0 and 0 < r["drafted_per_call"] <= 3 for r in rows)
+    with pytest.raises(SystemExit):
+        tune.main(["--settings", "product:0.4"])

@@ -97,3 +97,20 @@ def test_draft_confidence_stops_drafting_early():
     target, draft = PositionStub(V, target_script), PositionStub(V, target_script)
     state = state_for([[target_script(t) for t in range(6)]], capacity=64, limit=100, eos=[])
     assert speculative_step(target, draft, state, greedy(1), rand(1, 4), 4, draft_confidence=0.5)[2] == 4
+
+
+def test_cumulative_draft_stop_multiplies_the_confidences():
+    # Top probability 0.99778 per token: its running product falls below 0.996 at the second
+    # token (0.99557), while each token alone stays above it.
+    for stop, drafted in (("token", 4), ("cumulative", 2)):
+        target, draft = PositionStub(V, target_script), PositionStub(V, target_script)
+        state = state_for([[target_script(t) for t in range(6)]], capacity=64, limit=100, eos=[])
+        k = speculative_step(target, draft, state, greedy(1), rand(1, 4), 4, draft_confidence=0.996, draft_stop=stop)[2]
+        assert k == drafted and target.calls == [drafted + 1]
+
+
+def test_unknown_draft_stop_is_a_clear_error():
+    from serving.engine import EngineConfig
+
+    with pytest.raises(ValueError, match="draft_stop='product' must be 'token' or 'cumulative'"):
+        EngineConfig(draft_stop="product")
