@@ -240,9 +240,11 @@ def test_lora_trains_only_adapters_saves_plain_models_and_resumes(tmp_path, toke
         assert torch.equal(start.model.layers[0].self_attn.q_proj.weight, source.model.layers[0].self_attn.q_proj.weight)
     run_cli(config, "--resume", "train.max_steps=15")
     assert json.loads((out / "metrics.json").read_text())["step"] == 15
+    state = torch.load(out / "last" / "state" / "optimizer.bin", weights_only=False)
+    assert len(state["state"]) == 2 * 2 and {float(s["step"]) for s in state["state"].values()} == {15.0}
 
 
-def test_lora_target_that_names_no_layer_is_a_clear_error(model_dirs):
+def test_lora_target_that_names_no_layer_is_a_clear_error():
     from training.students import add_lora
 
     model = tiny_qwen2(0)

@@ -17,8 +17,8 @@ checkpoint stay a plain full-vocabulary Hugging Face model (transformers and vLL
 and Choral's engine (``serving.runner.ModelRunner``) computes only those rows of the head and
 fills the rest of the row with -inf. Verification stays exact: the target still scores every token.
 
-Low-rank adapters (LoRA, Hu et al. 2021, through peft): ``add_lora(student, rank=16)`` freezes the
-student and trains a rank-``r`` update of its linear layers. A short CPU distillation moves far fewer
+Low-rank adapters (LoRA, Hu et al. 2021, through peft): ``add_lora(student, 16, 32.0, ["q_proj",
+"v_proj"])`` freezes the student and trains a rank-16 update of the linear layers named. A short CPU distillation moves far fewer
 numbers, so Adam's first steps add less noise to weights the run cannot afford to retrain.
 ``plain_model`` merges the adapters into a copy, which is what is evaluated and saved.
 """
