@@ -20,14 +20,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from serving.engine import EngineConfig, Request, SpeculativeEngine, use_cpu_kernels
+from serving.engine import DRAFT_STOPS, EngineConfig, Request, SpeculativeEngine, use_cpu_kernels
 from serving.models import load_model, load_tokenizer
 from serving.prompts import DOMAINS, encode_prompt, load_prompts
 
 
 def parse_setting(text: str) -> tuple[str, float]:
     stop, _, value = text.partition(":")
-    if stop not in ("token", "cumulative") or not value:
+    if stop not in DRAFT_STOPS or not value:
         raise argparse.ArgumentTypeError(f"setting {text!r}: expected token:C or cumulative:C, e.g. cumulative:0.4")
     return stop, float(value)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from serving.engine import EngineConfig, Request, SpeculativeEngine, use_cpu_kernels
+from serving.engine import DRAFT_STOPS, EngineConfig, Request, SpeculativeEngine, use_cpu_kernels
 from serving.models import check_same_tokenizer, load_model, load_tokenizer
 from serving.cpu_kernels import set_enabled
 from serving.devices import resolve_device
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--draft-confidence", type=float, default=None,
                     help="stop drafting when the draft's top probability falls below this (CPU)")
-    ap.add_argument("--draft-stop", choices=["token", "cumulative"], default="token",
+    ap.add_argument("--draft-stop", choices=DRAFT_STOPS, default="token",
                     help="with --draft-confidence: compare each token's top probability (transformers' rule) or their running product")
     ap.add_argument("--k-sweep", default="1,2,3,4,5,6,7,8", help="comma list; empty to skip")
     ap.add_argument("--sweep-prompts", type=int, default=2, help="prompts per domain in the K sweep")

@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from serving.engine import EngineConfig, Request, SpeculativeEngine
+from serving.engine import DRAFT_STOPS, EngineConfig, Request, SpeculativeEngine
 from serving.prompts import read_prompt_file
 from serving.sampling import SamplingParams
 
@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--k", type=parse_k, default=4, help="draft tokens per step, or 'auto'")
     ap.add_argument("--draft-confidence", type=float, default=None,
                     help="stop drafting once the draft's top probability drops below this (CPU)")
-    ap.add_argument("--draft-stop", choices=["token", "cumulative"], default="token",
+    ap.add_argument("--draft-stop", choices=DRAFT_STOPS, default="token",
                     help="with --draft-confidence: each token's top probability, or their running product")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "neuron"])

@@ -40,6 +40,9 @@ from serving.speculative import DecodeState, StepRandom, draft_half, prefill_fir
 from serving.stats import RequestStats
 
 
+DRAFT_STOPS = ("token", "cumulative")  # what EngineConfig.draft_stop compares with draft_confidence
+
+
 @dataclass
 class EngineConfig:
     """max_batch_size: slots decoded together (the static batch).
@@ -66,7 +69,7 @@ class EngineConfig:
     draft_stop: str = "token"
 
     def __post_init__(self) -> None:
-        if self.draft_stop not in ("token", "cumulative"):
+        if self.draft_stop not in DRAFT_STOPS:
             raise ValueError(f"draft_stop={self.draft_stop!r} must be 'token' or 'cumulative'")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size={self.max_batch_size} must be >= 1")

@@ -176,6 +176,7 @@ def train(cfg: TrainDraftConfig, *, resume: bool = False) -> dict:
         # distinct tokens than the head keeps), so runs over the same text get the same head.
         source = text_ids if len(text_ids) else labels
         reduce_vocab(student, frequent_tokens(source, cfg.model.draft_vocab, always=eos_token_ids(teacher, tokenizer)))
+    student_params = count_parameters(student)  # before adapters: the plain model that is saved and served
     if cfg.model.lora_rank:
         student = add_lora(student, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.lora_targets)
     train_idx, val_idx = data_mod.split_train_val(list(range(len(ids))), cfg.data.val_fraction, cfg.train.seed)
@@ -234,7 +235,7 @@ def train(cfg: TrainDraftConfig, *, resume: bool = False) -> dict:
     if main and "before" not in progress:
         progress["target_alone"] = {k: v for k, v in measure(teacher, None, tokenizer, eval_prompts, max_new_tokens=cfg.eval.max_new_tokens, draft_weights=cfg.eval.draft_weights).items() if k != "token_ids"}
         progress["before"] = evaluate("before training")
-        progress["student_params"] = count_parameters(plain_model(accelerator.unwrap_model(student)))
+        progress["student_params"] = student_params
         progress["trainable_params"] = sum(p.numel() for p in student.parameters() if p.requires_grad)
 
     def save_last() -> None:
