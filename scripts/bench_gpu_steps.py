@@ -8,8 +8,9 @@
 ``--random-init`` builds each model from its ``config.json`` with random weights: the per-step
 cost of a model does not depend on its weights, so a GPU machine that cannot hold the bundled
 weights still measures real shapes. Acceptance does depend on the weights, so the predicted
-speedups use acceptance rates measured elsewhere (``--alphas``), by Leviathan et al.'s formula:
-a call drafts K tokens and verifies K+1, and yields (1 - a^(K+1)) / (1 - a) tokens on average.
+speedups use per-token acceptance rates measured elsewhere (``--alphas``) in the router's cost model
+(``routing.router.speedup_model``, Leviathan et al.'s formula): a call drafts K tokens and verifies
+K+1, and yields (1 - a^(K+1)) / (1 - a) tokens on average.
 
 Prints a markdown table and writes JSON (default runs/gpu_steps.json).
 """
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from serving.devices import resolve_device, resolve_dtype, synchronize  # noqa: E402
 from serving.models import load_model, resolve_model_ref  # noqa: E402
 from serving.runner import ModelRunner  # noqa: E402
+from routing.router import speedup_model  # noqa: E402
 
 
 def build(ref: str, random_init: bool, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -62,11 +64,6 @@ def time_widths(runner: ModelRunner, widths: list[int], prefill: int, reps: int)
             times.append(time.perf_counter() - t)
         out[w] = statistics.median(times)
     return out
-
-
-def predicted_speedup(alpha: float, k: int, draft_s: float, verify_s: float, target_s: float) -> float:
-    tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return tokens * target_s / (k * draft_s + verify_s)
 
 
 def main(argv=None) -> int:
@@ -106,8 +103,8 @@ def main(argv=None) -> int:
         rows.append({"mode": mode, "model": "draft", "tokens": 1, "ms": 1e3 * cost["draft"][1], "x_one_token": cost["draft"][1] / t1})
         for k in ks:
             for a in alphas:
-                predictions.append({"mode": mode, "k": k, "alpha": a,
-                                    "speedup": predicted_speedup(a, k, cost["draft"][1], cost["target"][k + 1], t1)})  # fmt: skip
+                speedup = speedup_model(torch.tensor(a), torch.tensor(k), cost["draft"][1] / t1, cost["target"][k + 1] / t1)
+                predictions.append({"mode": mode, "k": k, "alpha": a, "speedup": float(speedup)})
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     print(f"\n{gpu}, {args.dtype}, batch {args.batch}, after a {args.prefill}-token prefill"
           f"{' (random weights, real shapes)' if args.random_init else ''}\n")  # fmt: skip

@@ -36,16 +36,16 @@ class MarkovStub:
         return self.table[tokens]
 
 
-def state_for(prefixes: list[list[int]], capacity: int, limit: int, eos: list[int]) -> DecodeState:
+def state_for(prefixes: list[list[int]], capacity: int, limit: int, eos: list[int], device="cpu") -> DecodeState:
     B = len(prefixes)
     tokens = torch.zeros(B, capacity, dtype=torch.long)
     for b, prefix in enumerate(prefixes):
         tokens[b, : len(prefix)] = torch.tensor(prefix)
     lengths = torch.tensor([len(p) for p in prefixes])
     return DecodeState(
-        tokens=tokens,
-        lengths=lengths,
-        limits=lengths + limit,
-        done=torch.zeros(B, dtype=torch.bool),
-        eos_ids=torch.tensor(eos or [-1]),
+        tokens=tokens.to(device),
+        lengths=lengths.to(device),
+        limits=(lengths + limit).to(device),
+        done=torch.zeros(B, dtype=torch.bool, device=device),
+        eos_ids=torch.tensor(eos or [-1], device=device),
     )

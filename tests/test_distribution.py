@@ -35,15 +35,15 @@ def exact_distribution(p_table, start, params):
     return probs
 
 
-def speculative_samples(p_table, q_table, params, K, seed):
-    target, draft = MarkovStub(p_table), MarkovStub(q_table)
-    state = state_for([[0, 1]] * N, capacity=2 + M + K + 8, limit=M + K + 4, eos=[])
-    sampling = SamplingTensors.build([params] * N, "cpu")
-    g = torch.Generator().manual_seed(seed)
+def speculative_samples(p_table, q_table, params, K, seed, device="cpu"):
+    target, draft = MarkovStub(p_table.to(device)), MarkovStub(q_table.to(device))
+    state = state_for([[0, 1]] * N, capacity=2 + M + K + 8, limit=M + K + 4, eos=[], device=device)
+    sampling = SamplingTensors.build([params] * N, device)
+    g = torch.Generator(device=device).manual_seed(seed)
     while int(state.lengths.min()) < 2 + M:
-        u = torch.rand(N, 2 * K + 1, generator=g)
+        u = torch.rand(N, 2 * K + 1, generator=g, device=device)
         speculative_step(target, draft, state, sampling, StepRandom(u[:, :K], u[:, K : 2 * K], u[:, 2 * K]), K)
-    return state.tokens[:, 2 : 2 + M]
+    return state.tokens[:, 2 : 2 + M].cpu()
 
 
 def p_value(samples, probs):

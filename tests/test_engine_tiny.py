@@ -13,7 +13,7 @@ EOS = 2
 
 def hf_greedy(model, prompt, max_new):
     out = model.generate(
-        torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=EOS, pad_token_id=0
+        torch.tensor([prompt], device=model.device), max_new_tokens=max_new, do_sample=False, eos_token_id=EOS, pad_token_id=0
     )
     return out[0, len(prompt) :].tolist()
 

@@ -41,7 +41,9 @@ def tiny_config(model_dirs, out: Path, **sections) -> Path:
     return path
 
 
-def test_distillation_lowers_loss_and_raises_held_out_agreement(tmp_path, tokenizer):
+def distill_tiny(tmp_path: Path, tokenizer, **train_options) -> tuple[dict, Path]:
+    """40 steps of distillation from a tiny teacher (``train_options`` override the ``train``
+    section); returns (progress, run folder). The teacher folder is ``tmp_path / "teacher"``."""
     from training.train import train
 
     # A teacher with peaked distributions, so that greedy agreement means something.
@@ -52,8 +54,13 @@ def test_distillation_lowers_loss_and_raises_held_out_agreement(tmp_path, tokeni
     tokenizer.save_pretrained(tmp_path / "teacher")
     out = tmp_path / "run"
     config = tiny_config({"target": tmp_path / "teacher"}, out, optim={"lr": 1e-3, "warmup_steps": 2, "schedule": "constant"},
-                         data={"domain": "code", "n_docs": 20, "seq_len": 32, "max_rows": 64})  # fmt: skip
-    progress = train(load_config(TrainDraftConfig, config, ["train.max_steps=40", "eval.every=40"]))
+                         data={"domain": "code", "n_docs": 20, "seq_len": 32, "max_rows": 64},
+                         train={"max_steps": 40, "batch_size": 4, "device": "cpu", "log_every": 1} | train_options)  # fmt: skip
+    return train(load_config(TrainDraftConfig, config, ["eval.every=40"])), out
+
+
+def test_distillation_lowers_loss_and_raises_held_out_agreement(tmp_path, tokenizer):
+    progress, out = distill_tiny(tmp_path, tokenizer)
     losses = [h["loss"] for h in progress["history"] if "loss" in h]
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
     before, after = progress["before"], progress["after"]
