@@ -27,13 +27,15 @@ from torch.utils.data import DataLoader, TensorDataset
 from tqdm import tqdm
 
 from serving.config import to_dict
-from serving.engine import EngineConfig, Request, SpeculativeEngine, use_cpu_kernels
+from serving.engine import Request
 from serving.models import check_same_tokenizer, eos_token_ids, load_model, load_tokenizer
 from serving.prompts import EVAL_ROWS, encode_prompt, load_prompts
 from training import data as data_mod
 from training.checkpoint import atomic_dir, atomic_file, read_progress, write_json_atomic
 from training.config import TrainDraftConfig
 from training.evaluate import held_out_prompts, measure
+from training.exercises import write_exercises
+from training.generate import target_generate
 from training.losses import DistillLoss
 from training.students import add_lora, count_parameters, derive_student, frequent_tokens, plain_model, reduce_vocab
 
@@ -62,15 +64,20 @@ def build_student(cfg: TrainDraftConfig, device: torch.device) -> torch.nn.Modul
     return student.train()
 
 
-def on_policy_prompts(cfg: TrainDraftConfig, tokenizer, texts: list[str]) -> list[list[int]]:
+def on_policy_prompts(cfg: TrainDraftConfig, tokenizer, texts: list[str], teacher=None, out_dir: Path | None = None) -> list[list[int]]:
     """Training prompts: chat and math take rows past the evaluation ones; code (HumanEval is
-    evaluation-only) takes HumanEval-shaped stubs (signature + docstring) of the training sources'
-    functions, topped up with the first lines of source files; local files take their first lines.
+    evaluation-only) takes HumanEval-shaped stubs (signature + docstring), either of the training
+    sources' functions, topped up with the first lines of source files, or exercises the target
+    (``teacher``) writes itself, cached in ``out_dir``; local files take their first lines.
     Empty prompts are dropped."""
     n = cfg.data.on_policy_prompts
     heads = lambda docs: ["\n".join(t.splitlines()[:12]) for t in docs]  # noqa: E731
     if cfg.data.files:
         prompts = [tokenizer.encode(t, add_special_tokens=False)[:128] for t in heads(texts[:n])]
+    elif cfg.data.domain == "code" and cfg.data.code_prompts == "target_exercises":
+        humaneval = [p.text for p in load_prompts("code", 164)]
+        stubs = write_exercises(teacher, tokenizer, n, seed=cfg.train.seed, cache=out_dir / "exercises.json", eval_prompts=humaneval)
+        prompts = [tokenizer.encode(t, add_special_tokens=False) for t in stubs]
     elif cfg.data.domain == "code":
         stubs = data_mod.function_stubs(texts, n)
         stubs += heads(texts[: n - len(stubs)])
@@ -90,20 +97,10 @@ def on_policy_rows(cfg: TrainDraftConfig, teacher, tokenizer, prompts: list[list
     todo = [i for i, r in enumerate(rows) if r is None]
     if not todo:
         return rows
-    max_len = max(len(prompts[i]) for i in todo) + cfg.data.on_policy_new_tokens + 2
-    # Batched target-only decoding; on a CPU in fp32 with Choral's kernels, 16 rows cost ~2x one.
-    # They apply only to steps of <= 16 tokens, so training's long teacher forwards are unchanged.
-    config = EngineConfig(max_len=max_len, k=0, max_batch_size=16)
-    use_cpu_kernels([teacher], device=teacher.device, dtype=teacher.dtype, widths=config.step_widths)
-    engine = SpeculativeEngine(teacher, tokenizer, None, config)
-    ids = {engine.add_request(Request(prompts[i], max_new_tokens=cfg.data.on_policy_new_tokens)): i for i in todo}
-    with tqdm(total=len(ids), desc=f"on-policy data ({len(prompts) - len(todo)} cached)", unit="answer") as bar:
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished is not None:
-                    i = ids[out.request_id]
-                    rows[i] = prompts[i] + out.finished.token_ids
-                    bar.update(1)
+    requests = [Request(prompts[i], max_new_tokens=cfg.data.on_policy_new_tokens) for i in todo]
+    done = target_generate(teacher, tokenizer, requests, desc=f"on-policy data ({len(prompts) - len(todo)} cached)")
+    for i, completion in zip(todo, done):
+        rows[i] = prompts[i] + completion.token_ids
     with atomic_file(cache) as tmp:  # an interrupted run never leaves half a cache
         torch.save(rows, tmp)
     return rows
@@ -124,7 +121,7 @@ def build_rows(cfg: TrainDraftConfig, tokenizer, teacher, out_dir: Path) -> tupl
     ids = text_ids[: cfg.data.max_rows]
     labels = ids.clone()
     if cfg.data.on_policy:
-        prompts = on_policy_prompts(cfg, tokenizer, texts)
+        prompts = on_policy_prompts(cfg, tokenizer, texts, teacher, out_dir)
         generated = on_policy_rows(cfg, teacher, tokenizer, prompts, out_dir)
         more_ids, more_labels = data_mod.pad_to_fixed([r[: cfg.data.seq_len] for r in generated], cfg.data.seq_len, eos)
         if cfg.data.answers_only:  # learn the target's answers, not the prompts they answer
