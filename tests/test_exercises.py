@@ -42,6 +42,7 @@ def test_eval_leaks_catches_a_humaneval_name_or_line_and_passes_an_original():
     assert ex.eval_leaks(same_name, humaneval)
     assert ex.eval_leaks(same_line, humaneval)
     assert not ex.eval_leaks(ex.parse_stub(GOOD), humaneval)
+    assert not ex.eval_leaks("from typing import List, Tuple\n\n\n" + ex.parse_stub(GOOD).split("\n\n\n")[1], humaneval)
     assert not any(ex.eval_leaks(s, humaneval) for s in ex.FEW_SHOT.split("# Topic:")[1:])  # our own examples
 
 

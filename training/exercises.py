@@ -98,12 +98,15 @@ def _function_name(stub: str) -> str:
 
 
 def eval_leaks(stub: str, eval_prompts: Sequence[str], *, min_chars: int = 24) -> bool:
-    """True if ``stub`` names a function an evaluation prompt defines, or has a line of at least
-    ``min_chars`` characters (stripped of blanks and docstring quotes) that occurs in one: the target may have seen HumanEval."""
+    """True if ``stub`` names a function an evaluation prompt defines, or has a line (from ``def``
+    on) of at least ``min_chars`` characters, stripped of blanks and quotes, that occurs in one:
+    the target may have seen HumanEval."""
     name = _function_name(stub)
     if any(re.search(rf"^def\s+{name}\s*\(", p, re.M) for p in eval_prompts):
         return True
-    lines = [s for line in stub.splitlines() if len(s := line.strip().strip('"').strip()) >= min_chars]
+    # From the def line on: the typing import is one HumanEval's prompts share.
+    own = stub[re.search(r"^def\s", stub, re.M).start() :]  # type: ignore[union-attr]
+    lines = [s for line in own.splitlines() if len(s := line.strip().strip('"').strip()) >= min_chars]
     return any(line in p for line in lines for p in eval_prompts)
 
 
