@@ -77,6 +77,14 @@ def test_distillation_lowers_loss_and_raises_held_out_agreement(tmp_path, tokeni
     assert len(res.token_ids) == 8
 
 
+def test_time_budget_stops_after_the_last_step_that_fits(tmp_path, tokenizer):
+    # A budget no step fits in: the run still takes its first step, then evaluates and saves once.
+    progress, out = distill_tiny(tmp_path, tokenizer, time_budget_min=1e-6)
+    assert progress["step"] == 1 and progress["steps_this_run"] == 1
+    assert [h["step"] for h in progress["history"] if "acceptance_rate" in h] == [1]
+    assert json.loads((out / "last" / "progress.json").read_text())["step"] == 1
+
+
 def run_cli(config: Path, *extra, wait=True):
     cmd = [sys.executable, "-m", "training.cli", "--config", str(config), *extra]
     env = os.environ | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}

@@ -103,7 +103,7 @@ class TrainConfig:
     seed: int = 0
     device: Literal["auto", "cpu", "cuda", "neuron"] = "auto"
     mixed_precision: Literal["no", "bf16"] = field(default="no", metadata=doc("bf16 autocast where the device supports it"))
-    time_budget_min: float | None = field(default=None, metadata=doc("stop (and save) after this many minutes"))
+    time_budget_min: float | None = field(default=None, metadata=doc("stop (evaluate and save) after the last step that fits in this many minutes"))
     log_every: int = 5
 
     def __post_init__(self) -> None:

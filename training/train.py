@@ -290,7 +290,11 @@ def train(cfg: TrainDraftConfig, *, resume: bool = False) -> dict:
                 progress["history"].append(entry)
                 bar.set_postfix(loss=f"{value:.4f}", tok_s=f"{(progress['tokens'] - tokens0) / elapsed:.0f}")
             bar.update(1)
-            out_of_time = cfg.train.time_budget_min is not None and elapsed > 60 * cfg.train.time_budget_min
+            # Stop after the last step that fits: one more at the mean pace would overrun the budget.
+            # (Stopping only once past it ran an extra step and evaluated again one step after an
+            # `eval.every` evaluation.)
+            pace = elapsed / (step - step0)
+            out_of_time = cfg.train.time_budget_min is not None and elapsed + pace > 60 * cfg.train.time_budget_min
             last_step = step == cfg.train.max_steps or out_of_time
             if main and (step % cfg.eval.every == 0 or last_step):
                 result = evaluate(f"step {step}") | {"step": step}
