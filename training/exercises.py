@@ -6,9 +6,11 @@ not carry over to HumanEval's short algorithmic tasks (measured; see the README'
 the target writes the training prompts: given two hand-written exercises in HumanEval's form
 (signature, docstring, doctest examples) and a topic, it samples a third. ``parse_stub`` keeps a
 well-formed stub and ``write_exercises`` drops any that shares a function name or a long line with a
-HumanEval prompt; the target then answers the rest like any other on-policy prompt.
+HumanEval prompt; the target then answers the rest like any other on-policy prompt. (Measured:
+a draft distilled on these answers did not gain on HumanEval either; see the README's "Drafts".)
 
-    stubs = write_exercises(target, tokenizer, 160, seed=0, cache=Path("runs/x/exercises.json"))
+    humaneval = [p.text for p in load_prompts("code", 164)]
+    stubs = write_exercises(target, tokenizer, 160, seed=0, cache=Path("runs/x/exercises.json"), eval_prompts=humaneval)
 '''
 
 from __future__ import annotations

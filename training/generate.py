@@ -1,4 +1,4 @@
-"""Batched target-only generation for on-policy training data (answers, and code puzzles)."""
+"""Batched target-only generation for on-policy training data (answers, and code exercises)."""
 
 from __future__ import annotations
 
