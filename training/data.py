@@ -43,6 +43,8 @@ MIN_OVERLAP_CHARS = 32
 """Shorter evaluation prompts are only checked for exact equality: a short string such as "hi"
 turns up inside unrelated text by chance and says nothing about leakage."""
 IGNORE_INDEX = -100
+HUMANEVAL_ROWS = 164
+"""All of HumanEval, the code evaluation set: no training text or prompt may contain one."""
 _ENCODE_BATCH = 256
 
 Rows = TypeVar("Rows", torch.Tensor, list)
@@ -235,7 +237,7 @@ def load_domain_texts(
         raise ValueError(f"n_docs must be >= 0, got {n_docs}")
     if domain == "code":
         texts = code_texts(n_docs, seed=seed)
-        assert_no_eval_overlap(texts, load_prompts("code", 164))
+        assert_no_eval_overlap(texts, load_prompts("code", HUMANEVAL_ROWS))
         return texts
     if domain in ("chat", "math"):
         return [render(t, tokenizer) for t in prompt_texts(domain, n_docs, seed=seed, eval_rows=eval_rows)]

@@ -9,7 +9,7 @@ well-formed stub and ``write_exercises`` drops any that shares a function name o
 HumanEval prompt; the target then answers the rest like any other on-policy prompt. (Measured:
 a draft distilled on these answers did not gain on HumanEval either; see the README's "Drafts".)
 
-    humaneval = [p.text for p in load_prompts("code", 164)]
+    humaneval = [p.text for p in load_prompts("code", HUMANEVAL_ROWS)]
     stubs = write_exercises(target, tokenizer, 160, seed=0, cache=Path("runs/x/exercises.json"), eval_prompts=humaneval)
 '''
 

@@ -75,7 +75,7 @@ def on_policy_prompts(cfg: TrainDraftConfig, tokenizer, texts: list[str], teache
     if cfg.data.files:
         prompts = [tokenizer.encode(t, add_special_tokens=False)[:128] for t in heads(texts[:n])]
     elif cfg.data.domain == "code" and cfg.data.code_prompts == "target_exercises":
-        humaneval = [p.text for p in load_prompts("code", 164)]
+        humaneval = [p.text for p in load_prompts("code", data_mod.HUMANEVAL_ROWS)]
         stubs = write_exercises(teacher, tokenizer, n, seed=cfg.train.seed, cache=out_dir / "exercises.json", eval_prompts=humaneval)
         prompts = [tokenizer.encode(t, add_special_tokens=False) for t in stubs]
     elif cfg.data.domain == "code":
@@ -115,7 +115,7 @@ def build_rows(cfg: TrainDraftConfig, tokenizer, teacher, out_dir: Path) -> tupl
     else:
         texts = data_mod.load_domain_texts(cfg.data.domain, cfg.data.n_docs, tokenizer=tokenizer, seed=cfg.train.seed)
     if cfg.data.domain == "code" and not cfg.data.files:
-        data_mod.assert_no_eval_overlap(texts, [p.text for p in load_prompts("code", 164)])
+        data_mod.assert_no_eval_overlap(texts, [p.text for p in load_prompts("code", data_mod.HUMANEVAL_ROWS)])
     eos = tokenizer.eos_token_id
     text_ids = data_mod.tokenize_and_pack(texts, tokenizer, cfg.data.seq_len, eos)  # [N_all, L]
     ids = text_ids[: cfg.data.max_rows]
