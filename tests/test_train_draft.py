@@ -143,10 +143,12 @@ def test_two_processes_under_accelerate(model_dirs, tmp_path):
 @pytest.mark.parametrize(
     "override, message",
     [("trian.max_steps=3", "unknown key 'trian'"), ("loss.kind=kl", "loss.kind='kl' must be one of"),
-     ("data.seq_len=2", "seq_len=2 must be >= 8"), ("optim.lr=0", "lr=0.0 must be > 0")],  # fmt: skip
+     ("data.seq_len=2", "seq_len=2 must be >= 8"), ("optim.lr=0", "lr=0.0 must be > 0"),
+     ("model.draft_vocab=null loss.draft_vocab_only=true", "draft_vocab_only=true needs a reduced model.draft_vocab"),
+     ("model.trainable=head model.lora_rank=4", "trainable=head with lora_rank=4")],  # fmt: skip
 )
 def test_bad_config_is_a_clear_error(override, message, capsys):
-    assert cli.main(["--config", str(REPO / "configs" / "distill_code.yaml"), override]) == 2
+    assert cli.main(["--config", str(REPO / "configs" / "distill_code.yaml"), *override.split()]) == 2
     assert message in capsys.readouterr().err
 
 
@@ -257,6 +259,58 @@ def test_lora_trains_only_adapters_saves_plain_models_and_resumes(tmp_path, toke
     assert json.loads((out / "metrics.json").read_text())["step"] == 15
     state = torch.load(out / "last" / "state" / "optimizer.bin", weights_only=False)
     assert len(state["state"]) == 2 * 2 and {float(s["step"]) for s in state["state"].values()} == {15.0}
+
+
+def test_head_only_training_changes_only_the_head_over_the_draft_vocab(tmp_path, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    teacher = tiny_qwen2(0)  # peaked, as above
+    with torch.no_grad():
+        teacher.lm_head.weight.mul_(20)
+    teacher.save_pretrained(tmp_path / "teacher")
+    tokenizer.save_pretrained(tmp_path / "teacher")
+    out = tmp_path / "head"
+    config = tiny_config({"target": tmp_path / "teacher"}, out,
+                         model={"target": str(tmp_path / "teacher"), "student": str(tmp_path / "teacher"),
+                                "student_layers": [0], "draft_vocab": 40, "trainable": "head"},
+                         loss={"kind": "forward_kl", "ce_ratio": 0.0, "draft_vocab_only": True},
+                         data={"domain": "code", "n_docs": 20, "seq_len": 32, "max_rows": 64},
+                         optim={"lr": 1e-2, "warmup_steps": 1, "schedule": "constant"},
+                         train={"max_steps": 12, "batch_size": 4, "device": "cpu", "log_every": 1},
+                         eval={"every": 12, "prompts": 2, "max_new_tokens": 4, "k": 2}, output={"dir": str(out), "save_every": 12})  # fmt: skip
+    run_cli(config)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["trainable_params"] == teacher.lm_head.weight.numel()
+    assert metrics["after"]["val_loss"] < metrics["before"]["val_loss"]
+    final = AutoModelForCausalLM.from_pretrained(out / "final")
+    source = AutoModelForCausalLM.from_pretrained(tmp_path / "teacher")
+    assert torch.equal(final.model.layers[0].mlp.up_proj.weight, source.model.layers[0].mlp.up_proj.weight)
+    assert torch.equal(final.model.embed_tokens.weight, source.model.embed_tokens.weight)
+    # Only the draft vocabulary's rows of the head get a gradient: the others stay as they were.
+    keep = torch.tensor(final.config.draft_vocab)
+    other = torch.ones(source.lm_head.weight.shape[0], dtype=torch.bool)
+    other[keep] = False
+    assert not torch.equal(final.lm_head.weight[keep], source.lm_head.weight[keep])
+    assert torch.equal(final.lm_head.weight[other], source.lm_head.weight[other])
+
+
+def test_untie_head_gives_the_head_its_own_weights_that_survive_a_save(tmp_path):
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from training.students import untie_head
+
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+    model = Qwen2ForCausalLM(config)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    embeddings = model.model.embed_tokens.weight.detach().clone()
+    with torch.no_grad():
+        untie_head(model).weight.mul_(2)
+    assert torch.equal(model.model.embed_tokens.weight, embeddings)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert torch.equal(loaded.lm_head.weight, 2 * embeddings)
+    assert torch.equal(loaded.model.embed_tokens.weight, embeddings)
 
 
 def test_lora_target_that_names_no_layer_is_a_clear_error():

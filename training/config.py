@@ -25,6 +25,10 @@ class ModelConfig:
     train_embeddings: bool = field(default=True, metadata=doc(
         "false freezes the input embeddings (and the head where it is tied; an untied 0.5B's 136M of them: less optimizer state and time)"))
 
+    trainable: Literal["all", "head"] = field(default="all", metadata=doc(
+        "all: every weight (or LoRA adapters when lora_rank > 0); head: only the output head, untied from "
+        "the input embeddings, with the rest frozen (the 0.5B's features stay as they are; a head can only "
+        "re-weigh the tokens it proposes)"))
     lora_rank: int = field(default=0, metadata=doc(
         "> 0 trains LoRA adapters of this rank (peft) instead of every weight; checkpoints are saved merged, as plain models"))
     lora_alpha: float = field(default=32.0, metadata=doc("LoRA scaling numerator (the update is scaled by alpha / rank)"))
@@ -38,6 +42,8 @@ class ModelConfig:
             raise ValueError(f"draft_vocab={self.draft_vocab} must be >= 2 (or null for the full vocabulary)")
         if self.lora_rank < 0:
             raise ValueError(f"lora_rank={self.lora_rank} must be >= 0 (0 trains every weight)")
+        if self.trainable == "head" and self.lora_rank:
+            raise ValueError(f"trainable=head with lora_rank={self.lora_rank}: the head trains as is; set lora_rank=0 or trainable=all")
         if self.lora_rank and not self.lora_targets:
             raise ValueError("lora_targets is empty: name the linear layers that get adapters (e.g. [q_proj, v_proj])")
 
@@ -74,6 +80,9 @@ class LossConfig:
     ce_ratio: float = field(default=0.0, metadata=doc("weight of cross-entropy mixed into a distillation loss"))
     temperature: float = field(default=1.0, metadata=doc("softmax temperature of both logits"))
     beta: float = field(default=0.5, metadata=doc("JSD interpolation weight"))
+    draft_vocab_only: bool = field(default=False, metadata=doc(
+        "with a reduced model.draft_vocab: both distributions over its tokens only, renormalised (what the "
+        "served draft proposes from); cross-entropy skips labels outside it"))
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.ce_ratio <= 1.0:
@@ -138,3 +147,7 @@ class TrainDraftConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+
+    def __post_init__(self) -> None:
+        if self.loss.draft_vocab_only and self.model.draft_vocab is None:
+            raise ValueError("loss.draft_vocab_only=true needs a reduced model.draft_vocab (e.g. 32768)")

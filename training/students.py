@@ -144,6 +144,19 @@ def add_lora(model: PreTrainedModel, rank: int, alpha: float, targets: list[str]
     return get_peft_model(model, config)
 
 
+def untie_head(model: PreTrainedModel) -> nn.Module:
+    """Give ``model`` an output head of its own (a copy of the input embeddings where the two were
+    tied), so that training the head leaves the embeddings alone; returns the head. Saved
+    checkpoints then hold both matrices and load untied."""
+    head = model.get_output_embeddings()
+    if head.weight is model.get_input_embeddings().weight:
+        head.weight = nn.Parameter(head.weight.detach().clone())
+    model.config.tie_word_embeddings = False
+    if getattr(model.config, "get_text_config", None) is not None:
+        model.config.get_text_config().tie_word_embeddings = False
+    return head
+
+
 def plain_model(model: nn.Module) -> PreTrainedModel:
     """The student as a plain Hugging Face model: a LoRA-wrapped one is merged into a copy (the
     training model keeps its adapters); any other is returned as is."""

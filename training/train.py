@@ -37,7 +37,7 @@ from training.evaluate import held_out_prompts, measure
 from training.exercises import write_exercises
 from training.generate import target_generate
 from training.losses import DistillLoss
-from training.students import add_lora, count_parameters, derive_student, frequent_tokens, plain_model, reduce_vocab
+from training.students import add_lora, count_parameters, derive_student, frequent_tokens, plain_model, reduce_vocab, untie_head
 
 
 def lr_lambda(cfg: TrainDraftConfig):
@@ -59,7 +59,10 @@ def build_student(cfg: TrainDraftConfig, device: torch.device) -> torch.nn.Modul
     if cfg.model.student_layers is not None:
         student = derive_student(student, cfg.model.student_layers)
     student.requires_grad_(True)
-    if not cfg.model.train_embeddings:
+    if cfg.model.trainable == "head":
+        student.requires_grad_(False)
+        untie_head(student).weight.requires_grad_(True)
+    elif not cfg.model.train_embeddings:
         student.get_input_embeddings().requires_grad_(False)
     return student.train()
 
@@ -197,15 +200,24 @@ def train(cfg: TrainDraftConfig, *, resume: bool = False) -> dict:
         accelerator.print(f"resumed from step {progress['step']} ({out_dir / 'last'})")
 
     eval_prompts = held_out_prompts(cfg.data.domain, cfg.eval.prompts, tokenizer)
+    # The columns the loss sees: every token, or (loss.draft_vocab_only) the draft's own, which
+    # is the distribution a reduced draft is served with; labels outside them are not trained on.
+    columns, column_of = slice(0, vocab), None
+    if cfg.loss.draft_vocab_only:
+        columns = torch.tensor(accelerator.unwrap_model(student).config.draft_vocab, device=accelerator.device)
+        column_of = torch.full((vocab,), -100, dtype=torch.long, device=accelerator.device)  # token id -> column
+        column_of[columns] = torch.arange(len(columns), device=accelerator.device)
 
     def step_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, with_agreement: bool = False):
         labels = labels[:, 1:]  # [B, L-1] next-token targets, -100 on padding
+        if column_of is not None:
+            labels = torch.where(labels >= 0, column_of[labels.clamp(min=0)], labels)
         mask = labels != -100
-        s_logits = model(input_ids=input_ids).logits[:, :-1, :vocab]  # [B, L-1, V]
+        s_logits = model(input_ids=input_ids).logits[:, :-1, columns]  # [B, L-1, V']
         t_logits = None
         if distill or with_agreement:
             with torch.no_grad(), accelerator.autocast():  # bf16 like the student under mixed_precision
-                t_logits = teacher(input_ids=input_ids).logits[:, :-1, :vocab]  # [B, L-1, V]
+                t_logits = teacher(input_ids=input_ids).logits[:, :-1, columns]  # [B, L-1, V']
         loss, parts = loss_fn(s_logits, t_logits if distill else None, labels.clamp(min=0), mask)
         if with_agreement:
             same = (s_logits.argmax(-1) == t_logits.argmax(-1)) & mask
