@@ -88,3 +88,22 @@ def test_tune_draft_stop_script_compares_stops_losslessly(model_dirs, tmp_path):
     assert all(r["tokens_per_second"] > 0 and 0 < r["drafted_per_call"] <= 3 for r in rows)
     with pytest.raises(SystemExit):
         tune.main(["--settings", "product:0.4"])
+
+
+def test_agreement_probe_scores_the_target_as_a_perfect_draft(model_dirs, tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("agreement_probe", Path(__file__).parents[1] / "scripts" / "agreement_probe.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    out = tmp_path / "probe"
+    args = ["--target", str(model_dirs["target"]), "--first", "3", "--prompts", "2", "--new-tokens", "6", "--out", str(out),
+            str(model_dirs["target"]), str(model_dirs["draft"])]  # fmt: skip
+    assert probe.main(args) == 0
+    rows = json.loads((out / "probe.json").read_text())["rows"]
+    # Teacher-forced on its own greedy continuations, the target agrees everywhere; the other draft not.
+    assert rows[0]["agreement"] == rows[0]["vocab_coverage"] == 1.0 and rows[0]["tokens"] == 12
+    assert 0.0 <= rows[1]["agreement"] < 1.0 and rows[0]["top_misses"] == []
+    assert len(rows[1]["top_misses"]) >= 1
+    cached = (out / "continuations.pt").stat().st_mtime_ns
+    assert probe.main(args) == 0 and (out / "continuations.pt").stat().st_mtime_ns == cached  # reused
