@@ -39,7 +39,9 @@ One Linear(1536, 8960), ms per call, weights rotated so they do not sit in L3:
 * MKL's packed sgemm (`torch.ops.mkl._mkl_linear`, what inductor's freezing pass emits for
   fp32) is invariant and flat up to M=9, but 20-30% slower than eager at M=1 and holds an
   extra packed copy (+8.3 GB for the 1.5B): it cheapens verification by slowing the baseline.
-  It is the fallback where the C++ kernel cannot be built.
+  It is the fallback where the C++ kernel cannot be built. On an AMD EPYC VM (2026-11-22) its
+  rows were not invariant for some shapes (MKL takes other paths on non-Intel CPUs); the
+  per-shape check in `prepare_for_cpu` then keeps F.linear for those shapes, with a warning.
 * "rowdot" is a small C++ kernel built on first use (torch.utils.cpp_extension, ~30 s, cached
   in ~/.cache/torch_extensions): it streams each weight row once and dots it against all M
   input rows with one accumulator per output whose FMA order never depends on M. It reads
