@@ -41,17 +41,36 @@ def tiny_config(model_dirs, out: Path, **sections) -> Path:
     return path
 
 
-def distill_tiny(tmp_path: Path, tokenizer, **train_options) -> tuple[dict, Path]:
-    """40 steps of distillation from a tiny teacher (``train_options`` override the ``train``
-    section); returns (progress, run folder). The teacher folder is ``tmp_path / "teacher"``."""
-    from training.train import train
-
-    # A teacher with peaked distributions, so that greedy agreement means something.
+def peaked_teacher(tmp_path: Path, tokenizer):
+    """A tiny teacher with peaked distributions, so that greedy agreement means something, saved
+    with the tokenizer under ``tmp_path / "teacher"``."""
     teacher = tiny_qwen2(0)
     with torch.no_grad():
         teacher.lm_head.weight.mul_(20)
     teacher.save_pretrained(tmp_path / "teacher")
     tokenizer.save_pretrained(tmp_path / "teacher")
+    return teacher
+
+
+def short_run_config(tmp_path: Path, name: str, model: dict, save_every: int, **sections) -> tuple[Path, Path]:
+    """A 12-step run from a one-layer student of the teacher in ``tmp_path / "teacher"``, with
+    ``model`` options on top; returns (config file, run folder)."""
+    teacher, out = str(tmp_path / "teacher"), tmp_path / name
+    config = tiny_config({"target": teacher}, out, model={"target": teacher, "student": teacher, "student_layers": [0]} | model,
+                         data={"domain": "code", "n_docs": 20, "seq_len": 32, "max_rows": 64},
+                         optim={"lr": 1e-2, "warmup_steps": 1, "schedule": "constant"},
+                         train={"max_steps": 12, "batch_size": 4, "device": "cpu", "log_every": 1},
+                         eval={"every": 12, "prompts": 2, "max_new_tokens": 4, "k": 2},
+                         output={"dir": str(out), "save_every": save_every}, **sections)  # fmt: skip
+    return config, out
+
+
+def distill_tiny(tmp_path: Path, tokenizer, **train_options) -> tuple[dict, Path]:
+    """40 steps of distillation from a tiny teacher (``train_options`` override the ``train``
+    section); returns (progress, run folder). The teacher folder is ``tmp_path / "teacher"``."""
+    from training.train import train
+
+    peaked_teacher(tmp_path, tokenizer)
     out = tmp_path / "run"
     config = tiny_config({"target": tmp_path / "teacher"}, out, optim={"lr": 1e-3, "warmup_steps": 2, "schedule": "constant"},
                          data={"domain": "code", "n_docs": 20, "seq_len": 32, "max_rows": 64},
@@ -221,19 +240,9 @@ def test_answers_only_trains_on_the_targets_answers(tmp_path, tokenizer):
 def test_lora_trains_only_adapters_saves_plain_models_and_resumes(tmp_path, tokenizer):
     from transformers import AutoModelForCausalLM
 
-    teacher = tiny_qwen2(0)  # peaked, as above, so the one-layer student has something to learn
-    with torch.no_grad():
-        teacher.lm_head.weight.mul_(20)
-    teacher.save_pretrained(tmp_path / "teacher")
-    tokenizer.save_pretrained(tmp_path / "teacher")
+    peaked_teacher(tmp_path, tokenizer)  # so the one-layer student has something to learn
     model_dirs = {"target": tmp_path / "teacher"}
-    out = tmp_path / "lora"
-    config = tiny_config(model_dirs, out, model={"target": str(model_dirs["target"]), "student": str(model_dirs["target"]),
-                                                 "student_layers": [0], "lora_rank": 4, "lora_targets": ["q_proj", "v_proj"]},
-                         data={"domain": "code", "n_docs": 20, "seq_len": 32, "max_rows": 64},
-                         optim={"lr": 1e-2, "warmup_steps": 1, "schedule": "constant"},
-                         train={"max_steps": 12, "batch_size": 4, "device": "cpu", "log_every": 1},
-                         eval={"every": 12, "prompts": 2, "max_new_tokens": 4, "k": 2}, output={"dir": str(out), "save_every": 6})  # fmt: skip
+    config, out = short_run_config(tmp_path, "lora", {"lora_rank": 4, "lora_targets": ["q_proj", "v_proj"]}, save_every=6)
     run_cli(config)
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["step"] == 12
@@ -264,20 +273,9 @@ def test_lora_trains_only_adapters_saves_plain_models_and_resumes(tmp_path, toke
 def test_head_only_training_changes_only_the_head_over_the_draft_vocab(tmp_path, tokenizer):
     from transformers import AutoModelForCausalLM
 
-    teacher = tiny_qwen2(0)  # peaked, as above
-    with torch.no_grad():
-        teacher.lm_head.weight.mul_(20)
-    teacher.save_pretrained(tmp_path / "teacher")
-    tokenizer.save_pretrained(tmp_path / "teacher")
-    out = tmp_path / "head"
-    config = tiny_config({"target": tmp_path / "teacher"}, out,
-                         model={"target": str(tmp_path / "teacher"), "student": str(tmp_path / "teacher"),
-                                "student_layers": [0], "draft_vocab": 40, "trainable": "head"},
-                         loss={"kind": "forward_kl", "ce_ratio": 0.0, "draft_vocab_only": True},
-                         data={"domain": "code", "n_docs": 20, "seq_len": 32, "max_rows": 64},
-                         optim={"lr": 1e-2, "warmup_steps": 1, "schedule": "constant"},
-                         train={"max_steps": 12, "batch_size": 4, "device": "cpu", "log_every": 1},
-                         eval={"every": 12, "prompts": 2, "max_new_tokens": 4, "k": 2}, output={"dir": str(out), "save_every": 12})  # fmt: skip
+    teacher = peaked_teacher(tmp_path, tokenizer)
+    config, out = short_run_config(tmp_path, "head", {"draft_vocab": 40, "trainable": "head"}, save_every=12,
+                                   loss={"kind": "forward_kl", "ce_ratio": 0.0, "draft_vocab_only": True})  # fmt: skip
     run_cli(config)
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["trainable_params"] == teacher.lm_head.weight.numel()

@@ -152,8 +152,6 @@ def untie_head(model: PreTrainedModel) -> nn.Module:
     if head.weight is model.get_input_embeddings().weight:
         head.weight = nn.Parameter(head.weight.detach().clone())
     model.config.tie_word_embeddings = False
-    if getattr(model.config, "get_text_config", None) is not None:
-        model.config.get_text_config().tie_word_embeddings = False
     return head
 
 
