@@ -31,8 +31,9 @@ def _cpu_vendor() -> str:
 # MKL's packed sgemm gave batch-invariant rows on the Intel development VM; on an AMD EPYC it does
 # not for some shapes (MKL picks other code paths on non-Intel CPUs), and prepare_for_cpu's check
 # then keeps F.linear for those shapes. The fallback's invariance is only asserted on Intel.
-MKL_INVARIANT = _cpu_vendor() == "GenuineIntel"
-NOT_INTEL = f"MKL packed sgemm is batch-invariant on Intel CPUs only; this one is {_cpu_vendor()!r}"
+VENDOR = _cpu_vendor()
+MKL_INVARIANT = VENDOR == "GenuineIntel"
+NOT_INTEL = f"MKL packed sgemm is batch-invariant on Intel CPUs only; this one is {VENDOR!r}"
 
 
 def _kernels():
@@ -115,9 +116,10 @@ def test_eager_is_not_batch_invariant_but_prepared_is():
     x = torch.randn(5, 1536, generator=torch.Generator().manual_seed(0))
     lin = nn.Linear(1536, 4096).requires_grad_(False)
     eager_rows = torch.cat([F.linear(x[i : i + 1], lin.weight, lin.bias) for i in range(5)])
-    if cpu_kernels._rowdot_ext() is None and not MKL_INVARIANT:
+    kernel = "rowdot" if cpu_kernels.rowdot_available() else "mkl"  # what prepare_for_cpu's "auto" picks
+    if kernel == "mkl" and not MKL_INVARIANT:
         pytest.skip(NOT_INTEL + ", and the rowdot kernel cannot be built")
-    prepared = InvariantLinear(lin, "rowdot" if cpu_kernels._rowdot_ext() is not None else "mkl", max_rows=16, pack_rows=5)
+    prepared = InvariantLinear(lin, kernel, max_rows=16, pack_rows=5)
     rows = torch.cat([prepared(x[i : i + 1]) for i in range(5)])
     assert torch.equal(rows, prepared(x))
     assert (eager_rows - F.linear(x, lin.weight, lin.bias)).abs().max() < 1e-4  # close, maybe not equal
