@@ -28,7 +28,8 @@ import torch
 
 
 def continuations(target_ref: str, prompts: list[list[int]], new_tokens: int, cache: Path) -> list[list[int]]:
-    """The target's greedy continuations of ``prompts``, cached in ``cache`` (regenerated if the prompts differ)."""
+    """The target's greedy continuations of ``prompts``, cached in ``cache`` (regenerated if the
+    target, the prompts or the length differ)."""
     from serving.engine import Request
     from serving.models import load_model, load_tokenizer
     from training.checkpoint import atomic_file
@@ -36,14 +37,14 @@ def continuations(target_ref: str, prompts: list[list[int]], new_tokens: int, ca
 
     if cache.exists():
         saved = torch.load(cache)
-        if saved["prompts"] == prompts and saved["new_tokens"] == new_tokens:
+        if saved.get("target") == str(target_ref) and saved["prompts"] == prompts and saved["new_tokens"] == new_tokens:
             return saved["continuations"]
     target = load_model(target_ref)
     outs = target_generate(target, load_tokenizer(target_ref), [Request(p, max_new_tokens=new_tokens) for p in prompts],
                            desc="target continuations")  # fmt: skip
     done = [o.token_ids for o in outs]
     with atomic_file(cache) as tmp:
-        torch.save({"prompts": prompts, "new_tokens": new_tokens, "continuations": done}, tmp)
+        torch.save({"target": str(target_ref), "prompts": prompts, "new_tokens": new_tokens, "continuations": done}, tmp)
     return done
 
 
