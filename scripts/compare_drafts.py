@@ -10,8 +10,8 @@ the same greedy acceptance there, which the table shows as a check.
     python scripts/compare_drafts.py runs/draft-code-distill runs/draft-code-finetune --measure 40 --draft-weights fp32
 
 ``--measure N`` re-measures instead, all students in one process on the same N held-out prompts of
-the first run's domain: the untrained student (the first run's ``model.student`` with the first
-run's draft vocabulary) and each run's ``final/`` checkpoint, greedy, with the engine of
+the first run's domain: the untrained student (the first run's ``model.student``, cut to its
+``student_layers`` if any, with the first run's draft vocabulary) and each run's ``final/`` checkpoint, greedy, with the engine of
 ``training/evaluate.py``. Written as ``measured.md`` and ``measured.json``.
 """
 
@@ -43,7 +43,7 @@ def measure_runs(args, out: Path) -> int:
     from serving.engine import EngineConfig, use_cpu_kernels
     from serving.models import load_model, load_tokenizer
     from training.evaluate import held_out_prompts, measure
-    from training.students import reduce_vocab
+    from training.students import derive_student, reduce_vocab
 
     first = json.loads((Path(args.runs[0]) / "metrics.json").read_text())["config"]
     tokenizer = load_tokenizer(first["model"]["target"])
@@ -55,6 +55,8 @@ def measure_runs(args, out: Path) -> int:
 
     def untrained():
         student = load_model(first["model"]["student"])
+        if first["model"].get("student_layers"):  # a layer-cut student starts as the cut, untrained
+            student = derive_student(student, first["model"]["student_layers"])
         vocab = json.loads((Path(args.runs[0]) / "final" / "config.json").read_text()).get("draft_vocab")
         return reduce_vocab(student, vocab) if vocab else student
 

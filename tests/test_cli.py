@@ -107,3 +107,27 @@ def test_agreement_probe_scores_the_target_as_a_perfect_draft(model_dirs, tmp_pa
     assert len(rows[1]["top_misses"]) >= 1
     cached = (out / "continuations.pt").stat().st_mtime_ns
     assert probe.main(args) == 0 and (out / "continuations.pt").stat().st_mtime_ns == cached  # reused
+
+
+def test_compare_drafts_measures_a_layer_cut_student_untrained_as_the_cut(model_dirs, tmp_path, monkeypatch):
+    import importlib.util
+
+    import training.evaluate
+    from serving.models import load_model
+    from training.students import derive_student
+
+    spec = importlib.util.spec_from_file_location("compare_drafts", Path(__file__).parents[1] / "scripts" / "compare_drafts.py")
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    run = tmp_path / "run"
+    derive_student(load_model(model_dirs["draft"]), [0]).save_pretrained(run / "final")  # trained as is: 0 steps
+    config = {"model": {"target": str(model_dirs["target"]), "student": str(model_dirs["draft"]), "student_layers": [0]},
+              "data": {"domain": "code"}, "loss": {"kind": "forward_kl", "ce_ratio": 0.0}}  # fmt: skip
+    (run / "metrics.json").write_text(json.dumps({"config": config, "history": []}))
+    layers, real_measure = [], training.evaluate.measure
+    monkeypatch.setattr(training.evaluate, "measure", lambda t, d, *a, **kw: layers.append(d.config.num_hidden_layers) or real_measure(t, d, *a, **kw))
+    out = tmp_path / "out"
+    assert compare.main([str(run), "--measure", "2", "--max-new-tokens", "6", "--k", "2", "--draft-weights", "fp32", "--out", str(out)]) == 0
+    results = json.loads((out / "measured.json").read_text())["results"]
+    assert layers == [1, 1]  # the untrained row is the cut student, not the whole one it was cut from
+    assert results[0]["acceptance_rate"] == results[1]["acceptance_rate"]  # the same weights, greedy
