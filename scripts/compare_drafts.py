@@ -60,7 +60,9 @@ def measure_runs(args, out: Path) -> int:
         vocab = json.loads((Path(args.runs[0]) / "final" / "config.json").read_text()).get("draft_vocab")
         return reduce_vocab(student, vocab) if vocab else student
 
-    students = [("untrained", first["model"]["student"], untrained)]
+    cut = first["model"].get("student_layers")
+    base = first["model"]["student"] + (f" cut to {len(cut)} layers" if cut else "")
+    students = [("untrained", base, untrained)]
     students += [(rows_of(Path(r))[0]["loss"] + " final", f"{r}/final", lambda r=r: load_model(f"{r}/final")) for r in args.runs]
     settings = dict(k=args.k, max_new_tokens=args.max_new_tokens, draft_weights=args.draft_weights)
     results = []

@@ -130,4 +130,5 @@ def test_compare_drafts_measures_a_layer_cut_student_untrained_as_the_cut(model_
     assert compare.main([str(run), "--measure", "2", "--max-new-tokens", "6", "--k", "2", "--draft-weights", "fp32", "--out", str(out)]) == 0
     results = json.loads((out / "measured.json").read_text())["results"]
     assert layers == [1, 1]  # the untrained row is the cut student, not the whole one it was cut from
+    assert results[0]["ref"].endswith("cut to 1 layers")
     assert results[0]["acceptance_rate"] == results[1]["acceptance_rate"]  # the same weights, greedy
