@@ -53,14 +53,15 @@ def measure_runs(args, out: Path) -> int:
         use_cpu_kernels([target], device=target.device, dtype=target.dtype,
                         widths=EngineConfig(k=args.k, k_buckets=(args.k,)).step_widths)
 
+    cut = first["model"].get("student_layers")  # a layer-cut student starts as the cut, untrained
+
     def untrained():
         student = load_model(first["model"]["student"])
-        if first["model"].get("student_layers"):  # a layer-cut student starts as the cut, untrained
-            student = derive_student(student, first["model"]["student_layers"])
+        if cut:
+            student = derive_student(student, cut)
         vocab = json.loads((Path(args.runs[0]) / "final" / "config.json").read_text()).get("draft_vocab")
         return reduce_vocab(student, vocab) if vocab else student
 
-    cut = first["model"].get("student_layers")
     base = first["model"]["student"] + (f" cut to {len(cut)} layers" if cut else "")
     students = [("untrained", base, untrained)]
     students += [(rows_of(Path(r))[0]["loss"] + " final", f"{r}/final", lambda r=r: load_model(f"{r}/final")) for r in args.runs]
