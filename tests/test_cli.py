@@ -1,12 +1,12 @@
 """The CLIs, run in-process on tiny model folders."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from serving import bench, cli_generate
+from tests.conftest import load_script
 
 
 def test_spec_generate_json_matches_target_greedy(model_dirs, tiny_target, tokenizer, capsys):
@@ -73,11 +73,7 @@ def test_spec_bench_gives_hf_its_own_dynamic_int8_draft(model_dirs, tmp_path):
 
 
 def test_tune_draft_stop_script_compares_stops_losslessly(model_dirs, tmp_path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("tune_draft_stop", Path(__file__).parents[1] / "scripts" / "tune_draft_stop.py")
-    tune = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tune)
+    tune = load_script("tune_draft_stop")
     out = tmp_path / "tune"
     args = ["--target", str(model_dirs["target"]), "--draft", str(model_dirs["draft"]), "--prompts-per-domain", "1",
             "--max-new-tokens", "8", "--k", "3", "--settings", "token:0.4", "cumulative:0.4", "--out", str(out)]  # fmt: skip
@@ -91,11 +87,7 @@ def test_tune_draft_stop_script_compares_stops_losslessly(model_dirs, tmp_path):
 
 
 def test_agreement_probe_scores_the_target_as_a_perfect_draft(model_dirs, tmp_path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("agreement_probe", Path(__file__).parents[1] / "scripts" / "agreement_probe.py")
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    probe = load_script("agreement_probe")
     out = tmp_path / "probe"
     args = ["--target", str(model_dirs["target"]), "--first", "3", "--prompts", "2", "--new-tokens", "6", "--out", str(out),
             str(model_dirs["target"]), str(model_dirs["draft"])]  # fmt: skip
@@ -110,15 +102,11 @@ def test_agreement_probe_scores_the_target_as_a_perfect_draft(model_dirs, tmp_pa
 
 
 def test_compare_drafts_measures_a_layer_cut_student_untrained_as_the_cut(model_dirs, tmp_path, monkeypatch):
-    import importlib.util
-
     import training.evaluate
     from serving.models import load_model
     from training.students import derive_student
 
-    spec = importlib.util.spec_from_file_location("compare_drafts", Path(__file__).parents[1] / "scripts" / "compare_drafts.py")
-    compare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compare)
+    compare = load_script("compare_drafts")
     run = tmp_path / "run"
     derive_student(load_model(model_dirs["draft"]), [0]).save_pretrained(run / "final")  # trained as is: 0 steps
     config = {"model": {"target": str(model_dirs["target"]), "student": str(model_dirs["draft"]), "student_layers": [0]},

@@ -3,10 +3,8 @@ official ``openai`` client, on tiny model folders and an untrained router."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import socket
-import sys
 import threading
 import time
 import urllib.error
@@ -25,6 +23,7 @@ from serving.config import load_config
 from serving.engine import EngineConfig, Request, SpeculativeEngine
 from serving.serve_config import ServeConfig
 from serving.server import create_app, load_backend
+from tests.conftest import load_script
 
 MAX_LEN = 128
 CHAT = [{"role": "user", "content": "What is 12 + 30?"}]
@@ -264,10 +263,7 @@ def test_metrics_parse_as_prometheus_text(live):
 
 
 def test_load_test_script_has_no_lost_or_malformed_responses(live, tmp_path):
-    spec = importlib.util.spec_from_file_location("load_test", Path(__file__).parents[1] / "scripts" / "load_test.py")
-    load_test = importlib.util.module_from_spec(spec)
-    sys.modules["load_test"] = load_test  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(load_test)
+    load_test = load_script("load_test")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"text": "def add(a, b):", "domain": "code"}\n{"text": "What is 12 + 30?"}\n'
                        '{"text": "The quick brown fox", "use_chat_template": false}\n')  # fmt: skip
