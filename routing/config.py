@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from routing.router import NONE
@@ -151,6 +151,38 @@ class BaselineConfig:
 
 
 @dataclass
+class SelectConfig:
+    folds: int = field(default=0, metadata=doc(
+        "k-fold cross-validation on the training prompts (val included) picks the MLP's settings from "
+        "`mlp` below and the baselines' from `logreg_c` / `knn_k`, scoring each by the objective its "
+        "choices reach on held-out folds; 0: off (the settings as given, the epoch picked on the val prompts)"))
+    seed: int = field(default=0, metadata=doc("fold assignment seed"))
+    mlp: dict[str, list[float]] = field(
+        default_factory=lambda: {"hidden": [32, 128], "weight_decay": [0.01, 0.1, 1.0], "epochs": [50, 150, 300]},
+        metadata=doc("candidate values per `mlp` setting (every combination is tried; unlisted settings stay as given)"),
+    )
+    logreg_c: list[float] = field(default_factory=lambda: [0.01, 0.1, 1.0, 10.0], metadata=doc("candidate C of logistic regression"))
+    knn_k: list[int] = field(default_factory=lambda: [3, 5, 10], metadata=doc("candidate k of the k-nearest-neighbour baseline"))
+
+    def __post_init__(self) -> None:
+        if self.folds == 1 or self.folds < 0:
+            raise ValueError(f"folds={self.folds} must be 0 (off) or >= 2")
+        known = {f.name for f in fields(MLPConfig)} - {"seed"}
+        bad = sorted(set(self.mlp) - known)
+        if bad:
+            raise ValueError(f"mlp has unknown settings {bad}; choose from {sorted(known)}")
+        for name, values in self.mlp.items():
+            if not values:
+                raise ValueError(f"mlp.{name} is empty: list at least one value or drop the key")
+            for v in values:  # a bad candidate fails here, not after minutes of fitting
+                MLPConfig(**{name: int(v) if name in ("hidden", "layers", "epochs") else v})
+        if not self.logreg_c or min(self.logreg_c) <= 0:
+            raise ValueError(f"logreg_c={self.logreg_c} must list positive values")
+        if not self.knn_k or min(self.knn_k) < 1:
+            raise ValueError(f"knn_k={self.knn_k} must list values >= 1")
+
+
+@dataclass
 class RouterTrainConfig:
     data: list[str] = field(default_factory=lambda: ["runs/router-data/rows.jsonl"], metadata=doc("collected JSONL files"))
     mode: Literal["greedy", "sampled", "all"] = field(default="greedy", metadata=doc("which collected rows to learn from"))
@@ -165,6 +197,7 @@ class RouterTrainConfig:
     split: SplitConfig = field(default_factory=SplitConfig)
     mlp: MLPConfig = field(default_factory=MLPConfig)
     baselines: BaselineConfig = field(default_factory=BaselineConfig)
+    select: SelectConfig = field(default_factory=SelectConfig)
     output: str = field(default="runs/router", metadata=doc("router.pt, eval.json, eval.md and eval.png go here"))
 
     def __post_init__(self) -> None:

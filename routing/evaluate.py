@@ -170,6 +170,14 @@ def markdown(report: dict) -> str:
         lines += ["", f"Confusion of `{name}`: rows = chosen, columns = best in hindsight", "",
                   "| chosen \\ best | " + " | ".join(opts) + " |", "|---|" + "---:|" * len(opts)]  # fmt: skip
         lines += [f"| {o} | " + " | ".join(map(str, row)) + " |" for o, row in zip(opts, counts)]
+    selection = report.get("selection")
+    if selection:
+        lines += ["", f"Settings chosen by cross-validation on the training prompts (mean held-out `{report['objective_metric']}` "
+                  "of each candidate's choices; best first, at most five):", ""]  # fmt: skip
+        for family, sel in selection.items():
+            ranked = sorted(sel["candidates"], key=lambda c: -c["score"])[:5]
+            lines.append(f"- {family}: " + "; ".join(
+                ", ".join(f"{k}={v:g}" for k, v in c["params"].items()) + f" -> {c['score']:.3f}" for c in ranked))  # fmt: skip
     lines += ["", "Costs per draft (relative to one target step; c: draft step, v: the rest of a call, fitted to "
               "the measured speedups when a verify step is shown beside it): " + ", ".join(
         f"{d}: c={c['draft_cost']:.3f}, v={c['verify_cost']:.3f}"

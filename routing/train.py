@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 from pathlib import Path
 
@@ -15,11 +16,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from routing.config import RouterTrainConfig
+from routing.config import MLPConfig, RouterTrainConfig
 from routing.dataset import Table, load_table, split_prompts
 from routing.evaluate import evaluate, metric_values, objective_metric, options, write_report
 from routing.features import Featurizer
 from routing.router import DEFAULT_K_BUCKETS, NONE, Router, RouterMLP, calibrated_verify_cost
+from routing.select import cross_validate, folds, grid
 
 
 def normalisation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,17 +42,18 @@ def one_thread():
         torch.set_num_threads(before)
 
 
-def fit_mlp(cfg: RouterTrainConfig, x: torch.Tensor, y: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor) -> tuple[dict, dict]:
+def fit_mlp(
+    m: MLPConfig, x: torch.Tensor, y: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor, progress: bool = True
+) -> tuple[dict, dict]:
     """Full-batch AdamW on normalised features x [N, F] -> acceptance y [N, D] (binary
     cross-entropy against the rates); keeps the epoch with the lowest validation loss (the last
     one without validation prompts). Returns (state_dict, history)."""
-    m = cfg.mlp
     torch.manual_seed(m.seed)
     mlp = RouterMLP(x.shape[1], y.shape[1], hidden=m.hidden, layers=m.layers, dropout=m.dropout)
     opt = torch.optim.AdamW(mlp.parameters(), lr=m.lr, weight_decay=m.weight_decay)
     best = (float("inf"), None, -1)
     history = {"train_loss": [], "val_loss": []}
-    for epoch in tqdm(range(m.epochs), desc="train-router", unit="epoch", leave=False):
+    for epoch in tqdm(range(m.epochs), desc="train-router", unit="epoch", leave=False, disable=not progress):
         mlp.train()
         loss = F.binary_cross_entropy_with_logits(mlp(x), y)
         opt.zero_grad(set_to_none=True)
@@ -61,30 +64,74 @@ def fit_mlp(cfg: RouterTrainConfig, x: torch.Tensor, y: torch.Tensor, x_val: tor
             val = F.binary_cross_entropy_with_logits(mlp(x_val), y_val).item() if len(x_val) else loss.item()
         history["train_loss"].append(loss.item())
         history["val_loss"].append(val)
-        if val < best[0] or not len(x_val):
+        if len(x_val) and val < best[0]:
             best = (val, copy.deepcopy(mlp.state_dict()), epoch)
+    if not len(x_val):
+        best = (history["val_loss"][-1], copy.deepcopy(mlp.state_dict()), m.epochs - 1)
     history["best_epoch"] = best[2]
     return best[1], history
 
 
-def baselines(cfg: RouterTrainConfig, router: Router, table: Table, x: torch.Tensor, train_idx, test_idx) -> dict[str, list[str]]:
-    """Choices on the test prompts of the scikit-learn baselines, fit on the training prompts'
-    normalised features ``x`` [P, F] (the MLP's inputs)."""
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.neighbors import KNeighborsRegressor
+def with_settings(m: MLPConfig, params: dict) -> MLPConfig:
+    """``m`` with some settings replaced (integers where the setting is one)."""
+    return dataclasses.replace(m, **{k: int(v) if k in ("hidden", "layers", "epochs") else float(v) for k, v in params.items()})
 
-    opts = options(table, router)
-    key = objective_metric(table, router.objective)
-    labels = metric_values(table, train_idx, router)[key].argmax(1).tolist()  # best option per train prompt
-    xtr, xte = x[train_idx].numpy(), x[test_idx].numpy()
-    if len(set(labels)) == 1:  # one class: LogisticRegression refuses to fit, and the answer is obvious
-        logreg = [opts[labels[0]]] * len(test_idx)
-    else:
-        clf = LogisticRegression(C=cfg.baselines.logreg_c, max_iter=5000).fit(xtr, labels)
-        logreg = [opts[j] for j in clf.predict(xte)]
-    knn = KNeighborsRegressor(n_neighbors=min(cfg.baselines.knn_k, len(train_idx))).fit(xtr, table.acceptance[train_idx].numpy())
-    knn_acc = torch.tensor(knn.predict(xte), dtype=torch.float32).reshape(len(test_idx), -1)  # [N, D]
-    return {"logistic regression": logreg, f"knn (k={knn.n_neighbors})": [c.draft for c in router.decide(knn_acc)]}
+
+class Policies:
+    """The router MLP and the scikit-learn baselines as ``choose(params, fit_idx, eval_idx)``
+    functions over one table's normalised features ``x`` [P, F]: fit on ``fit_idx``, return one
+    option per ``eval_idx`` prompt by the router's rule (``routing.select``)."""
+
+    def __init__(self, cfg: RouterTrainConfig, router: Router, table: Table, x: torch.Tensor) -> None:
+        self.cfg, self.router, self.table, self.x = cfg, router, table, x
+        self.opts = options(table, router)
+        self.key = objective_metric(table, router.objective)
+        self.y = table.acceptance.clamp(0, 1)  # [P, D]
+
+    def values(self, idx: list[int]) -> torch.Tensor:
+        """Measured objective [len(idx), O] of every option."""
+        return metric_values(self.table, idx, self.router)[self.key]
+
+    def mlp(self, params: dict, fit: list[int], held: list[int]) -> list[str]:
+        m = with_settings(self.cfg.mlp, params)
+        state, _ = fit_mlp(m, self.x[fit], self.y[fit], self.x[:0], self.y[:0], progress=False)
+        net = RouterMLP(self.x.shape[1], self.y.shape[1], hidden=m.hidden, layers=m.layers, dropout=m.dropout)
+        net.load_state_dict(state)
+        with torch.no_grad():
+            return [c.draft for c in self.router.decide(torch.sigmoid(net.eval()(self.x[held])))]
+
+    def logreg(self, params: dict, fit: list[int], held: list[int]) -> list[str]:
+        from sklearn.linear_model import LogisticRegression
+
+        labels = self.values(fit).argmax(1).tolist()  # best option per fit prompt
+        if len(set(labels)) == 1:  # one class: LogisticRegression refuses to fit, and the answer is obvious
+            return [self.opts[labels[0]]] * len(held)
+        clf = LogisticRegression(C=params["C"], max_iter=5000).fit(self.x[fit].numpy(), labels)
+        return [self.opts[j] for j in clf.predict(self.x[held].numpy())]
+
+    def knn(self, params: dict, fit: list[int], held: list[int]) -> list[str]:
+        from sklearn.neighbors import KNeighborsRegressor
+
+        knn = KNeighborsRegressor(n_neighbors=min(int(params["k"]), len(fit))).fit(self.x[fit].numpy(), self.y[fit].numpy())
+        pred = torch.tensor(knn.predict(self.x[held].numpy()), dtype=torch.float32).reshape(len(held), -1)  # [N, D]
+        return [c.draft for c in self.router.decide(pred)]
+
+
+def select_settings(cfg: RouterTrainConfig, policies: Policies, table: Table, fit_idx: list[int]) -> dict:
+    """Cross-validate each family's candidate settings on ``fit_idx`` (``routing.select``):
+    {"mlp" | "logreg" | "knn": {"chosen": params, "candidates": [{"params", "score"}]}}."""
+    fold_idx = folds(table.domains, table.prompt_ids, fit_idx, cfg.select.folds, cfg.select.seed)
+    families = {
+        "mlp": (grid(cfg.select.mlp), policies.mlp),
+        "logreg": (grid({"C": cfg.select.logreg_c}), policies.logreg),
+        "knn": (grid({"k": cfg.select.knn_k}), policies.knn),
+    }
+    out = {}
+    with one_thread():
+        for name, (candidates, choose) in tqdm(families.items(), desc="cross-validation", unit="family", leave=False):
+            chosen, scores = cross_validate(candidates, choose, fold_idx, policies.values, policies.opts)
+            out[name] = {"chosen": chosen, "candidates": [{"params": c, "score": v} for c, v in zip(candidates, scores)]}
+    return out
 
 
 def train(cfg: RouterTrainConfig) -> dict:
@@ -98,48 +145,72 @@ def train(cfg: RouterTrainConfig) -> dict:
     print(f"train-router: {len(table.prompt_ids)} prompts x {len(table.drafts)} drafts {table.drafts}; "
           f"train {len(train_idx)}, val {len(val_idx)}, test {len(test_idx)}")  # fmt: skip
 
+    # With cross-validation the val prompts join the training prompts: folds replace them.
+    cv = cfg.select.folds > 0
+    fit_idx = sorted(train_idx + val_idx) if cv else train_idx
     featurizer = Featurizer(cfg.features.embedder, cheap=cfg.features.cheap)
     raw = featurizer(table.texts)  # [P, F]
-    mean, std = normalisation(raw[train_idx])
+    mean, std = normalisation(raw[fit_idx])
     x = (raw - mean) / std  # [P, F]
     y = table.acceptance.clamp(0, 1)  # [P, D]
-    with one_thread():
-        state, history = fit_mlp(cfg, x[train_idx], y[train_idx], x[val_idx], y[val_idx])
 
     costs = {d: dict(c) for d, c in table.costs.items()}
     if cfg.calibrate_costs and table.speedup is not None:
         for j, d in enumerate(table.drafts):  # training prompts only: the test split stays unseen
-            v = calibrated_verify_cost(table.acceptance[train_idx, j], table.speedup[train_idx, j], table.k, costs[d]["draft_cost"])
+            v = calibrated_verify_cost(table.acceptance[fit_idx, j], table.speedup[fit_idx, j], table.k, costs[d]["draft_cost"])
             costs[d]["verify_step_cost"] = costs[d]["verify_cost"]
             if math.isfinite(v):
                 costs[d]["verify_cost"] = v
         print("train-router: per-call costs fitted to measured speedups: " + ", ".join(
             f"{d} {c['verify_step_cost']:.2f} -> {c['verify_cost']:.2f}" for d, c in costs.items()))  # fmt: skip
     names = table.drafts + ([NONE] if table.has_none else [])
-    router = Router(
-        draft_names=names,
-        draft_refs={**table.draft_refs, NONE: None},
-        target_ref=table.target_ref,
-        objective=cfg.objective,
-        embedder=cfg.features.embedder,
-        cheap_features=cfg.features.cheap,
-        mean=mean,
-        std=std,
-        mlp_config={"hidden": cfg.mlp.hidden, "layers": cfg.mlp.layers, "dropout": cfg.mlp.dropout},
-        state_dict=state,
-        costs=costs,
-        k_buckets=list(cfg.k_buckets or DEFAULT_K_BUCKETS),
-        info={"trained": True, "data": list(cfg.data), "mode": cfg.mode, "collected_k": table.k},
-    )
-    policies = {"router (MLP)": [c.draft for c in router.decide(router.predict_from_features(raw[test_idx]))]}
-    policies.update(baselines(cfg, router, table, x, train_idx, test_idx))
+
+    def make_router(m: MLPConfig, state: dict | None) -> Router:
+        return Router(
+            draft_names=names,
+            draft_refs={**table.draft_refs, NONE: None},
+            target_ref=table.target_ref,
+            objective=cfg.objective,
+            embedder=cfg.features.embedder,
+            cheap_features=cfg.features.cheap,
+            mean=mean,
+            std=std,
+            mlp_config={"hidden": m.hidden, "layers": m.layers, "dropout": m.dropout},
+            state_dict=state,
+            costs=costs,
+            k_buckets=list(cfg.k_buckets or DEFAULT_K_BUCKETS),
+            info={"trained": True, "data": list(cfg.data), "mode": cfg.mode, "collected_k": table.k},
+        )
+
+    # The decision rule (objective, costs) does not depend on the MLP: the selection and the
+    # baselines use it before the MLP is fit.
+    policies = Policies(cfg, make_router(cfg.mlp, None), table, x)
+    selection = select_settings(cfg, policies, table, fit_idx) if cv else None
+    mlp_cfg = with_settings(cfg.mlp, selection["mlp"]["chosen"]) if cv else cfg.mlp
+    logreg_c = selection["logreg"]["chosen"]["C"] if cv else cfg.baselines.logreg_c
+    knn_k = int(selection["knn"]["chosen"]["k"]) if cv else cfg.baselines.knn_k
+    if cv:
+        print("train-router: chosen by cross-validation: MLP " + ", ".join(f"{k}={v}" for k, v in selection["mlp"]["chosen"].items())
+              + f"; logistic regression C={logreg_c}; kNN k={knn_k}")  # fmt: skip
+    val = [] if cv else val_idx
+    with one_thread():
+        state, history = fit_mlp(mlp_cfg, x[fit_idx], y[fit_idx], x[val], y[val])
+    router = make_router(mlp_cfg, state)
+    if cv:
+        router.info["selection"] = selection
+
+    choices = {"router (MLP)": [c.draft for c in router.decide(router.predict_from_features(raw[test_idx]))]}
+    choices["logistic regression"] = policies.logreg({"C": logreg_c}, fit_idx, test_idx)
+    choices[f"knn (k={min(knn_k, len(fit_idx))})"] = policies.knn({"k": knn_k}, fit_idx, test_idx)
     # The objective's rule fed the measured acceptance instead of a prediction: what a perfect
     # acceptance predictor would get, so the report separates prediction error from cost-model error.
-    policies["hindsight acceptance"] = [c.draft for c in router.decide(table.acceptance[test_idx])]
+    choices["hindsight acceptance"] = [c.draft for c in router.decide(table.acceptance[test_idx])]
 
-    report = evaluate(table, train_idx, test_idx, router, policies)
+    report = evaluate(table, fit_idx, test_idx, router, choices)
     report["mlp"] = {"best_epoch": history["best_epoch"], "final_train_loss": history["train_loss"][-1],
-                     "best_val_loss": min(history["val_loss"])}  # fmt: skip
+                     "best_val_loss": min(history["val_loss"]), "settings": dataclasses.asdict(mlp_cfg)}  # fmt: skip
+    if selection is not None:
+        report["selection"] = selection
     report["test_prompt_ids"] = [table.prompt_ids[i] for i in test_idx]
     router.info["eval"] = {name: {k: v for k, v in r.items() if not k.endswith("_by_domain")} for name, r in report["policies"].items()}
     router.save(out / "router.pt")

@@ -14,7 +14,7 @@ from routing.rows import RowStore, merge, read_rows
 from serving.config import ConfigError, load_config
 
 
-@pytest.mark.parametrize("name", ["router_collect", "router_collect_domains", "router_collect_cut"])
+@pytest.mark.parametrize("name", ["router_collect", "router_collect_domains", "router_collect_cut", "router_collect_math"])
 def test_shipped_configs_load(name):
     cfg = load_config(CollectConfig, f"configs/{name}.yaml")
     assert cfg.baseline and cfg.drafts and {s.domain for s in cfg.sources} == {"code", "chat", "math"}
@@ -40,6 +40,10 @@ def test_shipped_router_train_config_loads():
         (RouterTrainConfig, ["objective=latency"], "objective='latency' must be one of"),
         (RouterTrainConfig, ["mlp.hiden=64"], "unknown key mlp.'hiden'"),
         (RouterTrainConfig, ["split.test_fraction=0.95"], "test_fraction=0.95"),
+        (RouterTrainConfig, ["select.folds=1"], "folds=1 must be 0"),
+        (RouterTrainConfig, ["select.mlp={hiden: [32]}"], r"unknown settings \['hiden'\]; choose from"),
+        (RouterTrainConfig, ["select.mlp={dropout: [1.5]}"], "dropout=1.5 must be in"),
+        (RouterTrainConfig, ["select.knn_k=[0, 5]"], "knn_k="),
     ],
 )
 def test_bad_config_values_name_the_key(cls, overrides, message):

@@ -101,6 +101,24 @@ def test_collect_train_choose_beats_best_single_draft(setup, tmp_path):
     report2 = json.loads((out2 / "eval.json").read_text())
     assert report2["options"] == ["code", "math", "none"] and report2["objective_metric"] == "measured_speedup"
 
+    # Settings chosen by cross-validation on the training prompts: the chosen candidate is the
+    # best-scoring one, the val prompts join training, and the router still routes by domain.
+    out3 = tmp_path / "router-cv"
+    grid_args = ["select.folds=3", "select.mlp={hidden: [16, 32], epochs: [30, 150]}", "select.logreg_c=[0.1, 1.0]", "select.knn_k=[3]"]
+    assert train_main([f"data=[{rows_path}]", f"output={out3}", "split.test_fraction=0.34", *grid_args]) == 0
+    report3 = json.loads((out3 / "eval.json").read_text())
+    sel = report3["selection"]
+    for family in ("mlp", "logreg", "knn"):
+        best = max(sel[family]["candidates"], key=lambda c: c["score"])
+        assert sel[family]["chosen"] == best["params"]
+    assert len(sel["mlp"]["candidates"]) == 4
+    assert report3["mlp"]["settings"]["hidden"] == sel["mlp"]["chosen"]["hidden"]
+    assert report3["n_train"] == report["n_train"] + 2  # 24 prompts: 16 train + 8 test; val (2) joins
+    assert "knn (k=3)" in report3["policies"] and "cross-validation" in (out3 / "eval.md").read_text()
+    pol3 = report3["policies"]
+    assert pol3["router (MLP)"]["acceptance"] > pol3[f"best single ({report3['best_single']})"]["acceptance"] + 0.1
+    assert Router.load(out3 / "router.pt").info["selection"]["mlp"]["chosen"] == sel["mlp"]["chosen"]
+
 
 def test_interrupted_collection_resumes_and_shards_merge_to_one_run(setup, tmp_path):
     root, dirs, files = setup
