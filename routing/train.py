@@ -1,7 +1,8 @@
 """train-router: features of the collected prompts -> an MLP predicting each draft's acceptance,
 scored on held-out prompts against the oracle, the best single draft, random choice and
 scikit-learn baselines (logistic regression classifying the best draft, k-nearest neighbours
-regressing acceptance) trained on the same features and split.
+regressing acceptance) trained on the same features and split. With ``select.folds`` each
+family's settings are first chosen by cross-validation on the training prompts (``routing.select``).
 """
 
 from __future__ import annotations
