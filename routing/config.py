@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
@@ -143,6 +144,12 @@ class MLPConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
 
+    def with_settings(self, params: dict) -> "MLPConfig":
+        """A copy with some settings replaced (candidate values of ``select.mlp`` come as floats;
+        the integer settings are made integers), validated like any MLPConfig."""
+        ints = {"hidden", "layers", "epochs", "seed"}
+        return dataclasses.replace(self, **{k: int(v) if k in ints else float(v) for k, v in params.items()})
+
 
 @dataclass
 class BaselineConfig:
@@ -175,7 +182,7 @@ class SelectConfig:
             if not values:
                 raise ValueError(f"mlp.{name} is empty: list at least one value or drop the key")
             for v in values:  # a bad candidate fails here, not after minutes of fitting
-                MLPConfig(**{name: int(v) if name in ("hidden", "layers", "epochs") else v})
+                MLPConfig().with_settings({name: v})
         if not self.logreg_c or min(self.logreg_c) <= 0:
             raise ValueError(f"logreg_c={self.logreg_c} must list positive values")
         if not self.knn_k or min(self.knn_k) < 1:

@@ -73,11 +73,6 @@ def fit_mlp(
     return best[1], history
 
 
-def with_settings(m: MLPConfig, params: dict) -> MLPConfig:
-    """``m`` with some settings replaced (integers where the setting is one)."""
-    return dataclasses.replace(m, **{k: int(v) if k in ("hidden", "layers", "epochs") else float(v) for k, v in params.items()})
-
-
 class Policies:
     """The router MLP and the scikit-learn baselines as ``choose(params, fit_idx, eval_idx)``
     functions over one table's normalised features ``x`` [P, F]: fit on ``fit_idx``, return one
@@ -94,7 +89,7 @@ class Policies:
         return metric_values(self.table, idx, self.router)[self.key]
 
     def mlp(self, params: dict, fit: list[int], held: list[int]) -> list[str]:
-        m = with_settings(self.cfg.mlp, params)
+        m = self.cfg.mlp.with_settings(params)
         state, _ = fit_mlp(m, self.x[fit], self.y[fit], self.x[:0], self.y[:0], progress=False)
         net = RouterMLP(self.x.shape[1], self.y.shape[1], hidden=m.hidden, layers=m.layers, dropout=m.dropout)
         net.load_state_dict(state)
@@ -153,7 +148,6 @@ def train(cfg: RouterTrainConfig) -> dict:
     raw = featurizer(table.texts)  # [P, F]
     mean, std = normalisation(raw[fit_idx])
     x = (raw - mean) / std  # [P, F]
-    y = table.acceptance.clamp(0, 1)  # [P, D]
 
     costs = {d: dict(c) for d, c in table.costs.items()}
     if cfg.calibrate_costs and table.speedup is not None:
@@ -187,7 +181,7 @@ def train(cfg: RouterTrainConfig) -> dict:
     # baselines use it before the MLP is fit.
     policies = Policies(cfg, make_router(cfg.mlp, None), table, x)
     selection = select_settings(cfg, policies, table, fit_idx) if cv else None
-    mlp_cfg = with_settings(cfg.mlp, selection["mlp"]["chosen"]) if cv else cfg.mlp
+    mlp_cfg = cfg.mlp.with_settings(selection["mlp"]["chosen"]) if cv else cfg.mlp
     logreg_c = selection["logreg"]["chosen"]["C"] if cv else cfg.baselines.logreg_c
     knn_k = int(selection["knn"]["chosen"]["k"]) if cv else cfg.baselines.knn_k
     if cv:
@@ -195,7 +189,7 @@ def train(cfg: RouterTrainConfig) -> dict:
               + f"; logistic regression C={logreg_c}; kNN k={knn_k}")  # fmt: skip
     val = [] if cv else val_idx
     with one_thread():
-        state, history = fit_mlp(mlp_cfg, x[fit_idx], y[fit_idx], x[val], y[val])
+        state, history = fit_mlp(mlp_cfg, x[fit_idx], policies.y[fit_idx], x[val], policies.y[val])
     router = make_router(mlp_cfg, state)
     if cv:
         router.info["selection"] = selection
