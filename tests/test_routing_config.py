@@ -14,7 +14,7 @@ from routing.rows import RowStore, merge, read_rows
 from serving.config import ConfigError, load_config
 
 
-@pytest.mark.parametrize("name", ["router_collect", "router_collect_domains", "router_collect_cut", "router_collect_math"])
+@pytest.mark.parametrize("name", ["router_collect", "router_collect_domains", "router_collect_cut", "router_collect_math", "router_collect_math_spec"])
 def test_shipped_configs_load(name):
     cfg = load_config(CollectConfig, f"configs/{name}.yaml")
     assert cfg.baseline and cfg.drafts and {s.domain for s in cfg.sources} == {"code", "chat", "math"}
