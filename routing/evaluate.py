@@ -80,6 +80,11 @@ def confusion(chosen: list[str], best: list[str], opts: list[str]) -> list[list[
     return counts
 
 
+def chosen_by_domain(chosen: list[str], domains: list[str], opts: list[str]) -> dict[str, dict[str, int]]:
+    """{domain: {option: prompts of that domain the policy sent to it}}: where a policy routes."""
+    return {d: {o: sum(c == o for c, x in zip(chosen, domains) if x == d) for o in opts} for d in sorted(set(domains))}
+
+
 def evaluate(
     table: Table, train_idx: list[int], test_idx: list[int], router: Router, policies: dict[str, list[str]]
 ) -> dict:
@@ -114,6 +119,7 @@ def evaluate(
         "test_domains": {d: domains.count(d) for d in sorted(set(domains))},
         "policies": results,
         "confusion": {name: confusion(choices, best_per_prompt, opts) for name, choices in policies.items()},
+        "chosen_by_domain": {name: chosen_by_domain(choices, domains, opts) for name, choices in policies.items()},
         "costs": router.costs,
         "collected": collected_summary(table),
     }
@@ -170,6 +176,9 @@ def markdown(report: dict) -> str:
         lines += ["", f"Confusion of `{name}`: rows = chosen, columns = best in hindsight", "",
                   "| chosen \\ best | " + " | ".join(opts) + " |", "|---|" + "---:|" * len(opts)]  # fmt: skip
         lines += [f"| {o} | " + " | ".join(map(str, row)) + " |" for o, row in zip(opts, counts)]
+        by = report["chosen_by_domain"][name]
+        lines += ["", f"Chosen by `{name}` per domain: " + "; ".join(
+            f"{d}: " + ", ".join(f"{o} {by[d][o]}" for o in opts if by[d][o]) for d in domains)]  # fmt: skip
     selection = report.get("selection")
     if selection:
         lines += ["", f"Settings chosen by cross-validation on the training prompts (mean held-out `{report['objective_metric']}` "

@@ -76,6 +76,8 @@ def test_collect_train_choose_beats_best_single_draft(setup, tmp_path):
     assert {"logistic regression", "knn (k=5)"} <= set(pol)
     assert report["n_test"] == len(report["test_prompt_ids"]) == sum(sum(r) for r in report["confusion"]["router (MLP)"])
     assert sum(sum(r) for r in report["confusion"]["logistic regression"]) == report["n_test"]
+    by = report["chosen_by_domain"]["router (MLP)"]
+    assert {d: sum(c.values()) for d, c in by.items()} == report["test_domains"]
     assert (out / "eval.md").read_text().startswith("# Router evaluation")
     # The summary of all collected prompts is the plain mean of the rows (one greedy row per pair here).
     for domain, per in report["collected"].items():
