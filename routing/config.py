@@ -192,6 +192,9 @@ class SelectConfig:
 @dataclass
 class RouterTrainConfig:
     data: list[str] = field(default_factory=lambda: ["runs/router-data/rows.jsonl"], metadata=doc("collected JSONL files"))
+    test_data: list[str] = field(default_factory=list, metadata=doc(
+        "collected JSONL files of other prompts to score on instead of a held-out split of `data`: "
+        "then every `data` prompt trains (split.test_fraction is unused); [] : split `data`"))
     mode: Literal["greedy", "sampled", "all"] = field(default="greedy", metadata=doc("which collected rows to learn from"))
     objective: Literal["acceptance", "speedup"] = field(
         default="acceptance", metadata=doc("choose by predicted acceptance, or by predicted speedup (may choose none)")

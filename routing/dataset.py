@@ -4,10 +4,12 @@ and speedup (averaged over modes and repeats), the drafts' measured costs, and t
     table = load_table(["runs/router-data/rows.jsonl"], mode="greedy")
     table.acceptance   # [P, D] measured acceptance of each real draft
     train, val, test = split_prompts(table, test_fraction=0.25, val_fraction=0.15, seed=0)
+    joined = join_tables(table, load_table(["runs/other/rows.jsonl"]))  # a separate test set
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import statistics
@@ -109,20 +111,45 @@ def _costs(rows: list[dict], drafts: list[str], has_none: bool) -> dict[str, dic
     return costs
 
 
+def join_tables(first: Table, second: Table) -> Table:
+    """``second``'s prompts appended after ``first``'s (whose indices stay as they were), for a test
+    set collected apart from the training rows. Both must hold the same target, drafts (by name and
+    reference), K and target-alone rows; the costs stay ``first``'s so that the test rows never
+    shape the decision rule."""
+    for name in ("target_ref", "drafts", "draft_refs", "has_none", "k"):
+        a, b = getattr(first, name), getattr(second, name)
+        if a != b:
+            raise ValueError(f"the test rows were collected with {name}={b!r}, the training rows with {a!r}: "
+                             "collect both with the same target, drafts and decode settings")  # fmt: skip
+    both = sorted(set(first.prompt_ids) & set(second.prompt_ids))
+    if both:
+        raise ValueError(f"{len(both)} prompts (e.g. {both[0]!r}) are in both the training and the test rows: "
+                         "a test prompt must be unseen; collect the test set from other rows (sources' offset)")  # fmt: skip
+    return dataclasses.replace(
+        first,
+        prompt_ids=first.prompt_ids + second.prompt_ids,
+        texts=first.texts + second.texts,
+        domains=first.domains + second.domains,
+        acceptance=torch.cat([first.acceptance, second.acceptance]),  # [P1 + P2, D]
+        speedup=None if first.speedup is None else torch.cat([first.speedup, second.speedup]),
+    )
+
+
 def split_prompts(table: Table, test_fraction: float, val_fraction: float, seed: int) -> tuple[list[int], list[int], list[int]]:
     """Deterministic split by prompt, stratified by domain: (train, val, test) row indices.
-    Depends only on the prompt ids and the seed, so the same data gives the same split."""
+    Depends only on the prompt ids and the seed, so the same data gives the same split.
+    ``test_fraction=0`` keeps no test prompts (the test set comes from elsewhere)."""
     train, val, test = [], [], []
     for domain in sorted(set(table.domains)):
         idx = sorted((i for i, d in enumerate(table.domains) if d == domain), key=lambda i: table.prompt_ids[i])
         random.Random(f"{seed}/{domain}").shuffle(idx)
-        n_test = max(1, round(test_fraction * len(idx))) if len(idx) > 2 else 0
+        n_test = max(1, round(test_fraction * len(idx))) if len(idx) > 2 and test_fraction > 0 else 0
         rest = idx[n_test:]
         n_val = max(1, round(val_fraction * len(rest))) if len(rest) > 2 else 0
         test += idx[:n_test]
         val += rest[:n_val]
         train += rest[n_val:]
-    if not test or not train:
+    if (test_fraction > 0 and not test) or not train:
         raise ValueError(f"{len(table.prompt_ids)} prompts are too few to split into train and test")
     return sorted(train), sorted(val), sorted(test)
 

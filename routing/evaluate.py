@@ -153,8 +153,9 @@ def write_report(report: dict, out_dir: Path) -> None:
 
 def markdown(report: dict) -> str:
     metrics = [m for m in METRICS if m in next(iter(report["policies"].values()))]
+    source = f" from {', '.join(report['test_data'])}" if report.get("test_data") else ""
     lines = [
-        f"# Router evaluation ({report['n_test']} held-out prompts, {report['n_train']} training)",
+        f"# Router evaluation ({report['n_test']} held-out prompts{source}, {report['n_train']} training)",
         "",
         f"Objective: **{report['objective']}** (scored by `{report['objective_metric']}`); "
         f"held-out prompts per domain: {report['test_domains']}.",

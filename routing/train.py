@@ -1,7 +1,8 @@
 """train-router: features of the collected prompts -> an MLP predicting each draft's acceptance,
 scored on held-out prompts against the oracle, the best single draft, random choice and
 scikit-learn baselines (logistic regression classifying the best draft, k-nearest neighbours
-regressing acceptance) trained on the same features and split. With ``select.folds`` each
+regressing acceptance) trained on the same features and split. The held-out prompts are a split of
+``data``, or with ``test_data`` other prompts collected apart. With ``select.folds`` each
 family's settings are first chosen by cross-validation on the training prompts (``routing.select``).
 """
 
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from routing.config import MLPConfig, RouterTrainConfig
-from routing.dataset import Table, load_table, split_prompts
+from routing.dataset import Table, join_tables, load_table, split_prompts
 from routing.evaluate import evaluate, metric_values, objective_metric, options, write_report
 from routing.features import Featurizer
 from routing.router import DEFAULT_K_BUCKETS, NONE, Router, RouterMLP, calibrated_verify_cost
@@ -137,7 +138,13 @@ def train(cfg: RouterTrainConfig) -> dict:
     table = load_table(cfg.data, cfg.mode)
     if cfg.objective == "speedup" and not table.has_none:
         print(f"train-router: the target alone ({NONE!r}) was not collected: speedups come from the cost model")
-    train_idx, val_idx, test_idx = split_prompts(table, cfg.split.test_fraction, cfg.split.val_fraction, cfg.split.seed)
+    if cfg.test_data:  # a test set collected apart: every data prompt trains (but the val ones)
+        train_idx, val_idx, _ = split_prompts(table, 0.0, cfg.split.val_fraction, cfg.split.seed)
+        n_data = len(table.prompt_ids)
+        table = join_tables(table, load_table(cfg.test_data, cfg.mode))
+        test_idx = list(range(n_data, len(table.prompt_ids)))
+    else:
+        train_idx, val_idx, test_idx = split_prompts(table, cfg.split.test_fraction, cfg.split.val_fraction, cfg.split.seed)
     print(f"train-router: {len(table.prompt_ids)} prompts x {len(table.drafts)} drafts {table.drafts}; "
           f"train {len(train_idx)}, val {len(val_idx)}, test {len(test_idx)}")  # fmt: skip
 
@@ -174,7 +181,7 @@ def train(cfg: RouterTrainConfig) -> dict:
             state_dict=state,
             costs=costs,
             k_buckets=list(cfg.k_buckets or DEFAULT_K_BUCKETS),
-            info={"trained": True, "data": list(cfg.data), "mode": cfg.mode, "collected_k": table.k},
+            info={"trained": True, "data": list(cfg.data), "test_data": list(cfg.test_data), "mode": cfg.mode, "collected_k": table.k},
         )
 
     # The decision rule (objective, costs) does not depend on the MLP: the selection and the
@@ -207,6 +214,7 @@ def train(cfg: RouterTrainConfig) -> dict:
     if selection is not None:
         report["selection"] = selection
     report["test_prompt_ids"] = [table.prompt_ids[i] for i in test_idx]
+    report["test_data"] = list(cfg.test_data)
     router.info["eval"] = {name: {k: v for k, v in r.items() if not k.endswith("_by_domain")} for name, r in report["policies"].items()}
     router.save(out / "router.pt")
     write_report(report, out)

@@ -49,10 +49,18 @@ def overrides(dirs, files, output, *extra) -> list[str]:
     ]
 
 
-def test_collect_train_choose_beats_best_single_draft(setup, tmp_path):
-    root, dirs, files = setup
-    rows_path = tmp_path / "rows.jsonl"
+@pytest.fixture(scope="module")
+def collected(setup, tmp_path_factory):
+    """One collection (24 prompts x {code, math, none}) shared by the tests that train on it."""
+    _, dirs, files = setup
+    rows_path = tmp_path_factory.mktemp("collected") / "rows.jsonl"
     assert collect_main(overrides(dirs, files, rows_path, "engine.batch_size=4")) == 0
+    return rows_path
+
+
+def test_collect_train_choose_beats_best_single_draft(setup, collected, tmp_path):
+    root, dirs, files = setup
+    rows_path = collected
     rows = read_rows(rows_path)
     assert len(rows) == 24 * 3 and len({row_key(r) for r in rows}) == 24 * 3
     for r in rows:
@@ -120,6 +128,33 @@ def test_collect_train_choose_beats_best_single_draft(setup, tmp_path):
     pol3 = report3["policies"]
     assert pol3["router (MLP)"]["acceptance"] > pol3[f"best single ({report3['best_single']})"]["acceptance"] + 0.1
     assert Router.load(out3 / "router.pt").info["selection"]["mlp"]["chosen"] == sel["mlp"]["chosen"]
+
+
+def test_a_test_set_collected_apart_is_scored_unseen(collected, tmp_path, capsys):
+    rows = read_rows(collected)
+    ids = sorted({r["prompt_id"] for r in rows})
+    held = {i for d in ("code", "math") for i in [p for p in ids if p.startswith(d)][:4]}  # 4 per domain
+    train_rows, test_rows = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
+    train_rows.write_text("".join(json.dumps(r) + "\n" for r in rows if r["prompt_id"] not in held))
+    test_rows.write_text("".join(json.dumps(r) + "\n" for r in rows if r["prompt_id"] in held))
+
+    out = tmp_path / "router"
+    assert train_main([f"data=[{train_rows}]", f"test_data=[{test_rows}]", f"output={out}", "mlp.epochs=150"]) == 0
+    report = json.loads((out / "eval.json").read_text())
+    assert set(report["test_prompt_ids"]) == held and report["test_domains"] == {"code": 4, "math": 4}
+    assert report["n_train"] == 16 - 2  # every other prompt trains but the val ones (1 per domain)
+    pol = report["policies"]
+    assert pol["router (MLP)"]["acceptance"] > pol[f"best single ({report['best_single']})"]["acceptance"] + 0.1
+    assert f"8 held-out prompts from {test_rows}" in (out / "eval.md").read_text()
+    assert Router.load(out / "router.pt").info["test_data"] == [str(test_rows)]
+
+    # A test prompt that also trains, or test rows from other drafts, are refused by name.
+    assert train_main([f"data=[{collected}]", f"test_data=[{test_rows}]", f"output={out}"]) == 2
+    assert "in both the training and the test rows" in capsys.readouterr().err
+    renamed = tmp_path / "renamed.jsonl"
+    renamed.write_text("".join(json.dumps(r | {"draft": "chat"} if r["draft"] == "code" else r) + "\n" for r in read_rows(test_rows)))
+    assert train_main([f"data=[{train_rows}]", f"test_data=[{renamed}]", f"output={out}"]) == 2
+    assert "test rows were collected with drafts=['chat', 'math']" in capsys.readouterr().err
 
 
 def test_interrupted_collection_resumes_and_shards_merge_to_one_run(setup, tmp_path):
