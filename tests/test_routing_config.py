@@ -4,6 +4,7 @@ refuses damage in the middle; merge deduplicates and sorts."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -14,12 +15,24 @@ from routing.rows import RowStore, merge, read_rows
 from serving.config import ConfigError, load_config
 
 
-@pytest.mark.parametrize("name", ["router_collect", "router_collect_domains", "router_collect_cut", "router_collect_math", "router_collect_math_spec"])
+@pytest.mark.parametrize("name", sorted(p.stem for p in Path("configs").glob("router_collect*.yaml")))
 def test_shipped_configs_load(name):
     cfg = load_config(CollectConfig, f"configs/{name}.yaml")
     assert cfg.baseline and cfg.drafts and {s.domain for s in cfg.sources} == {"code", "chat", "math"}
     with open(f"configs/{name}.yaml") as f:
         assert f.readline().startswith(f"# collect-router-data --config configs/{name}.yaml")
+
+
+def test_the_fresh_test_set_shares_no_prompt_with_the_rows_it_tests():
+    train = load_config(CollectConfig, "configs/router_collect_math_spec.yaml")
+    test = load_config(CollectConfig, "configs/router_collect_math_spec_test.yaml")
+    assert (test.target, test.drafts, test.decode, test.engine) == (train.target, train.drafts, train.decode, train.engine)
+
+    def rows(cfg, domain):
+        return {r for s in cfg.sources if s.domain == domain for r in range(s.offset, s.offset + s.n)}
+
+    for domain in ("code", "chat", "math"):
+        assert rows(test, domain) and not rows(test, domain) & rows(train, domain)
 
 
 def test_shipped_router_train_config_loads():
