@@ -1,5 +1,6 @@
 """collect-router-data -> train-router -> Router.choose on tiny models whose drafts differ by
-domain; resume after an interrupted collection; shards merged equal one run."""
+domain; a test set collected apart is scored unseen; resume after an interrupted collection;
+shards merged equal one run."""
 
 from __future__ import annotations
 
