@@ -10,7 +10,8 @@ Each is scored on the same measured values [N, O]:
   when the target alone was collected.
 
 The objective's metric (acceptance, or speedup: measured if collected else the model's) defines
-the oracle, the best single draft (best mean on the training prompts) and the regret.
+the oracle, the best single draft (best mean on the training prompts) and the regret. Each policy's
+lead over the best single draft comes with its paired standard error over the held-out prompts.
 """
 
 from __future__ import annotations
@@ -106,9 +107,15 @@ def evaluate(
     }
     results = {name: score(w, test_values, domains) for name, w in weights.items()}
     oracle = results["oracle"][key]
-    for r in results.values():
+    single_per_prompt = (weights[f"best single ({single})"] * test_values[key]).sum(1)  # [N]
+    for name, r in results.items():
         r["regret"] = oracle - r[key]
         r["fraction_of_oracle"] = r[key] / oracle if oracle else float("nan")
+        # Paired over the same prompts, so that what all policies share (easy and hard prompts)
+        # cancels: the standard error says whether a lead over the best single draft is noise.
+        diff = (weights[name] * test_values[key]).sum(1) - single_per_prompt  # [N]
+        se = float(diff.std(unbiased=True) / n**0.5) if n > 1 else float("nan")
+        r["vs_best_single"] = {"mean": float(diff.mean()), "se": se}
     return {
         "objective": router.objective,
         "objective_metric": key,
@@ -160,11 +167,13 @@ def markdown(report: dict) -> str:
         f"Objective: **{report['objective']}** (scored by `{report['objective_metric']}`); "
         f"held-out prompts per domain: {report['test_domains']}.",
         "",
-        "| policy | " + " | ".join(metrics) + " | regret | % of oracle |",
-        "|---|" + "---:|" * (len(metrics) + 2),
+        "| policy | " + " | ".join(metrics) + " | regret | % of oracle | vs best single (± paired SE) |",
+        "|---|" + "---:|" * (len(metrics) + 3),
     ]
     for name, r in report["policies"].items():
-        cells = [f"{r[m]:.3f}" for m in metrics] + [f"{r['regret']:.3f}", f"{100 * r['fraction_of_oracle']:.1f}"]
+        vs = r["vs_best_single"]
+        cells = [f"{r[m]:.3f}" for m in metrics] + [f"{r['regret']:.3f}", f"{100 * r['fraction_of_oracle']:.1f}",
+                                                    f"{vs['mean']:+.3f} ± {vs['se']:.3f}"]  # fmt: skip
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     domains = sorted(report["test_domains"])
     lines += ["", f"Per domain ({report['objective_metric']}):", "", "| policy | " + " | ".join(domains) + " |",

@@ -135,3 +135,23 @@ def test_calibrated_verify_cost_is_nan_without_a_usable_fit():
     rate = torch.tensor([0.5, 0.7])
     assert math.isnan(calibrated_verify_cost(rate, torch.tensor([float("nan"), 0.0]), 4, 0.3))
     assert math.isnan(calibrated_verify_cost(rate, torch.tensor([50.0, 50.0]), 4, 0.3))  # v would be < 0
+
+
+def test_evaluation_reports_each_lead_over_the_best_single_draft_with_its_paired_standard_error(router):
+    from routing.dataset import Table
+    from routing.evaluate import evaluate
+
+    acc = torch.tensor([[0.9, 0.5], [0.8, 0.6], [0.5, 0.7], [0.6, 0.9], [0.7, 0.6], [0.4, 0.4]])  # [P, D]
+    table = Table(
+        prompt_ids=[f"p{i}" for i in range(6)], texts=[""] * 6, domains=["code"] * 6, drafts=["code", "math"],
+        draft_refs={"code": "models/code", "math": "models/math"}, target_ref="models/target", has_none=False,
+        acceptance=acc, speedup=None, costs=router.costs, k=4,
+    )  # fmt: skip
+    report = evaluate(table, [0, 1], [2, 3, 4, 5], router, {"always math": ["math"] * 4})
+    pol = report["policies"]
+    assert report["best_single"] == "code"  # chosen on the training prompts 0 and 1
+    assert pol["best single (code)"]["vs_best_single"] == {"mean": 0.0, "se": 0.0}
+    # math - code on prompts 2..5: 0.2, 0.3, -0.1, 0.0 -> mean 0.1, sample sd sqrt(0.1 / 3), se sd / 2
+    vs = pol["always math"]["vs_best_single"]
+    assert vs["mean"] == pytest.approx(0.1) and vs["se"] == pytest.approx(math.sqrt(0.1 / 3) / 2)
+    assert pol["oracle"]["vs_best_single"]["mean"] == pytest.approx(0.125)
