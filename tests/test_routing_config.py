@@ -15,17 +15,25 @@ from routing.rows import RowStore, merge, read_rows
 from serving.config import ConfigError, load_config
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in Path("configs").glob("router_collect*.yaml")))
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+COLLECT_CONFIGS = sorted(p.stem for p in CONFIGS.glob("router_collect*.yaml"))
+
+
+def test_the_collect_configs_are_found():
+    assert {"router_collect", "router_collect_math_spec", "router_collect_math_spec_test"} <= set(COLLECT_CONFIGS)
+
+
+@pytest.mark.parametrize("name", COLLECT_CONFIGS)
 def test_shipped_configs_load(name):
-    cfg = load_config(CollectConfig, f"configs/{name}.yaml")
+    cfg = load_config(CollectConfig, CONFIGS / f"{name}.yaml")
     assert cfg.baseline and cfg.drafts and {s.domain for s in cfg.sources} == {"code", "chat", "math"}
-    with open(f"configs/{name}.yaml") as f:
+    with open(CONFIGS / f"{name}.yaml") as f:
         assert f.readline().startswith(f"# collect-router-data --config configs/{name}.yaml")
 
 
 def test_the_fresh_test_set_shares_no_prompt_with_the_rows_it_tests():
-    train = load_config(CollectConfig, "configs/router_collect_math_spec.yaml")
-    test = load_config(CollectConfig, "configs/router_collect_math_spec_test.yaml")
+    train = load_config(CollectConfig, CONFIGS / "router_collect_math_spec.yaml")
+    test = load_config(CollectConfig, CONFIGS / "router_collect_math_spec_test.yaml")
     assert (test.target, test.drafts, test.decode, test.engine) == (train.target, train.drafts, train.decode, train.engine)
 
     def rows(cfg, domain):
@@ -36,7 +44,7 @@ def test_the_fresh_test_set_shares_no_prompt_with_the_rows_it_tests():
 
 
 def test_shipped_router_train_config_loads():
-    assert load_config(RouterTrainConfig, "configs/router_train.yaml").objective == "acceptance"
+    assert load_config(RouterTrainConfig, CONFIGS / "router_train.yaml").objective == "acceptance"
 
 
 @pytest.mark.parametrize(
