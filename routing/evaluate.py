@@ -107,7 +107,7 @@ def evaluate(
     }
     results = {name: score(w, test_values, domains) for name, w in weights.items()}
     oracle = results["oracle"][key]
-    single_per_prompt = (weights[f"best single ({single})"] * test_values[key]).sum(1)  # [N]
+    single_per_prompt = test_values[key][:, opts.index(single)]  # [N]
     for name, r in results.items():
         r["regret"] = oracle - r[key]
         r["fraction_of_oracle"] = r[key] / oracle if oracle else float("nan")
