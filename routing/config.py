@@ -127,6 +127,11 @@ class SplitConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be in (0, 0.9)")
 
 
+def check_shrink(value: float, name: str) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name}={value} must be in [0, 1] (0: raw measurements, 1: each domain's mean)")
+
+
 @dataclass
 class MLPConfig:
     hidden: int = 128
@@ -170,6 +175,8 @@ class SelectConfig:
     )
     logreg_c: list[float] = field(default_factory=lambda: [0.01, 0.1, 1.0, 10.0], metadata=doc("candidate C of logistic regression"))
     knn_k: list[int] = field(default_factory=lambda: [3, 5, 10], metadata=doc("candidate k of the k-nearest-neighbour baseline"))
+    shrink: list[float] = field(default_factory=list, metadata=doc(
+        "candidate `shrink` values, tried with every candidate of each family; [] : `shrink` as given"))
 
     def __post_init__(self) -> None:
         if self.folds == 1 or self.folds < 0:
@@ -187,6 +194,8 @@ class SelectConfig:
             raise ValueError(f"logreg_c={self.logreg_c} must list positive values")
         if not self.knn_k or min(self.knn_k) < 1:
             raise ValueError(f"knn_k={self.knn_k} must list values >= 1")
+        for v in self.shrink:
+            check_shrink(v, "select.shrink")
 
 
 @dataclass
@@ -200,6 +209,11 @@ class RouterTrainConfig:
         default="acceptance", metadata=doc("choose by predicted acceptance, or by predicted speedup (may choose none)")
     )
     k_buckets: list[int] | None = field(default=None, metadata=doc("K values to suggest from; null: 1..8"))
+    shrink: float = field(default=0.75, metadata=doc(
+        "how far each training prompt's measured acceptance (and objective) is pulled toward its "
+        "domain's mean over the training prompts before the MLP and the baselines learn from it: "
+        "a 32-token measurement is noisy, the domain's mean much less (empirical-Bayes shrinkage; "
+        "the features still have to recognise the domain). 0: the raw measurements, 1: domain means"))
     calibrate_costs: bool = field(default=True, metadata=doc(
         "fit each draft's per-call cost to the measured speedups of the training prompts (needs the "
         "target alone collected); false keeps the bare verify-step cost"))
@@ -213,3 +227,4 @@ class RouterTrainConfig:
     def __post_init__(self) -> None:
         if not self.data:
             raise ValueError("data must list at least one collected .jsonl file")
+        check_shrink(self.shrink, "shrink")

@@ -165,7 +165,9 @@ def markdown(report: dict) -> str:
         f"# Router evaluation ({report['n_test']} held-out prompts{source}, {report['n_train']} training)",
         "",
         f"Objective: **{report['objective']}** (scored by `{report['objective_metric']}`); "
-        f"held-out prompts per domain: {report['test_domains']}.",
+        f"held-out prompts per domain: {report['test_domains']}."
+        + (" Labels shrunk toward their domain's mean by " + ", ".join(f"{k} {v:g}" for k, v in report["shrink"].items()) + "."
+           if report.get("shrink") else ""),
         "",
         "| policy | " + " | ".join(metrics) + " | regret | % of oracle | vs best single (± paired SE) |",
         "|---|" + "---:|" * (len(metrics) + 3),

@@ -1,7 +1,8 @@
 """train-router: features of the collected prompts -> an MLP predicting each draft's acceptance,
 scored on held-out prompts against the oracle, the best single draft, random choice and
 scikit-learn baselines (logistic regression classifying the best draft, k-nearest neighbours
-regressing acceptance) trained on the same features and split. The held-out prompts are a split of
+regressing acceptance) trained on the same features, split and labels (each training prompt's
+measurement shrunk toward its domain's mean, ``shrink``). The held-out prompts are a split of
 ``data``, or with ``test_data`` other prompts collected apart. With ``select.folds`` each
 family's settings are first chosen by cross-validation on the training prompts (``routing.select``).
 """
@@ -13,6 +14,7 @@ import copy
 import dataclasses
 import math
 from pathlib import Path
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +32,27 @@ def normalisation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-feature mean and std [F] of training features [N, F]; constant features get std 1."""
     mean, std = x.mean(0), x.std(0, unbiased=False)
     return mean, torch.where(std > 1e-6, std, torch.ones_like(std))
+
+
+def domain_means(values: torch.Tensor, domains: Sequence[str]) -> dict[str, torch.Tensor]:
+    """Each domain's mean row [O] of values [N, O] (row i belongs to domains[i])."""
+    return {d: values[[i for i, x in enumerate(domains) if x == d]].mean(0) for d in sorted(set(domains))}
+
+
+def shrink_to_domain(
+    values: torch.Tensor, domains: Sequence[str], shrink: float, means: dict[str, torch.Tensor] | None = None
+) -> torch.Tensor:
+    """values [N, O] pulled toward their domain's mean row: (1 - shrink) * value + shrink * mean.
+    ``means`` defaults to the rows' own domain means; pass the training rows' to shrink other rows
+    (a row whose domain has no mean stays as measured). Why: one prompt's 32-token acceptance is a
+    noisy label; its domain's mean is a far steadier one, and shrinking toward it (empirical Bayes)
+    keeps a learner from chasing noise that no feature of the prompt predicts."""
+    means = domain_means(values, domains) if means is None else means
+    out = values.clone()
+    for i, d in enumerate(domains):
+        if d in means:
+            out[i] = (1 - shrink) * values[i] + shrink * means[d]
+    return out
 
 
 @contextlib.contextmanager
@@ -77,7 +100,8 @@ def fit_mlp(
 class Policies:
     """The router MLP and the scikit-learn baselines as ``choose(params, fit_idx, eval_idx)``
     functions over one table's normalised features ``x`` [P, F]: fit on ``fit_idx``, return one
-    option per ``eval_idx`` prompt by the router's rule (``routing.select``)."""
+    option per ``eval_idx`` prompt by the router's rule (``routing.select``). All three learn from
+    labels shrunk toward their domain's mean by ``params["shrink"]`` (default ``cfg.shrink``)."""
 
     def __init__(self, cfg: RouterTrainConfig, router: Router, table: Table, x: torch.Tensor) -> None:
         self.cfg, self.router, self.table, self.x = cfg, router, table, x
@@ -89,9 +113,19 @@ class Policies:
         """Measured objective [len(idx), O] of every option."""
         return metric_values(self.table, idx, self.router)[self.key]
 
+    def labels(self, values: torch.Tensor, fit: list[int], shrink: float) -> torch.Tensor:
+        """values [len(fit), O] of the fit prompts, shrunk toward their domain's mean."""
+        return shrink_to_domain(values, [self.table.domains[i] for i in fit], shrink)
+
+    def split(self, params: dict) -> tuple[dict, float]:
+        """A family's own settings, and the shrink to learn with."""
+        rest = {k: v for k, v in params.items() if k != "shrink"}
+        return rest, float(params.get("shrink", self.cfg.shrink))
+
     def mlp(self, params: dict, fit: list[int], held: list[int]) -> list[str]:
+        params, shrink = self.split(params)
         m = self.cfg.mlp.with_settings(params)
-        state, _ = fit_mlp(m, self.x[fit], self.y[fit], self.x[:0], self.y[:0], progress=False)
+        state, _ = fit_mlp(m, self.x[fit], self.labels(self.y[fit], fit, shrink), self.x[:0], self.y[:0], progress=False)
         net = RouterMLP(self.x.shape[1], self.y.shape[1], hidden=m.hidden, layers=m.layers, dropout=m.dropout)
         net.load_state_dict(state)
         with torch.no_grad():
@@ -100,7 +134,8 @@ class Policies:
     def logreg(self, params: dict, fit: list[int], held: list[int]) -> list[str]:
         from sklearn.linear_model import LogisticRegression
 
-        labels = self.values(fit).argmax(1).tolist()  # best option per fit prompt
+        params, shrink = self.split(params)
+        labels = self.labels(self.values(fit), fit, shrink).argmax(1).tolist()  # best option per fit prompt
         if len(set(labels)) == 1:  # one class: LogisticRegression refuses to fit, and the answer is obvious
             return [self.opts[labels[0]]] * len(held)
         clf = LogisticRegression(C=params["C"], max_iter=5000).fit(self.x[fit].numpy(), labels)
@@ -109,7 +144,9 @@ class Policies:
     def knn(self, params: dict, fit: list[int], held: list[int]) -> list[str]:
         from sklearn.neighbors import KNeighborsRegressor
 
-        knn = KNeighborsRegressor(n_neighbors=min(int(params["k"]), len(fit))).fit(self.x[fit].numpy(), self.y[fit].numpy())
+        params, shrink = self.split(params)
+        y = self.labels(self.y[fit], fit, shrink)  # [len(fit), D]
+        knn = KNeighborsRegressor(n_neighbors=min(int(params["k"]), len(fit))).fit(self.x[fit].numpy(), y.numpy())
         pred = torch.tensor(knn.predict(self.x[held].numpy()), dtype=torch.float32).reshape(len(held), -1)  # [N, D]
         return [c.draft for c in self.router.decide(pred)]
 
@@ -118,10 +155,11 @@ def select_settings(cfg: RouterTrainConfig, policies: Policies, table: Table, fi
     """Cross-validate each family's candidate settings on ``fit_idx`` (``routing.select``):
     {"mlp" | "logreg" | "knn": {"chosen": params, "candidates": [{"params", "score"}]}}."""
     fold_idx = folds(table.domains, table.prompt_ids, fit_idx, cfg.select.folds, cfg.select.seed)
+    shrink = {"shrink": cfg.select.shrink} if cfg.select.shrink else {}
     families = {
-        "mlp": (grid(cfg.select.mlp), policies.mlp),
-        "logreg": (grid({"C": cfg.select.logreg_c}), policies.logreg),
-        "knn": (grid({"k": cfg.select.knn_k}), policies.knn),
+        "mlp": (grid({**cfg.select.mlp, **shrink}), policies.mlp),
+        "logreg": (grid({"C": cfg.select.logreg_c, **shrink}), policies.logreg),
+        "knn": (grid({"k": cfg.select.knn_k, **shrink}), policies.knn),
     }
     out = {}
     with one_thread():
@@ -188,29 +226,37 @@ def train(cfg: RouterTrainConfig) -> dict:
     # baselines use it before the MLP is fit.
     policies = Policies(cfg, make_router(cfg.mlp, None), table, x)
     selection = select_settings(cfg, policies, table, fit_idx) if cv else None
-    mlp_cfg = cfg.mlp.with_settings(selection["mlp"]["chosen"]) if cv else cfg.mlp
-    logreg_c = selection["logreg"]["chosen"]["C"] if cv else cfg.baselines.logreg_c
-    knn_k = int(selection["knn"]["chosen"]["k"]) if cv else cfg.baselines.knn_k
+    mlp_params, shrink = policies.split(selection["mlp"]["chosen"] if cv else {})
+    mlp_cfg = cfg.mlp.with_settings(mlp_params)
+    logreg = selection["logreg"]["chosen"] if cv else {"C": cfg.baselines.logreg_c}
+    knn = selection["knn"]["chosen"] if cv else {"k": cfg.baselines.knn_k}
     if cv:
         print("train-router: chosen by cross-validation: MLP " + ", ".join(f"{k}={v}" for k, v in selection["mlp"]["chosen"].items())
-              + f"; logistic regression C={logreg_c}; kNN k={knn_k}")  # fmt: skip
+              + f"; logistic regression {logreg}; kNN {knn}")  # fmt: skip
     val = [] if cv else val_idx
+    # The val prompts (epoch pick) are shrunk toward the training prompts' domain means.
+    fit_domains = [table.domains[i] for i in fit_idx]
+    means = domain_means(policies.y[fit_idx], fit_domains)
+    y_fit = shrink_to_domain(policies.y[fit_idx], fit_domains, shrink)  # [len(fit), D]
+    y_val = shrink_to_domain(policies.y[val], [table.domains[i] for i in val], shrink, means)  # [len(val), D]
     with one_thread():
-        state, history = fit_mlp(mlp_cfg, x[fit_idx], policies.y[fit_idx], x[val], policies.y[val])
+        state, history = fit_mlp(mlp_cfg, x[fit_idx], y_fit, x[val], y_val)
     router = make_router(mlp_cfg, state)
+    router.info["shrink"] = shrink
     if cv:
         router.info["selection"] = selection
 
     choices = {"router (MLP)": [c.draft for c in router.decide(router.predict_from_features(raw[test_idx]))]}
-    choices["logistic regression"] = policies.logreg({"C": logreg_c}, fit_idx, test_idx)
-    choices[f"knn (k={min(knn_k, len(fit_idx))})"] = policies.knn({"k": knn_k}, fit_idx, test_idx)
+    choices["logistic regression"] = policies.logreg(logreg, fit_idx, test_idx)
+    choices[f"knn (k={min(int(knn['k']), len(fit_idx))})"] = policies.knn(knn, fit_idx, test_idx)
     # The objective's rule fed the measured acceptance instead of a prediction: what a perfect
     # acceptance predictor would get, so the report separates prediction error from cost-model error.
     choices["hindsight acceptance"] = [c.draft for c in router.decide(table.acceptance[test_idx])]
 
     report = evaluate(table, fit_idx, test_idx, router, choices)
     report["mlp"] = {"best_epoch": history["best_epoch"], "final_train_loss": history["train_loss"][-1],
-                     "best_val_loss": min(history["val_loss"]), "settings": dataclasses.asdict(mlp_cfg)}  # fmt: skip
+                     "best_val_loss": min(history["val_loss"]), "settings": dataclasses.asdict(mlp_cfg), "shrink": shrink}  # fmt: skip
+    report["shrink"] = {"mlp": shrink, "logistic regression": policies.split(logreg)[1], "knn": policies.split(knn)[1]}
     if selection is not None:
         report["selection"] = selection
     report["test_prompt_ids"] = [table.prompt_ids[i] for i in test_idx]

@@ -65,6 +65,8 @@ def test_shipped_router_train_config_loads():
         (RouterTrainConfig, ["select.mlp={hiden: [32]}"], r"unknown settings \['hiden'\]; choose from"),
         (RouterTrainConfig, ["select.mlp={dropout: [1.5]}"], "dropout=1.5 must be in"),
         (RouterTrainConfig, ["select.knn_k=[0, 5]"], "knn_k="),
+        (RouterTrainConfig, ["shrink=1.5"], r"shrink=1.5 must be in \[0, 1\]"),
+        (RouterTrainConfig, ["select.shrink=[0.5, -0.1]"], r"select.shrink=-0.1 must be in \[0, 1\]"),
     ],
 )
 def test_bad_config_values_name_the_key(cls, overrides, message):

@@ -115,20 +115,40 @@ def test_collect_train_choose_beats_best_single_draft(setup, collected, tmp_path
     # Settings chosen by cross-validation on the training prompts: the chosen candidate is the
     # best-scoring one, the val prompts join training, and the router still routes by domain.
     out3 = tmp_path / "router-cv"
-    grid_args = ["select.folds=3", "select.mlp={hidden: [16, 32], epochs: [30, 150]}", "select.logreg_c=[0.1, 1.0]", "select.knn_k=[3]"]
+    grid_args = ["select.folds=3", "select.mlp={hidden: [16, 32], epochs: [30, 150]}", "select.logreg_c=[0.1, 1.0]", "select.knn_k=[3]",
+                 "select.shrink=[0.0, 0.75]"]  # fmt: skip
     assert train_main([f"data=[{rows_path}]", f"output={out3}", "split.test_fraction=0.34", *grid_args]) == 0
     report3 = json.loads((out3 / "eval.json").read_text())
     sel = report3["selection"]
     for family in ("mlp", "logreg", "knn"):
         best = max(sel[family]["candidates"], key=lambda c: c["score"])
         assert sel[family]["chosen"] == best["params"]
-    assert len(sel["mlp"]["candidates"]) == 4
+    assert len(sel["mlp"]["candidates"]) == 8 and len(sel["knn"]["candidates"]) == 2
+    assert report3["shrink"] == {"mlp": sel["mlp"]["chosen"]["shrink"], "logistic regression": sel["logreg"]["chosen"]["shrink"],
+                                 "knn": sel["knn"]["chosen"]["shrink"]}  # fmt: skip
     assert report3["mlp"]["settings"]["hidden"] == sel["mlp"]["chosen"]["hidden"]
     assert report3["n_train"] == report["n_train"] + 2  # 24 prompts: 16 train + 8 test; val (2) joins
     assert "knn (k=3)" in report3["policies"] and "cross-validation" in (out3 / "eval.md").read_text()
     pol3 = report3["policies"]
     assert pol3["router (MLP)"]["acceptance"] > pol3[f"best single ({report3['best_single']})"]["acceptance"] + 0.1
     assert Router.load(out3 / "router.pt").info["selection"]["mlp"]["chosen"] == sel["mlp"]["chosen"]
+    assert Router.load(out3 / "router.pt").info["shrink"] == sel["mlp"]["chosen"]["shrink"]
+
+
+def test_shrunk_labels_flatten_the_mlps_predictions_within_a_domain(collected, tmp_path):
+    """shrink=1 trains on each domain's mean: the router's predictions vary far less within a
+    domain than when it learns every prompt's own measurement (shrink=0)."""
+    rows = read_rows(collected)
+    texts = {d: sorted({r["text"] for r in rows if r["domain"] == d}) for d in ("code", "math")}
+    spread = {}
+    for shrink in (0.0, 1.0):
+        out = tmp_path / f"shrink{shrink}"
+        assert train_main([f"data=[{collected}]", f"output={out}", f"shrink={shrink}", "mlp.epochs=150"]) == 0
+        router = Router.load(out / "router.pt")
+        assert router.info["shrink"] == shrink
+        assert json.loads((out / "eval.json").read_text())["shrink"]["knn"] == shrink
+        spread[shrink] = sum(float(router.predict_acceptance(t).std(0).mean()) for t in texts.values())
+    assert spread[1.0] < 0.5 * spread[0.0]
 
 
 def test_a_test_set_collected_apart_is_scored_unseen(collected, tmp_path, capsys):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from routing.select import cross_validate, folds, grid
+from routing.train import domain_means, shrink_to_domain
 
 
 def test_grid_is_every_combination_in_order():
@@ -55,3 +56,17 @@ def test_cross_validate_scores_held_out_choices_and_picks_the_best():
     # Ties keep the earlier candidate.
     best, _ = cross_validate([{"rule": "b"}, {"rule": "a"}], choose, fold_idx, lambda idx: values[idx], opts)
     assert best == {"rule": "b"}
+
+
+def test_shrink_pulls_each_row_toward_its_own_domains_mean():
+    v = torch.tensor([[0.9, 0.1], [0.5, 0.3], [0.2, 0.8], [0.4, 0.6]])  # [N, O]
+    doms = ["code", "code", "math", "math"]
+    means = domain_means(v, doms)
+    assert torch.allclose(means["code"], torch.tensor([0.7, 0.2])) and torch.allclose(means["math"], torch.tensor([0.3, 0.7]))
+    assert torch.equal(shrink_to_domain(v, doms, 0.0), v)
+    assert torch.allclose(shrink_to_domain(v, doms, 1.0), torch.stack([means[d] for d in doms]))
+    half = shrink_to_domain(v, doms, 0.5)
+    assert torch.allclose(half[0], torch.tensor([0.8, 0.15])) and torch.allclose(half[3], torch.tensor([0.35, 0.65]))
+    # Other rows shrink toward given (training) means; a domain without one stays as measured.
+    other = shrink_to_domain(torch.tensor([[0.1, 0.1], [0.5, 0.5]]), ["math", "chat"], 0.5, means)
+    assert torch.allclose(other, torch.tensor([[0.2, 0.4], [0.5, 0.5]]))
