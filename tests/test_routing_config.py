@@ -20,7 +20,7 @@ COLLECT_CONFIGS = sorted(p.stem for p in CONFIGS.glob("router_collect*.yaml"))
 
 
 def test_the_collect_configs_are_found():
-    assert {"router_collect", "router_collect_math_spec", "router_collect_math_spec_test"} <= set(COLLECT_CONFIGS)
+    assert {"router_collect", "router_collect_math_spec", "router_collect_math_spec_test", "router_collect_math_spec_fresh"} <= set(COLLECT_CONFIGS)
 
 
 @pytest.mark.parametrize("name", COLLECT_CONFIGS)
@@ -31,16 +31,25 @@ def test_shipped_configs_load(name):
         assert f.readline().startswith(f"# collect-router-data --config configs/{name}.yaml")
 
 
-def test_the_fresh_test_set_shares_no_prompt_with_the_rows_it_tests():
-    train = load_config(CollectConfig, CONFIGS / "router_collect_math_spec.yaml")
-    test = load_config(CollectConfig, CONFIGS / "router_collect_math_spec_test.yaml")
-    assert (test.target, test.drafts, test.decode, test.engine) == (train.target, train.drafts, train.decode, train.engine)
+@pytest.mark.parametrize(
+    "test_name, train_names",
+    [
+        ("router_collect_math_spec_test", ["router_collect_math_spec"]),
+        ("router_collect_math_spec_fresh", ["router_collect_math_spec", "router_collect_math_spec_test"]),
+    ],
+)
+def test_the_fresh_test_sets_share_no_prompt_with_the_rows_they_test(test_name, train_names):
+    test = load_config(CollectConfig, CONFIGS / f"{test_name}.yaml")
 
     def rows(cfg, domain):
         return {r for s in cfg.sources if s.domain == domain for r in range(s.offset, s.offset + s.n)}
 
-    for domain in ("code", "chat", "math"):
-        assert rows(test, domain) and not rows(test, domain) & rows(train, domain)
+    for name in train_names:
+        train = load_config(CollectConfig, CONFIGS / f"{name}.yaml")
+        assert (test.target, test.drafts, test.decode, test.engine) == (train.target, train.drafts, train.decode, train.engine)
+        for domain in ("code", "chat", "math"):
+            assert rows(test, domain) and not rows(test, domain) & rows(train, domain)
+    assert max(rows(test, "code")) < 164  # HumanEval has 164 problems: more rows would silently be fewer prompts
 
 
 def test_shipped_router_train_config_loads():
