@@ -237,7 +237,7 @@ def train(cfg: RouterTrainConfig) -> dict:
     # The val prompts (epoch pick) are shrunk toward the training prompts' domain means.
     fit_domains = [table.domains[i] for i in fit_idx]
     means = domain_means(policies.y[fit_idx], fit_domains)
-    y_fit = shrink_to_domain(policies.y[fit_idx], fit_domains, shrink)  # [len(fit), D]
+    y_fit = shrink_to_domain(policies.y[fit_idx], fit_domains, shrink, means)  # [len(fit), D]
     y_val = shrink_to_domain(policies.y[val], [table.domains[i] for i in val], shrink, means)  # [len(val), D]
     with one_thread():
         state, history = fit_mlp(mlp_cfg, x[fit_idx], y_fit, x[val], y_val)
@@ -255,7 +255,7 @@ def train(cfg: RouterTrainConfig) -> dict:
 
     report = evaluate(table, fit_idx, test_idx, router, choices)
     report["mlp"] = {"best_epoch": history["best_epoch"], "final_train_loss": history["train_loss"][-1],
-                     "best_val_loss": min(history["val_loss"]), "settings": dataclasses.asdict(mlp_cfg), "shrink": shrink}  # fmt: skip
+                     "best_val_loss": min(history["val_loss"]), "settings": dataclasses.asdict(mlp_cfg)}  # fmt: skip
     report["shrink"] = {"mlp": shrink, "logistic regression": policies.split(logreg)[1], "knn": policies.split(knn)[1]}
     if selection is not None:
         report["selection"] = selection
