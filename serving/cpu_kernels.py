@@ -10,7 +10,7 @@ Measured on the project's 2-core dev VM (Intel Xeon, Sapphire-Rapids class: AVX-
 the facts file's 2.8x numbers came from an AMD AVX2 box), torch 2.13.0+cpu (MKL 2024.2,
 oneDNN 3.12), 2 threads, fp32, medians of 9-11 A/B-interleaved reps. A neighbour shared the
 machine, so absolute ms drift +-20% between runs; the ratios held. Rerun with
-`python scripts/bench_verify_cost.py` (model) or `... --linear 8960x1536 --candidates`.
+`python scripts/experiments/bench_verify_cost.py` (model) or `... --linear 8960x1536 --candidates`.
 
 Whole model, one forward after a 128-token prefill (DynamicCache), ms (ratio to eager 1 tok):
 
@@ -60,7 +60,7 @@ One Linear(1536, 8960), ms per call, weights rotated so they do not sit in L3:
 Drafts may round (the target's fp32 verification decides the output), so `weights="int8"`
 stores a draft as W8A8 int8 (`Int8Linear`): per-row int8 weights, each input row quantized on
 its own, AVX-512 VNNI integer dot products (exact, so still batch-invariant). Measured on a slower day
-with a throwaway timing loop (weights rotated as above; `scripts/bench_verify_cost.py` does not
+with a throwaway timing loop (weights rotated as above; `scripts/experiments/bench_verify_cost.py` does not
 yet cover int8), `prepare_for_cpu` fp32 vs int8, 2 threads, ms per call:
 
     Linear (out x in), M rows       1 row          5 rows

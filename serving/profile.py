@@ -437,7 +437,7 @@ def from_load_test(result: str | Path | dict, base: Profile | None = None, k: in
     * ``network``: ``{name: {latency_ms, bandwidth_mbps}}`` measured between client and server.
 
     The measured outcome (``throughput_tokens_per_s``, ``ttft_ms``/``itl_ms``/``e2e_ms``
-    percentiles) is what ``scripts/calibrate_simulator.py`` compares the simulator with; it is not
+    percentiles) is what ``scripts/experiments/calibrate_simulator.py`` compares the simulator with; it is not
     part of the profile."""
     data = json.loads(Path(result).read_text()) if not isinstance(result, dict) else result
     server = data.get("server") or {}

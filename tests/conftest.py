@@ -3,10 +3,6 @@ trained in milliseconds, saved as ordinary Hugging Face folders so every loader 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -24,16 +20,6 @@ CORPUS = [
     "import os\nfor name in os.listdir('.'):\n    print(name)\n",
 ] * 20
 VOCAB = 384
-
-
-def load_script(name: str):
-    """scripts/<name>.py imported as module ``name`` (scripts/ is not a package). Registered in
-    sys.modules first, because dataclasses look their module up while a class is built."""
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def make_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:

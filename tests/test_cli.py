@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from serving import bench, cli_generate
-from tests.conftest import load_script
 
 
 def test_spec_generate_json_matches_target_greedy(model_dirs, tiny_target, tokenizer, capsys):
@@ -72,8 +71,9 @@ def test_spec_bench_gives_hf_its_own_dynamic_int8_draft(model_dirs, tmp_path):
         bench.main([*args, "--hf-kernels", "choral"])
 
 
-def test_tune_draft_stop_script_compares_stops_losslessly(model_dirs, tmp_path):
-    tune = load_script("tune_draft_stop")
+def test_tune_draft_stop_compares_stops_losslessly(model_dirs, tmp_path):
+    from serving import stop_tuning as tune
+
     out = tmp_path / "tune"
     args = ["--target", str(model_dirs["target"]), "--draft", str(model_dirs["draft"]), "--prompts-per-domain", "1",
             "--max-new-tokens", "8", "--k", "3", "--settings", "token:0.4", "cumulative:0.4", "--out", str(out)]  # fmt: skip
@@ -87,7 +87,8 @@ def test_tune_draft_stop_script_compares_stops_losslessly(model_dirs, tmp_path):
 
 
 def test_agreement_probe_scores_the_target_as_a_perfect_draft(model_dirs, tmp_path):
-    probe = load_script("agreement_probe")
+    from training import agreement as probe
+
     out = tmp_path / "probe"
     args = ["--target", str(model_dirs["target"]), "--first", "3", "--prompts", "2", "--new-tokens", "6", "--out", str(out),
             str(model_dirs["target"]), str(model_dirs["draft"])]  # fmt: skip
@@ -104,9 +105,9 @@ def test_agreement_probe_scores_the_target_as_a_perfect_draft(model_dirs, tmp_pa
 def test_compare_drafts_measures_a_layer_cut_student_untrained_as_the_cut(model_dirs, tmp_path, monkeypatch):
     import training.evaluate
     from serving.models import load_model
+    from training import compare_runs as compare
     from training.students import derive_student
 
-    compare = load_script("compare_drafts")
     run = tmp_path / "run"
     derive_student(load_model(model_dirs["draft"]), [0]).save_pretrained(run / "final")  # trained as is: 0 steps
     config = {"model": {"target": str(model_dirs["target"]), "student": str(model_dirs["draft"]), "student_layers": [0]},

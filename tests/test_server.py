@@ -23,7 +23,6 @@ from serving.config import load_config
 from serving.engine import EngineConfig, Request, SpeculativeEngine
 from serving.serve_config import ServeConfig
 from serving.server import create_app, load_backend
-from tests.conftest import load_script
 
 MAX_LEN = 128
 CHAT = [{"role": "user", "content": "What is 12 + 30?"}]
@@ -263,7 +262,8 @@ def test_metrics_parse_as_prometheus_text(live):
 
 
 def test_load_test_script_has_no_lost_or_malformed_responses(live, tmp_path):
-    load_test = load_script("load_test")
+    from serving import load_test
+
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"text": "def add(a, b):", "domain": "code"}\n{"text": "What is 12 + 30?"}\n'
                        '{"text": "The quick brown fox", "use_chat_template": false}\n')  # fmt: skip

@@ -1,6 +1,6 @@
 """Batch of B ragged prompts vs each prompt alone: are the greedy speculative outputs identical?
 
-    python scripts/batch_equivalence.py --batch 4 --max-new-tokens 64 --out runs/batch_equivalence.json
+    python scripts/experiments/batch_equivalence.py --batch 4 --max-new-tokens 64 --out runs/batch_equivalence.json
 
 Rows of a batch accept different numbers of tokens and finish on their own; the static-shape
 engine must give each row exactly what it gives that prompt alone. A difference is reported with

@@ -2,8 +2,8 @@
 (static KV cache, one forward per input width), eager and compiled with inductor (the engine's
 ``compile_backend`` on CUDA), and the speedup they predict at a given acceptance rate.
 
-    python scripts/bench_gpu_steps.py                       # the bundled pair, bf16, on cuda
-    python scripts/bench_gpu_steps.py --target .gpu/target --draft .gpu/draft --random-init
+    python scripts/experiments/bench_gpu_steps.py                       # the bundled pair, bf16, on cuda
+    python scripts/experiments/bench_gpu_steps.py --target .gpu/target --draft .gpu/draft --random-init
 
 ``--random-init`` builds each model from its ``config.json`` with random weights: the per-step
 cost of a model does not depend on its weights, so a GPU machine that cannot hold the bundled
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from serving.devices import resolve_device, resolve_dtype, synchronize  # noqa: E402
 from serving.models import load_model, resolve_model_ref  # noqa: E402

@@ -1,11 +1,11 @@
 """Teacher-forced greedy agreement of code drafts with the target: a fast proxy for acceptance.
 
-    python scripts/agreement_probe.py qwen2.5-coder-0.5b-instruct runs/draft-code-head/final \
+    python scripts/experiments/agreement_probe.py qwen2.5-coder-0.5b-instruct runs/draft-code-head/final \
         --draft-vocab-from runs/draft-code-head/final --out runs/agreement-probe
 
 The target's greedy continuations (48 tokens) of the HumanEval prompts ``--first`` .. ``--first +
 --prompts - 1`` (default 32..95: past the first 32, which train-draft's evaluation and
-scripts/compare_drafts.py measure with the engine) are generated once and cached in ``--out``.
+scripts/experiments/compare_drafts.py measure with the engine) are generated once and cached in ``--out``.
 Each draft is then scored with one forward pass per prompt: the share of continuation tokens
 where its argmax (over its draft vocabulary, when it has one) is the target's token, and the share
 of those tokens its vocabulary holds at all. Greedy acceptance in speculative decoding is this

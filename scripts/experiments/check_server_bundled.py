@@ -3,7 +3,7 @@ greedy outputs compared with each other, with the target alone (forced draft "no
 `spec-generate` on the bundled pair.
 
     serve --router runs/main/router/router.pt --port 8311 &
-    python scripts/check_server_bundled.py --url http://127.0.0.1:8311
+    python scripts/experiments/check_server_bundled.py --url http://127.0.0.1:8311
 """
 import argparse
 import json

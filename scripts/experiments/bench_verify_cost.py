@@ -6,8 +6,8 @@ same process (the prepared modules keep the original weight, so they switch back
 F.linear for the A side). Also checks batch invariance: are the logits of one N-token step
 bitwise equal to those of N one-token steps?
 
-    python scripts/bench_verify_cost.py --model qwen2.5-coder-1.5b-instruct
-    python scripts/bench_verify_cost.py --linear 8960x1536          # one Linear(1536, 8960)
+    python scripts/experiments/bench_verify_cost.py --model qwen2.5-coder-1.5b-instruct
+    python scripts/experiments/bench_verify_cost.py --linear 8960x1536          # one Linear(1536, 8960)
 
 Prints a markdown table and writes JSON (default runs/verify_cost.json).
 """
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from serving.cpu_kernels import KERNELS, InvariantLinear, prepare_for_cpu, set_enabled  # noqa: E402
 

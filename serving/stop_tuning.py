@@ -1,6 +1,6 @@
 """Compare drafting-stop rules with Choral alone, on prompts that spec-bench does not use.
 
-    python scripts/tune_draft_stop.py --prompts-per-domain 4 --out runs/tune-draft-stop
+    python scripts/experiments/tune_draft_stop.py --prompts-per-domain 4 --out runs/tune-draft-stop
 
 Each setting is an engine with the same target and draft (the recommended CPU setup: fp32 target,
 W8A8 int8 draft, K up to 8); every prompt runs through all of them, in alternating order, greedy.
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             "identical": identical[s], "prompts": len(prompts),
         })  # fmt: skip
     lines = [f"Choral alone, {len(prompts)} prompts (rows {args.offset}.. of each domain), {args.max_new_tokens} new tokens, "
-             f"K up to {args.k}, {args.draft_weights} draft. Command: `python scripts/tune_draft_stop.py "
+             f"K up to {args.k}, {args.draft_weights} draft. Command: `python scripts/experiments/tune_draft_stop.py "
              f"{' '.join(argv if argv is not None else sys.argv[1:])}`", "",
              "| stop | confidence | tok/s | drafted / call | acceptance | tokens / call | draft step ms | verify ms | tok/s from step costs | identical |",
              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip

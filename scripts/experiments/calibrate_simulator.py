@@ -1,7 +1,7 @@
 """Calibrate `simulate` against a real loopback load run of `serve` (fused and distributed).
 
-    python scripts/calibrate_simulator.py --out runs/calibrate            # both architectures
-    python scripts/calibrate_simulator.py --architectures fused --concurrency 4 --requests 48
+    python scripts/experiments/calibrate_simulator.py --out runs/calibrate            # both architectures
+    python scripts/experiments/calibrate_simulator.py --architectures fused --concurrency 4 --requests 48
 
 For each architecture: start the server on 127.0.0.1 with small random Qwen2 models (built here,
 never the bundled ones: a word-level tokenizer, so every streamed token is visible text, and a
@@ -36,9 +36,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 from serving.launch import free_port, stop, wait_healthy  # noqa: E402  (after the path above)
 

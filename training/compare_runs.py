@@ -1,13 +1,13 @@
 """Compare train-draft runs of the same student: untrained vs each run's final and best step.
 
-    python scripts/compare_drafts.py runs/draft-code-distill runs/draft-code-finetune --out runs/drafts-compare
+    python scripts/experiments/compare_drafts.py runs/draft-code-distill runs/draft-code-finetune --out runs/drafts-compare
 
 Reads each run's ``metrics.json`` (nothing is re-measured: every number comes from the engine's
 held-out evaluation inside ``train-draft``) and writes ``compare.md`` and ``compare.png``. The
 untrained row is each run's step-0 evaluation; runs of the same student on the same prompts give
 the same greedy acceptance there, which the table shows as a check.
 
-    python scripts/compare_drafts.py runs/draft-code-distill runs/draft-code-finetune --measure 40 --draft-weights fp32
+    python scripts/experiments/compare_drafts.py runs/draft-code-distill runs/draft-code-finetune --measure 40 --draft-weights fp32
 
 ``--measure N`` re-measures instead, all students in one process on the same N held-out prompts of
 the first run's domain: the untrained student (the first run's ``model.student``, cut to its
@@ -73,7 +73,7 @@ def measure_runs(args, out: Path) -> int:
         results.append({"student": label, "ref": ref} | r)
     lines = [f"Held-out greedy acceptance, {len(prompts)} {first['data']['domain']} evaluation prompts, "
              f"{args.max_new_tokens} new tokens, K={args.k}, draft weights {args.draft_weights}, one process. "
-             f"Command: `python scripts/compare_drafts.py {' '.join(args.runs)} --measure {args.measure} "
+             f"Command: `python scripts/experiments/compare_drafts.py {' '.join(args.runs)} --measure {args.measure} "
              f"--draft-weights {args.draft_weights} --max-new-tokens {args.max_new_tokens} --k {args.k} --out {args.out}`", "",
              "| student | checkpoint | held-out acceptance | tokens / target call | draft / target step |", "|---|---|---|---|---|"]
     for r in results:

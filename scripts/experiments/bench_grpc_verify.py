@@ -1,8 +1,8 @@
 """Cost of one verify round trip over gRPC on loopback, against the same verification run locally.
 
-    python scripts/bench_grpc_verify.py --out runs/bench_grpc_verify.json
-    python scripts/bench_grpc_verify.py --vocab 151936          # Qwen's vocabulary: q is 2.4 MB a row
-    python scripts/bench_grpc_verify.py --target-address 127.0.0.1:50051   # a `serve --role target`
+    python scripts/experiments/bench_grpc_verify.py --out runs/bench_grpc_verify.json
+    python scripts/experiments/bench_grpc_verify.py --vocab 151936          # Qwen's vocabulary: q is 2.4 MB a row
+    python scripts/experiments/bench_grpc_verify.py --target-address 127.0.0.1:50051   # a `serve --role target`
 
 For each (batch, greedy/sampled) the same requests run through the fused engine and through a
 draft node (RemoteSpeculativeEngine) talking to a VerifyServer in this process (separate thread,
