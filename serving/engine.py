@@ -364,16 +364,10 @@ class SpeculativeEngine:
     def warmup(self) -> None:
         """Run every compiled shape once (draft: 1 and 2 tokens; target: K+1 per bucket) so the
         compile cost is paid at load; with the on-disk compile cache later loads are quick."""
-        B, dev = self.config.max_batch_size, self.device
-        widths = self.config.verify_widths if self.draft else (1,)
-        for width in widths:
-            tokens = torch.zeros(B, width, dtype=torch.long, device=dev)
-            self.target.forward(tokens, torch.arange(width, device=dev).expand(B, width))
+        self.target.warmup(self.config.verify_widths if self.draft else (1,))
         if self.draft is not None:
-            for width in (1, 2):
-                tokens = torch.zeros(B, width, dtype=torch.long, device=dev)
-                self.draft.forward(tokens, torch.arange(width, device=dev).expand(B, width), last_only=True)
-        synchronize(dev)
+            self.draft.warmup((1, 2), last_only=True)  # draft_half's two forward shapes
+        synchronize(self.device)
 
     # ---- admission and retirement --------------------------------------------------------------
 

@@ -122,10 +122,7 @@ class RemoteSpeculativeEngine(SpeculativeEngine):
         """Only the draft runs here; the target warms itself up."""
         if self.draft is None:
             return
-        B, dev = self.config.max_batch_size, self.device
-        for width in (1, 2):
-            tokens = torch.zeros(B, width, dtype=torch.long, device=dev)
-            self.draft.forward(tokens, torch.arange(width, device=dev).expand(B, width), last_only=True)
+        self.draft.warmup((1, 2), last_only=True)
 
     def close(self) -> None:
         """Abort everything and close the channel."""

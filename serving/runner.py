@@ -74,6 +74,18 @@ class ModelRunner:
         return self._forward(tokens, positions, last_only)
 
     @torch.no_grad()
+    def warmup(self, widths, last_only: bool = False) -> None:
+        """Run ``forward`` once per input width so each compiled graph exists before the first
+        request. The inputs have the layout the step passes (contiguous [B, T] tokens and positions):
+        a compiled graph guards on strides too, so an ``expand``ed position tensor (stride 0)
+        would compile a graph the step never uses and leave the real one to compile mid-request."""
+        B, dev = self.batch_size, self.device
+        for width in widths:
+            tokens = torch.zeros(B, width, dtype=torch.long, device=dev)  # [B, T]
+            positions = torch.arange(width, device=dev).repeat(B, 1)  # [B, T] contiguous
+            self.forward(tokens, positions, last_only=last_only)
+
+    @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, slot: int, pad_to: int | None = None) -> torch.Tensor:
         """tokens: [1, L] one prompt. Fills batch row ``slot`` of the cache at positions 0..L-1 and
         returns the logits after the last prompt token, [1, 1, V]. Other rows are untouched, so a

@@ -101,8 +101,8 @@ def draft_half(
         pos = torch.stack([n - 2, n - 1], dim=1)  # [B, 2]
         logits = draft.forward(state.tokens.gather(1, pos), pos, last_only=True)  # [B, 1, V]
         for i in range(k):
-            if i > 0:
-                logits = draft.forward(drafted[-1].unsqueeze(1), (n - 1 + i).unsqueeze(1))  # [B, 1, V]
+            if i > 0:  # last_only as in the first call: one compiled signature per width, warmed up at load
+                logits = draft.forward(drafted[-1].unsqueeze(1), (n - 1 + i).unsqueeze(1), last_only=True)  # [B, 1, V]
             q_i = probs_from_logits(logits, sampling)[:, 0]  # [B, V]
             drafted.append(sample(q_i, rand.draft[:, i]))  # [B]
             q.append(q_i)

@@ -22,6 +22,13 @@ CORPUS = [
 VOCAB = 384
 
 
+def no_recompile():
+    """A context in which any torch.compile recompile raises, with dynamo's reason (the failed guard).
+    ``set_stance`` is the supported API; the older ``torch._dynamo.config.error_on_recompile`` is not
+    present in every torch build."""
+    return torch.compiler.set_stance("fail_on_recompile")
+
+
 def make_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

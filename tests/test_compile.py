@@ -1,20 +1,26 @@
 """The decode step is one static graph: the whole ``speculative_step`` (K draft forwards, the
 verification, accept/reject, commit) compiles with fullgraph=True, dynamic=False and runs steps that
-accept different numbers of tokens without a single recompile. Neuron's compiler needs exactly this."""
+accept different numbers of tokens without a single recompile. Neuron's compiler needs exactly this.
 
+The guard is ``torch.compiler.set_stance("fail_on_recompile")`` (``tests.conftest.no_recompile``):
+a recompile raises with dynamo's reason (which guard failed, on which tensor), on any CPU.
+Which drafting path a step takes must not depend on the machine's rounding either, so the engine
+tests force it (``draft_confidence`` 0 never stops early, 1 always does)."""
+
+import pytest
 import torch
 import torch._dynamo
 
 from serving.runner import ModelRunner
 from serving.sampling import SamplingParams, SamplingTensors
 from serving.speculative import DecodeState, StepRandom, speculative_step
-from tests.conftest import perturbed
+from tests.conftest import no_recompile, perturbed
 
 
 def compiled_steps(target_model, draft_model, backend: str, device="cpu") -> tuple[set[int], DecodeState]:
     """Eight decode steps of one ``speculative_step`` compiled with ``backend`` (fullgraph,
     dynamic=False) on a batch of three prompts; returns the accepted counts seen and the state.
-    The caller sets ``error_on_recompile``, so a recompile fails the test."""
+    Every step after the first runs under ``no_recompile``, so a recompile fails the test."""
     torch._dynamo.reset()
     B, S, K = 3, 64, 3
     target = ModelRunner(target_model, batch_size=B, max_len=S)
@@ -38,27 +44,54 @@ def compiled_steps(target_model, draft_model, backend: str, device="cpu") -> tup
     )
     step = torch.compile(speculative_step, backend=backend, fullgraph=True, dynamic=False)
     seen = set()
-    for _ in range(8):
+    for i in range(8):
         u = torch.rand(B, 2 * K + 1, generator=g).to(device)
-        n_acc, _, _ = step(target, draft, state, sampling, StepRandom(u[:, :K], u[:, K : 2 * K], u[:, 2 * K]), K)
+        rand = StepRandom(u[:, :K], u[:, K : 2 * K], u[:, 2 * K])
+        if i == 0:  # the one compile
+            n_acc, _, _ = step(target, draft, state, sampling, rand, K)
+        else:
+            with no_recompile():
+                n_acc, _, _ = step(target, draft, state, sampling, rand, K)
         seen.update(n_acc.tolist())
     return seen, state
 
 
-def test_decode_step_compiles_once_and_never_recompiles(tiny_target, monkeypatch):
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+def test_decode_step_compiles_once_and_never_recompiles(tiny_target):
     seen, state = compiled_steps(tiny_target, perturbed(tiny_target, 0.3, seed=4), "aot_eager")
     assert len(seen) >= 2, f"steps accepted only {seen}; the test needs different acceptance counts"
     assert int(state.lengths.min()) > 9
 
 
-def test_warmup_compiles_every_shape_the_engine_uses(tiny_target, tokenizer, monkeypatch):
+@pytest.mark.parametrize(
+    "k, draft_confidence",
+    [(3, None), (3, 0.0), (3, 1.0), ("auto", None)],
+    ids=["k3-full-blocks", "k3-confidence-never-stops", "k3-confidence-stops-at-once", "k-auto"],
+)
+def test_warmup_compiles_every_shape_the_engine_uses(tiny_target, tokenizer, k, draft_confidence):
+    """After load (which warms up), decoding ragged prompts with greedy and sampled rows compiles
+    nothing. Each drafting path is forced, so the shapes seen never depend on the CPU's rounding."""
     from serving.engine import EngineConfig, Request, SpeculativeEngine
+    from serving.sampling import SamplingParams
 
     torch._dynamo.reset()
     draft = perturbed(tiny_target, 0.3, seed=5)
-    config = EngineConfig(max_len=64, k=3, draft_confidence=0.5, compile_backend="aot_eager")
+    config = EngineConfig(max_batch_size=2, max_len=64, k=k, k_buckets=(1, 2, 3), draft_confidence=draft_confidence,
+                          compile_backend="aot_eager")  # fmt: skip
     engine = SpeculativeEngine(tiny_target, tokenizer, draft, config)  # warms up at load
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)  # nothing may compile now
-    [out] = engine.generate([Request([5, 6, 7, 8], max_new_tokens=16)])
-    assert len(out.token_ids) == 16
+    requests = [Request([5, 6, 7, 8], max_new_tokens=16), Request([9, 10], SamplingParams(temperature=0.8, seed=1),
+                                                                  max_new_tokens=12)]  # fmt: skip
+    with no_recompile():  # nothing may compile now
+        outs = engine.generate(requests)
+    assert all(o.token_ids for o in outs), "nothing was decoded, so nothing was checked"
+
+
+def test_a_shape_not_warmed_up_fails_with_the_recompiles_reason(tiny_target):
+    """The guard has teeth: a forward width that warm-up never compiled raises, and the message
+    names the guard that failed (the tensor and its size), so the cause is found from the log."""
+    torch._dynamo.reset()
+    runner = ModelRunner(tiny_target, batch_size=1, max_len=32)
+    runner.compile("aot_eager")
+    runner.forward(torch.zeros(1, 2, dtype=torch.long), torch.arange(2).unsqueeze(0))
+    with pytest.raises(RuntimeError, match=r"(?s)Detected recompile.*_eager_forward.*size mismatch at index 1\. expected 2, actual 3"):
+        with no_recompile():
+            runner.forward(torch.zeros(1, 3, dtype=torch.long), torch.arange(3).unsqueeze(0))
