@@ -1,81 +1,14 @@
 """Batch-invariant fp32 kernels that make verifying K+1 tokens on a CPU cost about one token.
 
-`prepare_for_cpu(model)` swaps every `nn.Linear` (lm_head included) for `InvariantLinear`
-and, for Hugging Face models, the attention for a row-wise SDPA. Afterwards row i of an
-N-token forward is bitwise equal to the 1-token forward of the same token on the same cache,
-so speculative verification with K+1 tokens gives exactly the target-alone greedy output,
-and it costs ~1.2x a 1-token step instead of ~2.3x.
+`prepare_for_cpu(model)` swaps every `nn.Linear` (lm_head included) for `InvariantLinear`, a small
+C++ kernel ("rowdot", built on first use and cached), and, for Hugging Face models, the attention
+for a row-wise SDPA. Afterwards row i of an N-token forward is bitwise equal to the 1-token forward
+of the same token on the same cache, so greedy speculative output equals the target alone.
+`weights="int8"` stores a draft as W8A8 int8 (`Int8Linear`, AVX-512 VNNI dot products). Invariance
+holds for steps of at most `max_rows` tokens (default 16); longer inputs (the prefill) use plain
+F.linear / SDPA. Inference only: with autograd needed, the modules fall back to F.linear.
 
-Measured on the project's 2-core dev VM (Intel Xeon, Sapphire-Rapids class: AVX-512 + AMX;
-the facts file's 2.8x numbers came from an AMD AVX2 box), torch 2.13.0+cpu (MKL 2024.2,
-oneDNN 3.12), 2 threads, fp32, medians of 9-11 A/B-interleaved reps. A neighbour shared the
-machine, so absolute ms drift +-20% between runs; the ratios held. Rerun with
-`python scripts/experiments/bench_verify_cost.py` (model) or `... --linear 8960x1536 --candidates`.
-
-Whole model, one forward after a 128-token prefill (DynamicCache), ms (ratio to eager 1 tok):
-
-    Qwen2.5-Coder-1.5B       1 token        2 tokens       5 tokens       9 tokens
-    eager (stock)           247 (1.00)     296 (1.20)     546 (2.21)     793 (3.22)
-    prepare_for_cpu         214 (0.87)     240 (0.97)     298 (1.21)     397 (1.61)
-    ... kernel="mkl"        380 (1.30)*    390 (1.33)*    462 (1.58)*    498 (1.70)*
-    Qwen2.5-Coder-0.5B
-    eager (stock)           101 (1.00)     109 (1.08)     210 (2.09)     255 (2.53)
-    prepare_for_cpu          98 (0.98)     113 (1.12)     148 (1.47)     179 (1.78)
-    (* ratios to the eager run interleaved with it, 293 ms for 1 token)
-
-One Linear(1536, 8960), ms per call, weights rotated so they do not sit in L3:
-
-    M rows                     1     2     5     9    row i of M rows == the 1-row result?
-    eager F.linear (MKL)     2.5   2.9   6.0   9.2    no (M=1 is a gemv, M>=2 a gemm)
-    rowdot (this module)     2.5   2.5   3.1   3.9    yes, bitwise, by construction
-    MKL packed sgemm         3.3   3.3   4.1   4.3    yes here (M=1 not for layers ~<=128 wide)
-    oneDNN packed fp32       3.1   3.4   3.6   4.3    no at M=1
-    oneDNN packed bf16       2.2   2.3   2.3   2.3    not reliably at M=1; changes numerics
-    rows as separate mv      2.5   4.9  12.0  20.3    yes, but reads the weights M times
-    x @ w.t().contiguous()   2.2   8.2   8.9   9.3    no
-
-* Eager MKL is fast at M=1 (a bandwidth-bound gemv) but switches to a poorly suited sgemm
-  for 2..9 rows, and the two paths round differently, so eager is NOT batch-invariant.
-* MKL's packed sgemm (`torch.ops.mkl._mkl_linear`, what inductor's freezing pass emits for
-  fp32) is invariant and flat up to M=9, but 20-30% slower than eager at M=1 and holds an
-  extra packed copy (+8.3 GB for the 1.5B): it cheapens verification by slowing the baseline.
-  It is the fallback where the C++ kernel cannot be built. On an AMD EPYC VM (2026-11-22) its
-  rows were not invariant for some shapes (MKL takes other paths on non-Intel CPUs); the
-  per-shape check in `prepare_for_cpu` then keeps F.linear for those shapes, with a warning.
-* "rowdot" is a small C++ kernel built on first use (torch.utils.cpp_extension, ~30 s, cached
-  in ~/.cache/torch_extensions): it streams each weight row once and dots it against all M
-  input rows with one accumulator per output whose FMA order never depends on M. It reads
-  the original weight in place: no extra memory, `.weight` stays the same Parameter.
-* Attention: SDPA over 1 query row (HF packs the GQA heads as rows) and over 5 rows with a
-  causal mask round differently, so the row-wise attention runs each query row as its own
-  1-row SDPA over exactly the keys it may see: the same call a 1-token step makes.
-* torch.compile(freezing=True) emits the same `mkl._mkl_linear` for fp32 (its pattern fires
-  for 3-D activations too), so at best it matches kernel="mkl". Its 1-token graph packs with
-  batch_size=1, a pack that MKL serves with a gemv-like path whose rounding differs from the
-  multi-row one (seen with the same ops in eager), so compiled 1- and 5-token graphs are not
-  batch-invariant either. (Not re-timed here: compiling the 1.5B takes 60-75 s per shape.)
-* Dynamic int8 is fast but its activation scales depend on the rows in the batch; bf16
-  changes the target's numerics. Neither is used for the target.
-
-Drafts may round (the target's fp32 verification decides the output), so `weights="int8"`
-stores a draft as W8A8 int8 (`Int8Linear`): per-row int8 weights, each input row quantized on
-its own, AVX-512 VNNI integer dot products (exact, so still batch-invariant). Measured on a slower day
-with a throwaway timing loop (weights rotated as above; `scripts/experiments/bench_verify_cost.py` does not
-yet cover int8), `prepare_for_cpu` fp32 vs int8, 2 threads, ms per call:
-
-    Linear (out x in), M rows       1 row          5 rows
-    4864 x 896                   1.04 -> 0.49   1.29 -> 0.64
-    896 x 4864                   0.90 -> 0.32   1.22 -> 0.48
-    32768 x 896 (a 32k head)     6.66 -> 2.64   9.38 -> 4.10
-    whole 0.5B step, 32k head    140  -> 59     (1.5B target fp32: 459)
-
-A first version that widened int8 weights to fp32 in registers (fp32 activations) was only
-1.3-1.5x faster than fp32: the widening, not memory, was the limit.
-
-Invariance holds for steps of at most `max_rows` tokens (default 16); longer inputs (the
-prompt prefill) use plain F.linear / SDPA, which is fine because the baseline and the
-speculative run prefill the same prompt the same way. Inference only: parameters are set to
-requires_grad=False; with autograd needed, the modules fall back to F.linear.
+Why, the alternatives tried and their measurements: docs/architecture.md, "CPU kernels".
 """
 
 from __future__ import annotations
