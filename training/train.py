@@ -1,17 +1,19 @@
 """The ``train-draft`` loop: fine-tune (cross-entropy) or distill a draft from the target.
 
-An explicit loop in the style of torchtune's knowledge-distillation recipe, no Trainer:
+A recipe in the style of torchtune's knowledge-distillation recipe (``KDRecipeSingleDevice``), no
+Trainer: ``TrainDraftRecipe.setup`` builds the models, rows, loader, optimizer and schedule (and
+restores ``last/`` on resume), then ``train`` runs, for each optimizer step:
 
-    for each optimizer step:
-        1. teacher logits under no_grad (skipped when fine-tuning with cross-entropy only)
-        2. student logits, loss over real tokens (serving the loss module of training/losses.py)
-        3. backward, clip, optimizer and LR schedule step (accelerate handles devices, processes,
-           gradient accumulation and bf16 autocast)
-        4. every ``eval.every`` steps: held-out acceptance measured with Choral's engine; the best
-           student is saved in Hugging Face format (best/)
-        5. every ``output.save_every`` steps: a resumable state (last/), written atomically
+    1. teacher logits under no_grad (skipped when fine-tuning with cross-entropy only)
+    2. student logits, loss over real tokens (the loss module of training/losses.py)
+    3. backward, clip, optimizer and LR schedule step (accelerate handles devices, processes,
+       gradient accumulation and bf16 autocast)
+    4. every ``eval.every`` steps: held-out acceptance measured with Choral's engine; the best
+       student is saved in Hugging Face format (best/)
+    5. every ``output.save_every`` steps: a resumable state (last/), written atomically
 
-Run it on one process or with ``accelerate launch --num_processes N -m training.cli ...``.
+``train(cfg, resume=...)`` runs the recipe from start to end (the CLI and the tests call it). Run
+it on one process or with ``accelerate launch --num_processes N -m training.cli ...``.
 """
 
 from __future__ import annotations
@@ -153,185 +155,293 @@ def plot_history(history: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def train(cfg: TrainDraftConfig, *, resume: bool = False) -> dict:
-    cpu = cfg.train.device == "cpu"
-    accelerator = Accelerator(
-        mixed_precision=cfg.train.mixed_precision, gradient_accumulation_steps=cfg.train.grad_accum, cpu=cpu
-    )
-    set_seed(cfg.train.seed)
-    out_dir = Path(cfg.output.dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    main = accelerator.is_main_process
+class TrainDraftRecipe:
+    """One train-draft run, in the shape of torchtune's ``KDRecipeSingleDevice``:
 
-    tokenizer = load_tokenizer(cfg.model.target)
-    check_same_tokenizer(tokenizer, load_tokenizer(cfg.model.student), draft_name=f"student {cfg.model.student!r}")
-    distill = cfg.loss.kind != "ce" and cfg.loss.ce_ratio < 1.0  # the teacher's logits carry weight
-    teacher = load_model(cfg.model.target, dtype=cfg.model.dtype, device=accelerator.device)
-    student = build_student(cfg, accelerator.device)
-    vocab = min(teacher.get_output_embeddings().weight.shape[0], student.get_output_embeddings().weight.shape[0])
+        recipe = TrainDraftRecipe(cfg)
+        recipe.setup(resume=False)   # models, rows, loader, optimizer, schedule, resumed state
+        progress = recipe.train()    # step() until max_steps or the time budget; evaluate() and
+                                     # save_checkpoint() at their intervals; final/ and metrics.json
+        recipe.cleanup()             # every process waits for the main one's last writes
 
-    ids, labels, text_ids = build_rows(cfg, tokenizer, teacher, out_dir)
-    if cfg.model.draft_vocab is not None:
-        # Counted over all the domain text read (not just the rows trained on, which may hold fewer
-        # distinct tokens than the head keeps), so runs over the same text get the same head.
-        source = text_ids if len(text_ids) else labels
-        reduce_vocab(student, frequent_tokens(source, cfg.model.draft_vocab, always=eos_token_ids(teacher, tokenizer)))
-    student_params = count_parameters(student)  # before adapters: the plain model that is saved and served
-    if cfg.model.lora_rank:
-        student = add_lora(student, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.lora_targets)
-    train_idx, val_idx = data_mod.split_train_val(list(range(len(ids))), cfg.data.val_fraction, cfg.train.seed)
-    train_rows = TensorDataset(ids[train_idx], labels[train_idx])
-    val_ids, val_labels = ids[val_idx], labels[val_idx]
-    loader = DataLoader(
-        train_rows, batch_size=cfg.train.batch_size, shuffle=True, drop_last=True,
-        generator=torch.Generator().manual_seed(cfg.train.seed),
-    )  # fmt: skip
-    if len(loader) == 0:
-        raise ValueError(f"{len(train_idx)} training rows < batch_size={cfg.train.batch_size}: lower train.batch_size")
-    optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    student, optimizer, loader, scheduler = accelerator.prepare(student, optimizer, loader, scheduler)
-    loss_fn = DistillLoss(cfg.loss.kind, ce_ratio=cfg.loss.ce_ratio, temperature=cfg.loss.temperature, beta=cfg.loss.beta)
+    One instance is one process of an accelerate launch. ``progress`` is the run's record (step,
+    tokens seen, best acceptance, metric history, the before/after evaluations): it is what
+    ``last/progress.json`` saves and ``--resume`` restores, and what ``metrics.json`` finally holds,
+    so it stays a plain dict. Only the main process evaluates and writes best/ and final/.
+    """
 
-    progress = {"step": 0, "tokens": 0, "best_acceptance": -1.0, "history": [], "config": to_dict(cfg)}
-    if resume and (saved := read_progress(out_dir)) is not None:
-        accelerator.load_state(str(out_dir / "last" / "state"))
-        progress = saved
-        accelerator.print(f"resumed from step {progress['step']} ({out_dir / 'last'})")
+    def __init__(self, cfg: TrainDraftConfig) -> None:
+        self.cfg = cfg
+        self.out_dir = Path(cfg.output.dir)
+        self.accelerator = Accelerator(
+            mixed_precision=cfg.train.mixed_precision, gradient_accumulation_steps=cfg.train.grad_accum,
+            cpu=cfg.train.device == "cpu",
+        )  # fmt: skip
+        self.is_main = self.accelerator.is_main_process
 
-    eval_prompts = held_out_prompts(cfg.data.domain, cfg.eval.prompts, tokenizer)
-    # The columns the loss sees: every token, or (loss.draft_vocab_only) the draft's own, which
-    # is the distribution a reduced draft is served with; labels outside them are not trained on.
-    columns, column_of = slice(0, vocab), None
-    if cfg.loss.draft_vocab_only:
-        columns = torch.tensor(accelerator.unwrap_model(student).config.draft_vocab, device=accelerator.device)
-        column_of = torch.full((vocab,), -100, dtype=torch.long, device=accelerator.device)  # token id -> column
-        column_of[columns] = torch.arange(len(columns), device=accelerator.device)
+    # ---- setup ---------------------------------------------------------------------------------
 
-    def step_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, with_agreement: bool = False):
+    def setup(self, *, resume: bool = False) -> None:
+        """Build everything the loop needs. The order is the seeded order every run (and every
+        resumed run) takes: LoRA initialisation draws from the seeded RNG after the models and rows."""
+        cfg = self.cfg
+        set_seed(cfg.train.seed)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._setup_models()
+        ids, labels, text_ids = build_rows(cfg, self.tokenizer, self.teacher, self.out_dir)
+        self._setup_student_head_and_adapters(labels, text_ids)
+        self._setup_data(ids, labels)
+        self._setup_optimizer()
+        self.loss_fn = DistillLoss(cfg.loss.kind, ce_ratio=cfg.loss.ce_ratio, temperature=cfg.loss.temperature, beta=cfg.loss.beta)
+        self.progress = {"step": 0, "tokens": 0, "best_acceptance": -1.0, "history": [], "config": to_dict(cfg)}
+        if resume:
+            self._load_checkpoint()
+        self.eval_prompts = held_out_prompts(cfg.data.domain, cfg.eval.prompts, self.tokenizer)
+        self._setup_loss_columns()
+
+    def _setup_models(self) -> None:
+        cfg, device = self.cfg, self.accelerator.device
+        self.tokenizer = load_tokenizer(cfg.model.target)
+        check_same_tokenizer(self.tokenizer, load_tokenizer(cfg.model.student), draft_name=f"student {cfg.model.student!r}")
+        self.distill = cfg.loss.kind != "ce" and cfg.loss.ce_ratio < 1.0  # the teacher's logits carry weight
+        self.teacher = load_model(cfg.model.target, dtype=cfg.model.dtype, device=device)
+        self.student = build_student(cfg, device)
+        self.vocab = min(self.teacher.get_output_embeddings().weight.shape[0], self.student.get_output_embeddings().weight.shape[0])
+
+    def _setup_student_head_and_adapters(self, labels: torch.Tensor, text_ids: torch.Tensor) -> None:
+        """The reduced draft vocabulary (``model.draft_vocab``) and LoRA adapters (``model.lora_rank``)."""
+        cfg = self.cfg
+        if cfg.model.draft_vocab is not None:
+            # Counted over all the domain text read (not just the rows trained on, which may hold fewer
+            # distinct tokens than the head keeps), so runs over the same text get the same head.
+            source = text_ids if len(text_ids) else labels
+            always = eos_token_ids(self.teacher, self.tokenizer)
+            reduce_vocab(self.student, frequent_tokens(source, cfg.model.draft_vocab, always=always))
+        self.student_params = count_parameters(self.student)  # before adapters: the plain model that is saved and served
+        if cfg.model.lora_rank:
+            self.student = add_lora(self.student, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.lora_targets)
+
+    def _setup_data(self, ids: torch.Tensor, labels: torch.Tensor) -> None:
+        """Split the rows (``ids``, ``labels``: [N, seq_len]) into a shuffled training loader and
+        held-out validation rows."""
+        cfg = self.cfg
+        train_idx, val_idx = data_mod.split_train_val(list(range(len(ids))), cfg.data.val_fraction, cfg.train.seed)
+        self.val_ids, self.val_labels = ids[val_idx], labels[val_idx]  # [N_val, seq_len] each
+        self.loader = DataLoader(
+            TensorDataset(ids[train_idx], labels[train_idx]), batch_size=cfg.train.batch_size, shuffle=True,
+            drop_last=True, generator=torch.Generator().manual_seed(cfg.train.seed),
+        )  # fmt: skip
+        if len(self.loader) == 0:
+            raise ValueError(f"{len(train_idx)} training rows < batch_size={cfg.train.batch_size}: lower train.batch_size")
+
+    def _setup_optimizer(self) -> None:
+        """AdamW over the trainable parameters and the LR schedule, then accelerate wraps the
+        student, optimizer, loader and schedule for its devices and processes."""
+        cfg = self.cfg
+        trainable = [p for p in self.student.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trainable, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+        self.student, self.optimizer, self.loader, self.scheduler = self.accelerator.prepare(
+            self.student, optimizer, self.loader, scheduler
+        )
+
+    def _load_checkpoint(self) -> None:
+        """``--resume``: the last complete last/ (model, optimizer, schedule, RNG, progress), if any."""
+        if (saved := read_progress(self.out_dir)) is None:
+            return
+        self.accelerator.load_state(str(self.out_dir / "last" / "state"))
+        self.progress = saved
+        self.accelerator.print(f"resumed from step {self.progress['step']} ({self.out_dir / 'last'})")
+
+    def _setup_loss_columns(self) -> None:
+        """The columns the loss sees: every token, or (loss.draft_vocab_only) the draft's own, which
+        is the distribution a reduced draft is served with; labels outside them are not trained on."""
+        self.columns, self.column_of = slice(0, self.vocab), None
+        if self.cfg.loss.draft_vocab_only:
+            device = self.accelerator.device
+            self.columns = torch.tensor(self.accelerator.unwrap_model(self.student).config.draft_vocab, device=device)  # [V']
+            self.column_of = torch.full((self.vocab,), -100, dtype=torch.long, device=device)  # [V] token id -> column
+            self.column_of[self.columns] = torch.arange(len(self.columns), device=device)
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def loss_step(self, model, input_ids: torch.Tensor, labels: torch.Tensor, with_agreement: bool = False):
+        """The loss of ``model`` on a batch (``input_ids``, ``labels``: [B, L]) and its parts; with
+        ``with_agreement``, also the count of real tokens where its argmax is the teacher's."""
         labels = labels[:, 1:]  # [B, L-1] next-token targets, -100 on padding
-        if column_of is not None:
-            labels = torch.where(labels >= 0, column_of[labels.clamp(min=0)], labels)
-        mask = labels != -100
-        s_logits = model(input_ids=input_ids).logits[:, :-1, columns]  # [B, L-1, V']
+        if self.column_of is not None:
+            labels = torch.where(labels >= 0, self.column_of[labels.clamp(min=0)], labels)
+        mask = labels != -100  # [B, L-1]
+        s_logits = model(input_ids=input_ids).logits[:, :-1, self.columns]  # [B, L-1, V']
         t_logits = None
-        if distill or with_agreement:
-            with torch.no_grad(), accelerator.autocast():  # bf16 like the student under mixed_precision
-                t_logits = teacher(input_ids=input_ids).logits[:, :-1, columns]  # [B, L-1, V']
-        loss, parts = loss_fn(s_logits, t_logits if distill else None, labels.clamp(min=0), mask)
+        if self.distill or with_agreement:
+            with torch.no_grad(), self.accelerator.autocast():  # bf16 like the student under mixed_precision
+                t_logits = self.teacher(input_ids=input_ids).logits[:, :-1, self.columns]  # [B, L-1, V']
+        loss, parts = self.loss_fn(s_logits, t_logits if self.distill else None, labels.clamp(min=0), mask)
         if with_agreement:
-            same = (s_logits.argmax(-1) == t_logits.argmax(-1)) & mask
+            same = (s_logits.argmax(-1) == t_logits.argmax(-1)) & mask  # [B, L-1]
             parts = parts | {"agree": same.sum(), "real": mask.sum()}
         return loss, parts
 
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor):
+        """One micro-batch: loss, backward, and (once ``train.grad_accum`` micro-batches are in,
+        ``accelerator.sync_gradients``) clip, optimizer and schedule step."""
+        acc = self.accelerator
+        with acc.accumulate(self.student):
+            loss, parts = self.loss_step(self.student, input_ids, labels)
+            acc.backward(loss)
+            if acc.sync_gradients and self.cfg.optim.grad_clip > 0:
+                acc.clip_grad_norm_(self.student.parameters(), self.cfg.optim.grad_clip)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad()
+        return loss, parts
+
+    # ---- evaluation ----------------------------------------------------------------------------
+
     @torch.no_grad()
-    def validation() -> dict:
+    def validate(self) -> dict:
         """Loss and greedy agreement with the target (teacher-forced argmax) on held-out rows."""
-        model, dev, bs = accelerator.unwrap_model(student), accelerator.device, cfg.train.batch_size
+        model, dev, bs = self.accelerator.unwrap_model(self.student), self.accelerator.device, self.cfg.train.batch_size
         losses, agree, real = [], 0, 0
-        for i in range(0, len(val_ids), bs):
-            loss, parts = step_loss(model, val_ids[i : i + bs].to(dev), val_labels[i : i + bs].to(dev), True)
+        for i in range(0, len(self.val_ids), bs):
+            loss, parts = self.loss_step(model, self.val_ids[i : i + bs].to(dev), self.val_labels[i : i + bs].to(dev), True)
             losses.append(loss.item())
             agree, real = agree + int(parts["agree"]), real + int(parts["real"])
         return {"val_loss": sum(losses) / len(losses), "val_agreement": agree / max(real, 1)}
 
-    def evaluate(label: str) -> dict:
-        result = measure(teacher, plain_model(accelerator.unwrap_model(student)), tokenizer, eval_prompts,
+    def evaluate(self, label: str) -> dict:
+        """Held-out acceptance and speed of the student as a draft, with Choral's engine, plus
+        ``validate()``."""
+        cfg = self.cfg
+        result = measure(self.teacher, plain_model(self.accelerator.unwrap_model(self.student)), self.tokenizer, self.eval_prompts,
                          k=cfg.eval.k, max_new_tokens=cfg.eval.max_new_tokens, draft_weights=cfg.eval.draft_weights)  # fmt: skip
         result.pop("token_ids")
-        return result | {"label": label} | validation()
+        return result | {"label": label} | self.validate()
 
-    if main and "before" not in progress:
-        progress["target_alone"] = {k: v for k, v in measure(teacher, None, tokenizer, eval_prompts, max_new_tokens=cfg.eval.max_new_tokens, draft_weights=cfg.eval.draft_weights).items() if k != "token_ids"}
-        progress["before"] = evaluate("before training")
-        progress["student_params"] = student_params
-        progress["trainable_params"] = sum(p.numel() for p in student.parameters() if p.requires_grad)
+    def _evaluate_untrained(self) -> None:
+        """The target alone and the untrained student (main process, first run only). The untrained
+        student is the first best/ candidate: a short or bad run can make a draft worse."""
+        if not self.is_main:
+            return
+        progress, cfg = self.progress, self.cfg
+        if "before" not in progress:
+            alone = measure(self.teacher, None, self.tokenizer, self.eval_prompts, max_new_tokens=cfg.eval.max_new_tokens,
+                            draft_weights=cfg.eval.draft_weights)  # fmt: skip
+            progress["target_alone"] = {k: v for k, v in alone.items() if k != "token_ids"}
+            progress["before"] = self.evaluate("before training")
+            progress["student_params"] = self.student_params
+            progress["trainable_params"] = sum(p.numel() for p in self.student.parameters() if p.requires_grad)
+        if "best_step" not in progress:
+            progress["best_acceptance"], progress["best_step"] = progress["before"]["acceptance_rate"], 0
+            self.save_model("best")
 
-    def save_last() -> None:
+    # ---- checkpoints ---------------------------------------------------------------------------
+
+    def save_checkpoint(self) -> None:
+        """The resumable last/ (accelerate's state and progress.json), swapped in atomically."""
+        acc, main = self.accelerator, self.is_main
         # Every process writes its part of the state into one shared temporary folder, then the
         # main process swaps it in with a rename.
-        tmp = out_dir / f".last.step{progress['step']}"
+        tmp = self.out_dir / f".last.step{self.progress['step']}"
         if main:
             tmp.mkdir(parents=True, exist_ok=True)
-        accelerator.wait_for_everyone()
-        accelerator.save_state(str(tmp / "state"))
-        accelerator.wait_for_everyone()
+        acc.wait_for_everyone()
+        acc.save_state(str(tmp / "state"))
+        acc.wait_for_everyone()
         if main:
-            write_json_atomic(tmp / "progress.json", progress)
-            with atomic_dir(out_dir / "last", tmp=tmp):
+            write_json_atomic(tmp / "progress.json", self.progress)
+            with atomic_dir(self.out_dir / "last", tmp=tmp):
                 pass
-        accelerator.wait_for_everyone()
+        acc.wait_for_everyone()
 
-    def save_hf(name: str) -> None:
-        with atomic_dir(out_dir / name) as tmp:
-            plain_model(accelerator.unwrap_model(student)).save_pretrained(tmp, safe_serialization=True)
-            tokenizer.save_pretrained(tmp)
+    def save_model(self, name: str) -> None:
+        """The student as a plain Hugging Face folder (adapters merged) with the tokenizer: best/ or final/."""
+        with atomic_dir(self.out_dir / name) as tmp:
+            plain_model(self.accelerator.unwrap_model(self.student)).save_pretrained(tmp, safe_serialization=True)
+            self.tokenizer.save_pretrained(tmp)
 
+    # ---- the loop ------------------------------------------------------------------------------
 
-    if main and "best_step" not in progress:
-        # The untrained student is a candidate too: a short or bad run can make a draft worse.
-        progress["best_acceptance"], progress["best_step"] = progress["before"]["acceptance_rate"], 0
-        save_hf("best")
-
-    started = time.perf_counter()
-    step0, tokens0 = progress["step"], progress["tokens"]
-    bar = tqdm(total=cfg.train.max_steps, initial=progress["step"], desc="train-draft", disable=not main)
-    out_of_time = False
-    batches_per_epoch = len(loader)
-    while progress["step"] < cfg.train.max_steps:
-        skip = (progress["step"] * cfg.train.grad_accum) % batches_per_epoch
-        epoch_loader = accelerator.skip_first_batches(loader, skip) if skip else loader
-        for input_ids, labels in epoch_loader:
-            with accelerator.accumulate(student):
-                loss, parts = step_loss(student, input_ids, labels)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and cfg.optim.grad_clip > 0:
-                    accelerator.clip_grad_norm_(student.parameters(), cfg.optim.grad_clip)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
-            if not accelerator.sync_gradients:
-                continue
-            progress["step"] += 1
-            progress["tokens"] += input_ids.numel() * accelerator.num_processes * cfg.train.grad_accum
-            step = progress["step"]
-            elapsed = time.perf_counter() - started
-            if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
-                value = loss.detach().item()
-                entry = {"step": step, "loss": value, "lr": scheduler.get_last_lr()[0]} | {k: float(v) for k, v in parts.items()}
-                progress["history"].append(entry)
-                bar.set_postfix(loss=f"{value:.4f}", tok_s=f"{(progress['tokens'] - tokens0) / elapsed:.0f}")
-            bar.update(1)
-            # Stop after the last step that fits: one more at the mean pace would overrun the budget.
-            # (Stopping only once past it ran an extra step and evaluated again one step after an
-            # `eval.every` evaluation.)
-            pace = elapsed / (step - step0)
-            out_of_time = cfg.train.time_budget_min is not None and elapsed + pace > 60 * cfg.train.time_budget_min
-            last_step = step == cfg.train.max_steps or out_of_time
-            if main and (step % cfg.eval.every == 0 or last_step):
-                result = evaluate(f"step {step}") | {"step": step}
-                progress["history"].append(result)
-                if result["acceptance_rate"] > progress["best_acceptance"]:
-                    progress["best_acceptance"] = result["acceptance_rate"]
-                    progress["best_step"] = step
-                    save_hf("best")
-            if step % cfg.output.save_every == 0 or last_step:
-                save_last()
-            if last_step:
+    def train(self) -> dict:
+        """Optimizer steps until ``train.max_steps`` or the time budget; returns ``progress``."""
+        cfg, acc, progress = self.cfg, self.accelerator, self.progress
+        self._evaluate_untrained()
+        started = time.perf_counter()
+        step0, tokens0 = progress["step"], progress["tokens"]
+        bar = tqdm(total=cfg.train.max_steps, initial=progress["step"], desc="train-draft", disable=not self.is_main)
+        out_of_time = False
+        batches_per_epoch = len(self.loader)
+        while progress["step"] < cfg.train.max_steps:
+            # A resumed run skips the batches of this epoch it already trained on, so it sees the
+            # batches an uninterrupted run would.
+            skip = (progress["step"] * cfg.train.grad_accum) % batches_per_epoch
+            epoch_loader = acc.skip_first_batches(self.loader, skip) if skip else self.loader
+            for input_ids, labels in epoch_loader:
+                loss, parts = self.step(input_ids, labels)
+                if not acc.sync_gradients:
+                    continue
+                progress["step"] += 1
+                progress["tokens"] += input_ids.numel() * acc.num_processes * cfg.train.grad_accum
+                step = progress["step"]
+                elapsed = time.perf_counter() - started
+                if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
+                    value = loss.detach().item()
+                    entry = {"step": step, "loss": value, "lr": self.scheduler.get_last_lr()[0]} | {k: float(v) for k, v in parts.items()}
+                    progress["history"].append(entry)
+                    bar.set_postfix(loss=f"{value:.4f}", tok_s=f"{(progress['tokens'] - tokens0) / elapsed:.0f}")
+                bar.update(1)
+                # Stop after the last step that fits: one more at the mean pace would overrun the budget.
+                # (Stopping only once past it ran an extra step and evaluated again one step after an
+                # `eval.every` evaluation.)
+                pace = elapsed / (step - step0)
+                out_of_time = cfg.train.time_budget_min is not None and elapsed + pace > 60 * cfg.train.time_budget_min
+                last_step = step == cfg.train.max_steps or out_of_time
+                if self.is_main and (step % cfg.eval.every == 0 or last_step):
+                    self._record_evaluation(step)
+                if step % cfg.output.save_every == 0 or last_step:
+                    self.save_checkpoint()
+                if last_step:
+                    break
+            if out_of_time:
                 break
-        if out_of_time:
-            break
-    bar.close()
+        bar.close()
+        if self.is_main:
+            self._write_results(time.perf_counter() - started, progress["step"] - step0)
+        return progress
 
-    if main:
-        save_hf("final")  # the student as trained, whatever best/ chose (for comparisons and ablations)
+    def _record_evaluation(self, step: int) -> None:
+        """Evaluate at ``step``, add it to the history, and keep the student as best/ if it leads."""
+        result = self.evaluate(f"step {step}") | {"step": step}
+        self.progress["history"].append(result)
+        if result["acceptance_rate"] > self.progress["best_acceptance"]:
+            self.progress["best_acceptance"] = result["acceptance_rate"]
+            self.progress["best_step"] = step
+            self.save_model("best")
+
+    def _write_results(self, seconds: float, steps: int) -> None:
+        """final/, metrics.json, training.png and the printed summary (main process)."""
+        progress = self.progress
+        self.save_model("final")  # the student as trained, whatever best/ chose (for comparisons and ablations)
         progress["after"] = next(h for h in reversed(progress["history"]) if "acceptance_rate" in h)
-        progress["train_seconds"] = time.perf_counter() - started
-        progress["steps_this_run"] = progress["step"] - step0
-        write_json_atomic(out_dir / "metrics.json", progress)
-        plot_history(progress["history"], out_dir / "training.png")
+        progress["train_seconds"] = seconds
+        progress["steps_this_run"] = steps
+        write_json_atomic(self.out_dir / "metrics.json", progress)
+        plot_history(progress["history"], self.out_dir / "training.png")
         print_summary(progress)
-    accelerator.wait_for_everyone()
+
+    def cleanup(self) -> None:
+        """No process leaves before the main one has written final/ and metrics.json."""
+        self.accelerator.wait_for_everyone()
+
+
+def train(cfg: TrainDraftConfig, *, resume: bool = False) -> dict:
+    """Run train-draft (``--resume``: from ``<output.dir>/last`` if it exists); returns the run's
+    progress record, which the main process also wrote as metrics.json."""
+    recipe = TrainDraftRecipe(cfg)
+    recipe.setup(resume=resume)
+    progress = recipe.train()
+    recipe.cleanup()
     return progress
 
 
