@@ -6,6 +6,8 @@ import torch
 from serving.acceptance import accept_reject
 from serving.sampling import SamplingParams, SamplingTensors, probs_from_logits, sample
 
+pytestmark = pytest.mark.unit
+
 
 def one_hot(ids, V=5):
     return torch.nn.functional.one_hot(torch.tensor(ids), V).float()

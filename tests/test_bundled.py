@@ -10,6 +10,8 @@ import pytest
 from serving import bundled
 from serving.bundled import BundledModelError, BundledSpec
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def fake(tmp_path, monkeypatch):

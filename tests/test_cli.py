@@ -7,6 +7,8 @@ import torch
 
 from serving import bench, cli_generate
 
+pytestmark = pytest.mark.e2e
+
 
 def test_spec_generate_json_matches_target_greedy(model_dirs, tiny_target, tokenizer, capsys):
     args = ["--target", str(model_dirs["target"]), "--draft", str(model_dirs["draft"]), "--prompt", "def add(a, b):",

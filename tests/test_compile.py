@@ -16,6 +16,8 @@ from serving.sampling import SamplingParams, SamplingTensors
 from serving.speculative import DecodeState, StepRandom, speculative_step
 from tests.conftest import no_recompile, perturbed
 
+pytestmark = pytest.mark.integration
+
 
 def compiled_steps(target_model, draft_model, backend: str, device="cpu") -> tuple[set[int], DecodeState]:
     """Eight decode steps of one ``speculative_step`` compiled with ``backend`` (fullgraph,

@@ -7,6 +7,8 @@ import pytest
 
 from serving.config import ConfigError, describe, load_config, to_dict
 
+pytestmark = pytest.mark.unit
+
 
 @dataclass
 class Optim:

@@ -66,6 +66,7 @@ def _threads():
     torch.set_num_threads(before)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_prepared_matches_original(kernel):
     ref_model = _tiny()
@@ -83,6 +84,7 @@ def test_prepared_matches_original(kernel):
     torch.testing.assert_close(model(ids).logits, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("cache_cls", ["dynamic", "static"])
 def test_one_n_token_step_equals_n_one_token_steps(kernel, cache_cls):
@@ -111,6 +113,7 @@ def test_one_n_token_step_equals_n_one_token_steps(kernel, cache_cls):
     assert torch.equal(after_a, after_b)
 
 
+@pytest.mark.unit
 def test_eager_is_not_batch_invariant_but_prepared_is():
     """Documents why this module exists: stock kernels round a 1-row step differently."""
     x = torch.randn(5, 1536, generator=torch.Generator().manual_seed(0))
@@ -125,6 +128,7 @@ def test_eager_is_not_batch_invariant_but_prepared_is():
     assert (eager_rows - F.linear(x, lin.weight, lin.bias)).abs().max() < 1e-4  # close, maybe not equal
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("shape", [(37, 19), (8, 16), (1, 5), (130, 70)])
 def test_linear_rows_invariant_odd_shapes(kernel, shape):
@@ -148,6 +152,7 @@ def test_linear_rows_invariant_odd_shapes(kernel, shape):
     assert torch.equal(mod(big), F.linear(big, lin.weight, lin.bias))
 
 
+@pytest.mark.integration
 def test_weights_state_dict_and_toggle():
     ref_model = _tiny()
     model = _tiny()
@@ -167,6 +172,7 @@ def test_weights_state_dict_and_toggle():
         assert model.config._attn_implementation == cpu_kernels.ATTN_NAME
 
 
+@pytest.mark.integration
 def test_layers_failing_the_check_stay_stock(monkeypatch, caplog):
     monkeypatch.setattr(cpu_kernels, "_check_invariance", lambda mod, counts: mod.out_features != 128)
     model = prepare_for_cpu(_tiny(), kernel="mkl")
@@ -176,6 +182,7 @@ def test_layers_failing_the_check_stay_stock(monkeypatch, caplog):
     assert "not batch-invariant" in caplog.text
 
 
+@pytest.mark.unit
 def test_grad_enabled_input_falls_back():
     lin = nn.Linear(16, 8)
     mod = InvariantLinear(lin, "mkl", max_rows=16, pack_rows=5)
@@ -184,6 +191,7 @@ def test_grad_enabled_input_falls_back():
     assert x.grad is not None and lin.weight.grad is not None
 
 
+@pytest.mark.integration
 def test_bad_arguments():
     with pytest.raises(ValueError):
         prepare_for_cpu(_tiny(), kernel="int8")
@@ -210,6 +218,7 @@ def _w8a8_reference(x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
     return y if lin.bias is None else y + lin.bias.detach()
 
 
+@pytest.mark.unit
 @needs_rowdot
 @pytest.mark.parametrize("in_f,out_f,bias", [(64, 40, False), (72, 19, True), (200, 8, False)])
 def test_int8_linear_is_the_w8a8_arithmetic(in_f, out_f, bias):
@@ -237,6 +246,7 @@ def test_int8_linear_is_the_w8a8_arithmetic(in_f, out_f, bias):
     assert mod.qweight.dtype == torch.int8 and mod.qweight.shape[1] % 64 == 0
 
 
+@pytest.mark.integration
 @needs_rowdot
 def test_int8_draft_keeps_speculative_output_exact():
     """An int8 draft changes what is proposed, never what is produced: greedy speculative output
@@ -262,6 +272,7 @@ def test_int8_draft_keeps_speculative_output_exact():
     assert accepted > 0.5
 
 
+@pytest.mark.integration
 def test_int8_drafts_need_the_cpu_kernels():
     from serving.engine import use_cpu_kernels
 
@@ -273,6 +284,7 @@ def test_int8_drafts_need_the_cpu_kernels():
         prepare_for_cpu(_tiny(), weights="int4")
 
 
+@pytest.mark.integration
 def test_auto_draft_weights_follow_the_kernels():
     from serving.engine import use_cpu_kernels
 

@@ -24,6 +24,8 @@ from training.data import (
     tokenize_and_pack,
 )
 
+pytestmark = pytest.mark.unit
+
 EOS = 2  # <|im_end|> in the conftest tokenizer
 
 

@@ -14,6 +14,8 @@ from serving.remote import RemoteSpeculativeEngine, TargetUnavailable
 from serving.sampling import SamplingParams
 from serving.verify_service import VerifyServer
 
+pytestmark = pytest.mark.e2e
+
 MAX_LEN = 96
 
 

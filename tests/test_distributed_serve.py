@@ -18,6 +18,8 @@ from serving.engine import EngineConfig, Request, SpeculativeEngine
 from serving.launch import free_port
 from tests.test_server import LiveServer
 
+pytestmark = pytest.mark.e2e
+
 MAX_LEN = 128
 
 

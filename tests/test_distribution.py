@@ -14,6 +14,8 @@ from serving.sampling import SamplingParams, SamplingTensors, probs_from_logits,
 from serving.speculative import StepRandom, speculative_step
 from tests.stubs import MarkovStub, state_for
 
+pytestmark = pytest.mark.integration
+
 V, M, N = 5, 3, 40_000  # vocabulary, tokens per sample, samples
 
 

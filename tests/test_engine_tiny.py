@@ -8,6 +8,8 @@ from serving.models import check_same_tokenizer
 from serving.sampling import SamplingParams
 from tests.conftest import make_tokenizer, perturbed
 
+pytestmark = pytest.mark.integration
+
 EOS = 2
 
 

@@ -14,6 +14,7 @@ from training.config import TrainDraftConfig
 GOOD = ' pair_sums(values: List[int]) -> List[int]:\n    """Sums of neighbours.\n    >>> pair_sums([1, 2, 3])\n    [3, 5]\n    '
 
 
+@pytest.mark.unit
 def test_parse_stub_keeps_a_humaneval_shaped_function_and_imports_its_typing_names():
     stub = ex.parse_stub(GOOD)
     assert stub.startswith("from typing import List\n\n\ndef pair_sums(values: List[int]) -> List[int]:\n")
@@ -22,6 +23,7 @@ def test_parse_stub_keeps_a_humaneval_shaped_function_and_imports_its_typing_nam
         'def f(x: int) -> int:\n    """Twice x.\n    >>> f(2)\n    4\n    """\n')  # no typing names, no import
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("generated", [
     ' f(x: int) -> int:\n    """Twice x, but no example.\n    ',               # no >>> example
     ' f(x:\n    """Twice x.\n    >>> f(2)\n    4\n    ',                         # not Python
@@ -33,6 +35,7 @@ def test_parse_stub_rejects_what_is_not_one_documented_function(generated):
     assert ex.parse_stub(generated) is None
 
 
+@pytest.mark.unit
 def test_eval_leaks_catches_a_humaneval_name_or_line_and_passes_an_original():
     humaneval = [p.text for p in load_prompts("code", 164)]
     same_name = 'def has_close_elements(xs: list) -> bool:\n    """Anything.\n    >>> has_close_elements([])\n    False\n    """\n'
@@ -46,6 +49,7 @@ def test_eval_leaks_catches_a_humaneval_name_or_line_and_passes_an_original():
     assert not any(ex.eval_leaks(s, humaneval) for s in ex.FEW_SHOT.split("# Topic:")[1:])  # our own examples
 
 
+@pytest.mark.integration
 def test_write_exercises_caches_what_the_target_wrote_and_filters_it(tmp_path, tokenizer):
     cache = tmp_path / "exercises.json"
     raw = [GOOD, GOOD, " bad(", "", ' has_close_elements(x: list) -> bool:\n    """Hm.\n    >>> has_close_elements([])\n    ']
@@ -63,6 +67,7 @@ def test_write_exercises_caches_what_the_target_wrote_and_filters_it(tmp_path, t
     assert saved["seed"] == 1 and saved["requests"] == 2 and len(saved["raw"]) == 2
 
 
+@pytest.mark.unit
 def test_target_exercises_are_the_code_on_policy_prompts(tmp_path, tokenizer):
     from training import train as tr
 

@@ -16,6 +16,8 @@ from training.losses import (
     total_variation,
 )
 
+pytestmark = pytest.mark.unit
+
 P = [0.7, 0.2, 0.1]  # teacher
 Q = [0.4, 0.4, 0.2]  # student
 

@@ -7,6 +7,8 @@ import pytest
 
 from serving.prompts import DOMAINS, Prompt, as_chat, load_mixed, load_prompts, read_prompt_file
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("domain", DOMAINS)
 def test_loads_three_deterministically(domain):

@@ -14,6 +14,8 @@ from routing.config import CollectConfig, RouterTrainConfig
 from routing.rows import RowStore, merge, read_rows
 from serving.config import ConfigError, load_config
 
+pytestmark = pytest.mark.unit
+
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 COLLECT_CONFIGS = sorted(p.stem for p in CONFIGS.glob("router_collect*.yaml"))

@@ -17,6 +17,8 @@ from routing.rows import read_rows, row_key, without_timing
 from serving.config import load_config
 from tests.routing_helpers import domain_models, domain_prompts, write_prompt_file
 
+pytestmark = pytest.mark.e2e
+
 NEW_TOKENS = 12
 
 

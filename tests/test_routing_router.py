@@ -26,6 +26,7 @@ def saved(router, tmp_path_factory):
     return path
 
 
+@pytest.mark.integration
 def test_create_save_load_round_trip(router, saved):
     loaded = Router.load(saved)
     assert loaded.draft_names == ["code", "math", "none"]
@@ -44,11 +45,13 @@ def test_create_save_load_round_trip(router, saved):
         loaded.choose_batch("one prompt")
 
 
+@pytest.mark.unit
 def test_expected_tokens_matches_the_closed_form():
     a = torch.tensor([0.0, 0.5, 1.0])
     assert torch.allclose(expected_tokens(a, torch.tensor(3.0)), torch.tensor([1.0, 1.875, 4.0]), atol=1e-4)
 
 
+@pytest.mark.integration
 def test_speedup_objective_chooses_none_when_no_draft_pays():
     cheap = Router.create({"d": "models/d"}, "t", objective="speedup", costs={"d": {"draft_cost": 0.05, "verify_cost": 1.0}})
     assert cheap.draft_names == ["d", "none"]  # the fallback is always a choice under speedup
@@ -62,6 +65,7 @@ def test_speedup_objective_chooses_none_when_no_draft_pays():
     assert costly.decide(torch.tensor([[0.99]]))[0].draft == "none"
 
 
+@pytest.mark.integration
 def test_missing_truncated_and_foreign_files_are_clear_errors(saved, tmp_path):
     with pytest.raises(RouterError, match="does not exist.*train-router"):
         Router.load(tmp_path / "nope.pt")
@@ -87,6 +91,7 @@ def _edited(saved, tmp_path, edit) -> str:
     return path
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "edit, message",
     [
@@ -104,6 +109,7 @@ def test_mismatched_contents_are_clear_errors(saved, tmp_path, edit, message):
         Router.load(_edited(saved, tmp_path, edit))
 
 
+@pytest.mark.integration
 def test_save_is_atomic_and_leaves_no_temporary_files(router, tmp_path):
     path = tmp_path / "sub" / "router.pt"
     router.save(path)
@@ -112,6 +118,7 @@ def test_save_is_atomic_and_leaves_no_temporary_files(router, tmp_path):
     Router.load(path)
 
 
+@pytest.mark.unit
 def test_per_token_acceptance_inverts_the_measured_rate():
     a = torch.tensor([0.0, 0.3, 0.8, 0.99])
     for k in (1, 4, 8):
@@ -122,6 +129,7 @@ def test_per_token_acceptance_inverts_the_measured_rate():
     assert abs(expected_tokens(per_token_acceptance(rate, 4), torch.tensor(4.0)).item() - 3.3616) < 1e-3
 
 
+@pytest.mark.unit
 def test_calibrated_verify_cost_recovers_the_cost_that_produced_the_speedups():
     rate = torch.tensor([0.4, 0.6, 0.8, 0.95])  # acceptance rates [N] at K = 4
     a = per_token_acceptance(rate, 4)
@@ -131,12 +139,14 @@ def test_calibrated_verify_cost_recovers_the_cost_that_produced_the_speedups():
     assert calibrated_verify_cost(rate, measured * 0.8, 4, 0.3) > 1.9
 
 
+@pytest.mark.unit
 def test_calibrated_verify_cost_is_nan_without_a_usable_fit():
     rate = torch.tensor([0.5, 0.7])
     assert math.isnan(calibrated_verify_cost(rate, torch.tensor([float("nan"), 0.0]), 4, 0.3))
     assert math.isnan(calibrated_verify_cost(rate, torch.tensor([50.0, 50.0]), 4, 0.3))  # v would be < 0
 
 
+@pytest.mark.integration
 def test_evaluation_reports_each_lead_over_the_best_single_draft_with_its_paired_standard_error(router):
     from routing.dataset import Table
     from routing.evaluate import evaluate

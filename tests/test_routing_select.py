@@ -9,6 +9,8 @@ import torch
 from routing.select import cross_validate, folds, grid
 from routing.train import domain_means, shrink_to_domain
 
+pytestmark = pytest.mark.unit
+
 
 def test_grid_is_every_combination_in_order():
     assert grid({"a": [1, 2], "b": [3, 4]}) == [{"a": 1, "b": 3}, {"a": 1, "b": 4}, {"a": 2, "b": 3}, {"a": 2, "b": 4}]

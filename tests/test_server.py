@@ -112,6 +112,7 @@ def _chat_ids(engine, messages) -> list[int]:
     return engine.tokenizer.encode(text, add_special_tokens=False)
 
 
+@pytest.mark.e2e
 def test_health_is_503_until_loaded_then_models_lists_drafts(live, model_dirs):
     status, body = live.early["/health"]
     assert status == 503 and json.loads(body)["status"] == "loading"
@@ -124,6 +125,7 @@ def test_health_is_503_until_loaded_then_models_lists_drafts(live, model_dirs):
     assert model.model_extra["choral"]["drafts"] == ["code", "chat", "none"]
 
 
+@pytest.mark.e2e
 def test_completion_greedy_matches_spec_generate(live, model_dirs, capsys):
     prompt = "def add(a, b):"
     out = live.client.completions.create(model=live.model, prompt=prompt, max_tokens=16, temperature=0)
@@ -145,6 +147,7 @@ def model_tokens(live, text: str) -> list[int]:
     return live.app.state.server.backend.tokenizer.encode(text, add_special_tokens=False)
 
 
+@pytest.mark.e2e
 def test_chat_greedy_matches_engine_and_stream_matches_non_stream(live, reference):
     [ref] = reference.generate([Request(_chat_ids(reference, CHAT), max_new_tokens=20)])
     out = live.client.chat.completions.create(model=live.model, messages=CHAT, max_tokens=20, temperature=0,
@@ -165,6 +168,7 @@ def test_chat_greedy_matches_engine_and_stream_matches_non_stream(live, referenc
     assert chunks[-1].usage.completion_tokens == len(ref.token_ids) and chunks[-1].choices == []
 
 
+@pytest.mark.e2e
 def test_stop_strings_streamed_and_not(live):
     full = live.client.completions.create(model=live.model, prompt="The quick brown", max_tokens=24, temperature=0)
     text = full.choices[0].text
@@ -199,6 +203,7 @@ BAD = [
 ]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("endpoint,body,status,param", BAD)
 def test_bad_input_gets_openai_error_naming_the_field(live, endpoint, body, status, param):
     if isinstance(body, bytes):
@@ -223,6 +228,7 @@ def test_bad_input_gets_openai_error_naming_the_field(live, endpoint, body, stat
     assert live.client.completions.create(model=live.model, prompt="hi", max_tokens=2).choices[0].finish_reason
 
 
+@pytest.mark.e2e
 def test_concurrent_requests_give_the_sequential_outputs(live):
     jobs = [
         dict(prompt="def add(a, b):"),
@@ -247,6 +253,7 @@ def test_concurrent_requests_give_the_sequential_outputs(live):
     assert concurrent == sequential
 
 
+@pytest.mark.e2e
 def test_metrics_parse_as_prometheus_text(live):
     live.client.completions.create(model=live.model, prompt="hi", max_tokens=3, stream=True).close()
     live.client.completions.create(model=live.model, prompt="hi", max_tokens=3)
@@ -261,6 +268,7 @@ def test_metrics_parse_as_prometheus_text(live):
     assert any(name == "choral_request_acceptance_rate_count" for name, _ in m)
 
 
+@pytest.mark.e2e
 def test_load_test_script_has_no_lost_or_malformed_responses(live, tmp_path):
     from serving import load_test
 
@@ -286,6 +294,7 @@ def test_load_test_script_has_no_lost_or_malformed_responses(live, tmp_path):
     assert load_test.main(["--url", "http://example.com:8000", "--quiet"]) == 2  # loopback only
 
 
+@pytest.mark.e2e
 def test_full_queue_429_disconnect_frees_slot_and_timeout(router_file):
     """One slot, no queue: a second request while the first runs gets 429; closing the first
     stream cancels it and frees the slot; a request past its timeout gets a clean error."""
@@ -329,6 +338,7 @@ def test_full_queue_429_disconnect_frees_slot_and_timeout(router_file):
         srv.stop()
 
 
+@pytest.mark.e2e
 def test_serve_cli_fails_fast_on_bad_config(router_file, tmp_path, capsys):
     assert load_config(ServeConfig, Path(__file__).parents[1] / "configs" / "serve.yaml").max_batch_size == 8
     assert cli_serve.main(["--describe"]) == 0
@@ -343,6 +353,7 @@ def test_serve_cli_fails_fast_on_bad_config(router_file, tmp_path, capsys):
     assert "--target HOST:PORT" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_forced_requests_skip_the_router(live, monkeypatch):
     """A request that names its draft is not embedded (that would only delay the next step), so
     it is served even while the router fails; a routed request then gets a clean 500."""
@@ -362,6 +373,7 @@ def test_forced_requests_skip_the_router(live, monkeypatch):
     assert len(calls) == 1
 
 
+@pytest.mark.integration
 def test_cancelled_handler_aborts_its_ticket():
     """A non-streaming handler cancelled while it waits (server shutdown, or the ASGI server
     dropping the task) must free the request's slot, not leave it decoding for nobody."""

@@ -26,6 +26,8 @@ from serving.profile import (
 )
 from serving.simulator import SimulateConfig, simulate
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 PROFILE = f"profile={ROOT}/configs/profiles/cpu_bundled.yaml"
 

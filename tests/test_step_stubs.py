@@ -8,6 +8,8 @@ from serving.sampling import SamplingParams, SamplingTensors
 from serving.speculative import StepRandom, speculative_step
 from tests.stubs import PositionStub, state_for
 
+pytestmark = pytest.mark.integration
+
 V = 50
 
 

@@ -28,6 +28,7 @@ def ids() -> torch.Tensor:
     return torch.randint(0, 384, (2, 12), generator=torch.Generator().manual_seed(0))
 
 
+@pytest.mark.integration
 def test_all_layers_reproduce_the_logits_exactly(source):
     student = derive_student(source, [0, 1, 2, 3])
     assert not student.training
@@ -35,6 +36,7 @@ def test_all_layers_reproduce_the_logits_exactly(source):
         assert torch.equal(student(ids()).logits, source(ids()).logits)
 
 
+@pytest.mark.integration
 def test_subset_copies_the_chosen_layers_in_order(source):
     student = derive_student(source, [2, 0, -1])
     assert student.config.num_hidden_layers == 3 and len(student.model.layers) == 3
@@ -53,6 +55,7 @@ def test_subset_copies_the_chosen_layers_in_order(source):
     assert all(p.requires_grad for p in student.parameters())
 
 
+@pytest.mark.integration
 def test_tied_embeddings_stay_tied():
     source = tiny(seed=1, tie_word_embeddings=True)
     student = derive_student(source, [0, -1])
@@ -61,6 +64,7 @@ def test_tied_embeddings_stay_tied():
     assert count_parameters(student) < count_parameters(derive_student(tiny(seed=1), [0, -1]))
 
 
+@pytest.mark.integration
 def test_sliding_window_layer_types_follow_their_layers():
     source = tiny(use_sliding_window=True, sliding_window=16, max_window_layers=2)
     assert source.config.layer_types == ["full_attention"] * 2 + ["sliding_attention"] * 2
@@ -69,12 +73,14 @@ def test_sliding_window_layer_types_follow_their_layers():
     assert student.config.max_window_layers == 1
 
 
+@pytest.mark.integration
 def test_dtype_is_kept():
     student = derive_student(tiny().to(torch.bfloat16), [1])
     assert student.dtype == torch.bfloat16
     assert all(p.dtype == torch.bfloat16 for p in student.parameters())
 
 
+@pytest.mark.integration
 def test_saves_and_reloads_with_auto_class(source, tmp_path):
     student = derive_student(source, [0, -1])
     student.save_pretrained(tmp_path)
@@ -85,6 +91,7 @@ def test_saves_and_reloads_with_auto_class(source, tmp_path):
         assert torch.equal(reloaded(ids()).logits, student(ids()).logits)
 
 
+@pytest.mark.integration
 def test_describe_and_count(source):
     student = derive_student(source, [0])
     info = describe_student(student)
@@ -94,12 +101,14 @@ def test_describe_and_count(source):
     assert count_parameters(source) - info["params"] == 3 * per_layer
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("layers, message", [([0, 4], r"layer index 4 .*4-layer.*-4\.\.3"), ([-5], r"layer index -5"), ([], "at least one")])
 def test_bad_layer_index(source, layers, message):
     with pytest.raises(ValueError, match=message):
         derive_student(source, layers)
 
 
+@pytest.mark.unit
 def test_frequent_tokens_counts_ignores_padding_and_keeps_always():
     rows = torch.tensor([[5, 5, 5, 7, -100], [7, 9, 5, -100, -100]])
     assert frequent_tokens(rows, 1) == [5]
@@ -107,6 +116,7 @@ def test_frequent_tokens_counts_ignores_padding_and_keeps_always():
     assert frequent_tokens(rows, 2, always=[2]) == [2, 5, 7]
 
 
+@pytest.mark.integration
 def test_reduced_vocab_draft_stays_lossless_and_reloads(tiny_target, tiny_draft, tokenizer, tmp_path):
     from serving.engine import EngineConfig, Request, SpeculativeEngine
     from serving.runner import ModelRunner
