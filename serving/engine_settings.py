@@ -1,0 +1,206 @@
+"""The engine's settings: one dataclass that every command running the engine nests, and the one
+function that turns it into loaded models, Choral's CPU kernels and engines.
+
+    settings = EngineSettings(device="cpu", max_batch_size=4, k=4)
+    loaded = load_engines(settings, "qwen2.5-coder-1.5b-instruct", {"base": "qwen2.5-coder-0.5b-instruct", "none": None})
+    [out] = loaded.engines["base"].generate([Request(ids, max_new_tokens=32)])
+
+``serve``, ``collect-router-data``, ``spec-generate`` and ``spec-bench`` nest it as ``engine``,
+``train-draft``'s held-out evaluation as ``eval.engine``: a setting has one name and one meaning
+on every command (``engine.max_batch_size=4``, ``engine.draft_weights=int8``). Which models run
+is each command's own business (a router's drafts, a student, ``--target``/``--draft``), so the
+model references are not settings here.
+
+Importing this module is cheap (no torch): a command parses and checks its settings, or answers
+``--describe``, before the heavy imports that loading needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterable, Literal, Mapping
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from serving.engine import EngineConfig, SpeculativeEngine
+
+
+def doc(text: str) -> dict:
+    return {"doc": text}
+
+
+@dataclass
+class EngineSettings:
+    device: Literal["auto", "cpu", "cuda", "neuron"] = field(default="auto", metadata=doc(
+        "where the models run; auto: the accelerator if there is one, else the CPU"))
+    dtype: Literal["float32", "bfloat16", "float16"] = field(default="float32", metadata=doc("weights' dtype"))
+    quantize: Literal["int8-dynamic"] | None = field(default=None, metadata=doc(
+        "int8-dynamic: PyTorch's dynamic int8 Linear layers on every model (CPU; fast, but greedy output "
+        "may differ from fp32: the target is quantized too). For a cheaper draft alone use draft_weights"))
+    cpu_kernels: bool = field(default=True, metadata=doc(
+        "on a CPU in fp32, Choral's batch-invariant kernels: verifying K+1 tokens costs about one, rows "
+        "are bitwise identical (eager only: off while compile_backend is set)"))
+    draft_weights: Literal["auto", "fp32", "int8"] = field(default="auto", metadata=doc(
+        "int8: drafts run as W8A8 int8 on the CPU kernels (~2.5x cheaper draft steps; the target stays "
+        "fp32, so outputs are unchanged, only acceptance may move); auto: int8 wherever the CPU kernels run"))
+    compile_backend: str | None = field(default=None, metadata=doc(
+        "torch.compile backend of the step shapes (inductor, neuron), or auto for the device's; "
+        "null: eager. Compiled shapes are warmed up at load"))
+    max_batch_size: int = field(default=1, metadata=doc(
+        "slots per engine: sequences decoded together in the static batch"))
+    max_len: int | None = field(default=None, metadata=doc(
+        "context per slot (prompt + new tokens + K + 1); null: min(2048, the target's), except "
+        "collect-router-data and train-draft's evaluation, which fit their longest prompt"))
+    k: int | str = field(default=4, metadata=doc(
+        "draft tokens per step, or auto (Hugging Face's heuristic moving over k_buckets)"))
+    k_buckets: tuple[int, ...] = field(default=(1, 2, 3, 4, 5, 6, 7, 8), metadata=doc(
+        "the K values that exist as step shapes (compiled, CPU-kernel widths); a fixed k must be one"))
+    draft_confidence: float | None = field(default=None, metadata=doc(
+        "stop a step's drafting once the draft's top probability drops below this (a host check per "
+        "draft token: for CPUs, not Neuron); null: always draft k"))
+    draft_stop: Literal["token", "cumulative"] = field(default="token", metadata=doc(
+        "with draft_confidence: compare each draft token's top probability, or their running product "
+        "(the block's chance of surviving whole)"))
+    threads: int | None = field(default=None, metadata=doc(
+        "torch intra-op threads of the process; null: torch's default (one per core). On a CPU shared "
+        "with other busy processes, 1 avoids threads waiting on each other"))
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size={self.max_batch_size} must be >= 1")
+        if self.max_len is not None and self.max_len < 2:
+            raise ValueError(f"max_len={self.max_len} must be >= 2 (or null)")
+        if not self.k_buckets or min(self.k_buckets) < 1:
+            raise ValueError(f"k_buckets={list(self.k_buckets)} must list positive integers")
+        self.k_buckets = tuple(sorted(set(self.k_buckets)))
+        if self.k != "auto" and not (isinstance(self.k, int) and not isinstance(self.k, bool) and self.k >= 1):
+            raise ValueError(f"k={self.k!r} must be a positive integer or 'auto'")
+        if self.k != "auto" and self.k not in self.k_buckets:
+            raise ValueError(f"k={self.k} is not one of k_buckets {list(self.k_buckets)}: add it to k_buckets")
+        if self.draft_confidence is not None and not 0.0 <= self.draft_confidence <= 1.0:
+            raise ValueError(f"draft_confidence={self.draft_confidence} must be in [0, 1] (or null)")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads={self.threads} must be >= 1 (or null for torch's default)")
+        if self.draft_weights == "int8" and not self.uses_cpu_kernels:
+            raise ValueError("draft_weights=int8 runs on Choral's CPU kernels: set cpu_kernels=true and "
+                             "compile_backend=null, or draft_weights=auto/fp32")  # fmt: skip
+
+    @property
+    def uses_cpu_kernels(self) -> bool:
+        """Whether the CPU kernels are asked for: they are eager-only, so not while compiling (they
+        still apply only on a CPU in fp32 without quantize)."""
+        return self.cpu_kernels and self.compile_backend is None
+
+    def engine_config(self, *, draft: bool, device: torch.device | None = None, **changes) -> EngineConfig:
+        """The ``EngineConfig`` of one engine; ``draft=False`` is the target alone (k=0).
+        ``changes`` replace settings for this engine only (``k=2`` in a K sweep)."""
+        from serving.devices import compile_backend, resolve_device
+        from serving.engine import EngineConfig
+
+        s = dataclasses.replace(self, **changes) if changes else self
+        backend = s.compile_backend
+        if backend == "auto":
+            backend = compile_backend(device if device is not None else resolve_device(s.device))
+        return EngineConfig(
+            max_batch_size=s.max_batch_size,
+            max_len=s.max_len,
+            k=s.k if draft else 0,
+            k_buckets=s.k_buckets,
+            compile_backend=backend,
+            draft_confidence=s.draft_confidence if draft else None,
+            draft_stop=s.draft_stop,
+        )
+
+
+@dataclass
+class LoadedEngines:
+    tokenizer: PreTrainedTokenizerBase
+    target: PreTrainedModel | None  # None when the engines verify on a remote target
+    drafts: dict[str, PreTrainedModel | None]  # per engine name; None: the target alone
+    engines: dict[str, SpeculativeEngine]
+    cpu_kernels: bool  # whether Choral's CPU kernels were installed
+
+
+def load_models(
+    settings: EngineSettings, target: str, drafts: Iterable[str] = (), *, load_target: bool = True
+) -> tuple[PreTrainedTokenizerBase, PreTrainedModel | None, dict[str, PreTrainedModel]]:
+    """The target's tokenizer, the target (unless ``load_target`` is false: a remote target) and
+    each distinct draft reference, loaded once on the settings' device, dtype and quantization;
+    a draft whose tokenizer differs from the target's is refused before it loads."""
+    import torch
+
+    from serving.devices import resolve_device
+    from serving.models import check_same_tokenizer, load_model, load_tokenizer
+
+    if settings.threads is not None:
+        torch.set_num_threads(settings.threads)
+    device = resolve_device(settings.device)
+    tokenizer = load_tokenizer(target)
+    refs = list(dict.fromkeys(drafts))
+    for ref in refs:
+        check_same_tokenizer(tokenizer, load_tokenizer(ref), draft_name=f"draft {ref!r}")
+    load = lambda ref: load_model(ref, dtype=settings.dtype, device=device, quantize=settings.quantize)  # noqa: E731
+    target_model = load(target) if load_target else None
+    return tokenizer, target_model, {ref: load(ref) for ref in refs}
+
+
+def prepare_kernels(
+    settings: EngineSettings,
+    targets: Iterable[PreTrainedModel],
+    drafts: Iterable[PreTrainedModel],
+    widths: Iterable[int],
+    *,
+    device: torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+) -> bool:
+    """Install Choral's CPU kernels for every step width in ``widths`` where the settings ask for
+    them and they apply (CPU, fp32, no quantize), drafts in ``draft_weights``; returns whether
+    they were installed. Models are changed in place: prepare each once, for all its widths.
+    ``device`` and ``dtype``: where the models are, when they were not loaded by these settings
+    (train-draft's evaluation runs the models training holds)."""
+    from serving.devices import resolve_device
+    from serving.engine import use_cpu_kernels
+
+    if not settings.uses_cpu_kernels:
+        return False
+    return use_cpu_kernels(
+        list(targets), drafts=list(drafts), draft_weights=settings.draft_weights,
+        device=device if device is not None else resolve_device(settings.device),
+        dtype=dtype if dtype is not None else settings.dtype, widths=tuple(sorted(set(widths))), quantize=settings.quantize,
+    )  # fmt: skip
+
+
+def load_engines(
+    settings: EngineSettings,
+    target: str,
+    drafts: Mapping[str, str | None],
+    *,
+    target_address: str | None = None,
+) -> LoadedEngines:
+    """One engine per name of ``drafts`` (name -> draft reference, or None for the target alone),
+    all sharing one loaded target (each with its own KV cache); drafts named twice load once.
+    With ``target_address`` (HOST:PORT of ``serve --role target``) the engines verify there and
+    no target loads here. Every model is prepared once for the step widths of all the engines."""
+    from serving.devices import resolve_device
+    from serving.engine import SpeculativeEngine
+
+    tokenizer, target_model, by_ref = load_models(
+        settings, target, [r for r in drafts.values() if r is not None], load_target=target_address is None
+    )
+    device = resolve_device(settings.device)
+    configs = {name: settings.engine_config(draft=ref is not None, device=device) for name, ref in drafts.items()}
+    kernels = prepare_kernels(
+        settings, [target_model] if target_model is not None else [], by_ref.values(),
+        {w for c in configs.values() for w in c.step_widths},
+    )  # fmt: skip
+    models = {name: by_ref[ref] if ref is not None else None for name, ref in drafts.items()}
+    if target_address is not None:
+        from serving.remote import RemoteSpeculativeEngine
+
+        engines = {name: RemoteSpeculativeEngine(models[name], tokenizer, target_address, configs[name]) for name in drafts}
+    else:
+        engines = {name: SpeculativeEngine(target_model, tokenizer, models[name], configs[name]) for name in drafts}
+    return LoadedEngines(tokenizer, target_model, models, engines, kernels)
