@@ -1,13 +1,13 @@
 """serve: the OpenAI-compatible server with routed speculative decoding.
 
     serve --router runs/router/router.pt                              # fused: everything here
-    serve --router router.pt --config configs/serve.yaml port=8001 max_batch_size=4
+    serve --router router.pt --config configs/serve.yaml port=8001 engine.max_batch_size=4
     serve --role target --router router.pt port=50051                 # gRPC verification service
     serve --role draft --target 127.0.0.1:50051 --router router.pt    # HTTP API + drafts
     serve --describe                                                  # every config key
 
-Flags are shorthands for config keys (``--router X`` is ``router=X``); ``key=value`` overrides
-come last and win.
+Flags are shorthands for config keys (``--router X`` is ``router=X``, ``--target`` is
+``target_address``); ``key=value`` overrides come last and win.
 """
 
 from __future__ import annotations
@@ -16,41 +16,29 @@ import argparse
 import logging
 import sys
 
-from serving.config import ConfigError, describe, load_config
+from serving.cli import Command, Flag
+from serving.config import ConfigError
 from serving.serve_config import ServeConfig
 
-
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="serve", description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])  # fmt: skip
-    ap.add_argument("--config", help="YAML config (configs/serve.yaml); keys as in --describe")
-    ap.add_argument("--router", help="router.pt (fused and draft roles)")
-    ap.add_argument("--role", choices=["fused", "target", "draft"], help="default: fused")
-    ap.add_argument("--target", help="role=draft: HOST:PORT of the target service")
-    ap.add_argument("--host", help="listen address")
-    ap.add_argument("--port", type=int, help="listen port")
-    ap.add_argument("--describe", action="store_true", help="print every config key with its default and exit")
-    ap.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. max_batch_size=4")
-    return ap
+CLI = Command("serve", ServeConfig, __doc__, flags=[
+    Flag("--router", "router"),
+    Flag("--role", "role"),
+    Flag("--target", "target_address", help="role=draft: HOST:PORT of the target service"),
+    Flag("--host", "host"),
+    Flag("--port", "port"),
+], errors=(FileNotFoundError,))  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.describe:
-        print(describe(ServeConfig))
-        return 0
-    flags = {"router": args.router, "role": args.role, "target_address": args.target, "host": args.host, "port": args.port}
-    overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + list(args.overrides)
-    try:
-        cfg = load_config(ServeConfig, args.config, overrides)
-        _check(cfg)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"serve: error: {e}", file=sys.stderr)
-        return 2
-    if cfg.threads is not None:
+    return CLI.main(argv, run)
+
+
+def run(cfg: ServeConfig, args: argparse.Namespace) -> int:
+    _check(cfg)
+    if cfg.engine.threads is not None:
         import torch
 
-        torch.set_num_threads(cfg.threads)
+        torch.set_num_threads(cfg.engine.threads)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if cfg.role == "target":
         return _serve_target(cfg)
@@ -58,7 +46,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve_target(cfg: ServeConfig) -> int:
-    from serving.engine import EngineConfig
     from serving.verify_service import serve_target
 
     target_ref = cfg.target_model
@@ -68,11 +55,12 @@ def _serve_target(cfg: ServeConfig) -> int:
         import torch
 
         target_ref = torch.load(cfg.router, map_location="cpu", weights_only=True)["target_ref"]
+    e = cfg.engine
     serve_target(
-        target_ref, host=cfg.host, port=cfg.port, device=cfg.device, dtype=cfg.dtype,
-        max_batch_size=cfg.max_batch_size, max_len=cfg.max_len, k_buckets=EngineConfig().k_buckets,
+        target_ref, host=cfg.host, port=cfg.port, device=e.device, dtype=e.dtype,
+        max_batch_size=e.max_batch_size, max_len=e.max_len, k_buckets=e.k_buckets,
         session_timeout_s=cfg.session_timeout_s, batch_window_ms=cfg.batch_window_ms,
-        cpu_kernels=cfg.cpu_kernels and cfg.compile_backend is None,
+        cpu_kernels=e.uses_cpu_kernels,
     )  # fmt: skip
     return 0
 
@@ -82,13 +70,16 @@ def _check(cfg: ServeConfig) -> None:
     from pathlib import Path
 
     if cfg.role in ("fused", "draft") and cfg.router is None:
-        raise ValueError(f"role={cfg.role} needs a router: pass --router router.pt")
+        raise ConfigError(f"role={cfg.role} needs a router: pass --router router.pt")
     if cfg.router is not None and not Path(cfg.router).is_file():
-        raise FileNotFoundError(f"router file {cfg.router} does not exist; build one with train-router")
+        raise ConfigError(f"router file {cfg.router} does not exist; build one with train-router")
     if cfg.role == "draft" and not cfg.target_address:
-        raise ValueError("role=draft needs the target service's address: pass --target HOST:PORT")
+        raise ConfigError("role=draft needs the target service's address: pass --target HOST:PORT")
     if cfg.role == "target" and cfg.router is None and cfg.target_model is None:
-        raise ValueError("role=target needs the target model: pass --router router.pt or target_model=REF")
+        raise ConfigError("role=target needs the target model: pass --router router.pt or target_model=REF")
+    if cfg.role == "target" and cfg.engine.quantize is not None:
+        raise ConfigError(f"role=target verifies with the target as loaded: engine.quantize={cfg.engine.quantize} "
+                          "is not supported there; drop it (the drafts' own precision is engine.draft_weights)")  # fmt: skip
 
 
 def _serve_http(cfg: ServeConfig) -> int:
@@ -106,7 +97,7 @@ def _serve_http(cfg: ServeConfig) -> int:
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level))
     server.run()
     if failed:
-        print(f"serve: error: loading failed: {type(failed[0]).__name__}: {failed[0]}", file=sys.stderr)
+        CLI.fail(f"loading failed: {type(failed[0]).__name__}: {failed[0]}")
         return 1
     return 0
 

@@ -13,8 +13,9 @@ until the target, the drafts and the router are loaded and warmed up, then 200. 
   header forces a draft name or ``none`` (the target alone).
 * ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
 
-``build_engines`` is the one place that turns a config into engines: ``SpeculativeEngine`` per
-draft in fused mode, ``serving.remote.RemoteSpeculativeEngine`` per draft in the draft role.
+``build_engines`` turns a config into engines with ``serving.engine_settings.load_engines``, as
+every command does: ``SpeculativeEngine`` per draft in fused mode,
+``serving.remote.RemoteSpeculativeEngine`` per draft in the draft role.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request as HTTPRequest
 
 from serving.detokenize import IncrementalDetokenizer
-from serving.engine import EngineConfig, Request, SpeculativeEngine, use_cpu_kernels
+from serving.engine import Request
+from serving.engine_settings import load_engines
 from serving.metrics import CONTENT_TYPE, ServerMetrics
-from serving.models import check_same_tokenizer, load_model, load_tokenizer
+from serving.models import load_tokenizer
 from serving.openai_api import (
     APIError, ChatCompletionRequest, CompletionRequest, chunk_body, completion_body, new_id, parse_request, sse, usage,
 )  # fmt: skip
@@ -62,61 +64,22 @@ class Backend:
     unavailable: tuple[type[BaseException], ...] = ()  # step() errors that mean "target down"
 
 
-def engine_config(cfg: ServeConfig, has_draft: bool) -> EngineConfig:
-    return EngineConfig(
-        max_batch_size=cfg.max_batch_size,
-        max_len=cfg.max_len,
-        k=cfg.k if has_draft else 0,
-        compile_backend=cfg.compile_backend,
-        draft_confidence=cfg.draft_confidence if has_draft else None,
-        draft_stop=cfg.draft_stop,
-    )
-
-
 def build_engines(cfg: ServeConfig, router: Any) -> tuple[Any, dict[str, Engine], tuple[type[BaseException], ...]]:
     """The tokenizer, one engine per draft name of the router plus "none", and the exceptions
     that mean the target is unreachable. Fused: the target loads once and every engine shares
     it (each has its own KV cache); role=draft: engines verify on ``cfg.target_address``."""
-    from serving.devices import resolve_device
-
-    device = resolve_device(cfg.device)
-    target_ref = cfg.target_model or router.target_ref
-    tokenizer = load_tokenizer(target_ref)
     names = list(dict.fromkeys([*router.draft_names, NONE]))
-    by_ref: dict[str, Any] = {}  # two names with one reference share the model
-    drafts: dict[str, Any] = {}
-    for name in names:
-        ref = router.draft_refs.get(name)
-        if ref is None:
-            drafts[name] = None
-            continue
-        if ref not in by_ref:
-            check_same_tokenizer(tokenizer, load_tokenizer(ref), draft_name=f"draft {name!r} ({ref})")
-            by_ref[ref] = load_model(ref, dtype=cfg.dtype, device=device)
-        drafts[name] = by_ref[ref]
-    if cfg.role == "draft":
-        from serving.remote import RemoteSpeculativeEngine, TargetUnavailable
+    remote = cfg.role == "draft"
+    loaded = load_engines(
+        cfg.engine, cfg.target_model or router.target_ref, {name: router.draft_refs.get(name) for name in names},
+        target_address=cfg.target_address if remote else None,
+    )  # fmt: skip
+    unavailable: tuple[type[BaseException], ...] = ()
+    if remote:
+        from serving.remote import TargetUnavailable
 
-        target, unavailable = None, (TargetUnavailable,)
-
-        def make(draft: Any, config: EngineConfig) -> Engine:
-            return RemoteSpeculativeEngine(draft, tokenizer, cfg.target_address, config)
-    else:
-        target, unavailable = load_model(target_ref, dtype=cfg.dtype, device=device), ()
-
-        def make(draft: Any, config: EngineConfig) -> Engine:
-            return SpeculativeEngine(target, tokenizer, draft, config)
-
-    configs = {name: engine_config(cfg, drafts[name] is not None) for name in names}
-    if cfg.cpu_kernels and cfg.compile_backend is None:
-        # The kernels are eager-only; every model is prepared once for every step width in use.
-        widths = sorted({w for c in configs.values() for w in c.step_widths})
-        draft_models = [m for m in by_ref.values() if m is not None]
-        use_cpu_kernels([target] if target is not None else [], drafts=draft_models, draft_weights=cfg.draft_weights,
-                        device=device, dtype=cfg.dtype, widths=widths)
-    elif cfg.draft_weights == "int8":
-        raise ValueError(f"draft_weights={cfg.draft_weights} needs cpu_kernels=true and compile_backend=null")
-    return tokenizer, {name: make(drafts[name], configs[name]) for name in names}, unavailable
+        unavailable = (TargetUnavailable,)
+    return loaded.tokenizer, loaded.engines, unavailable
 
 
 def load_backend(cfg: ServeConfig) -> Backend:
@@ -219,7 +182,7 @@ class _Server:
         try:
             t0 = time.perf_counter()
             backend = load(self.cfg)
-            scheduler = Scheduler(backend.engines, backend.router, self.metrics, max_batch_size=self.cfg.max_batch_size,
+            scheduler = Scheduler(backend.engines, backend.router, self.metrics, max_batch_size=self.cfg.engine.max_batch_size,
                                   queue_limit=self.cfg.queue_limit, unavailable=backend.unavailable)  # fmt: skip
             scheduler.start()
             self.backend, self.scheduler, self.ready = backend, scheduler, True

@@ -29,7 +29,7 @@ class TargetProcess:
     def __init__(self, target_dir, port: int) -> None:
         self.address = f"127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "serving.cli_serve", "--role", "target", "--port", str(port),
-               f"target_model={target_dir}", "device=cpu", f"max_len={MAX_LEN}", "max_batch_size=4", "log_level=warning"]  # fmt: skip
+               f"target_model={target_dir}", "engine.device=cpu", f"engine.max_len={MAX_LEN}", "engine.max_batch_size=4", "log_level=warning"]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 90
         with grpc.insecure_channel(self.address) as channel:
@@ -60,7 +60,7 @@ def test_serve_target_and_draft_roles_end_to_end(model_dirs, router_file):
     draft = None
     try:
         draft = LiveServer([f"router={router_file}", "role=draft", f"target_address={target.address}",
-                            f"max_len={MAX_LEN}", "max_batch_size=2", "k=4"])  # fmt: skip
+                            f"engine.max_len={MAX_LEN}", "engine.max_batch_size=2", "engine.k=4"])  # fmt: skip
         draft.wait_ready(90)
         fused = SpeculativeEngine.load(str(model_dirs["target"]), str(model_dirs["draft"]), device="cpu",
                                        config=EngineConfig(max_batch_size=1, max_len=MAX_LEN, k=4))  # fmt: skip

@@ -32,7 +32,7 @@ class LiveServer:
     """``serving.server.create_app`` under a real uvicorn on a free loopback port."""
 
     def __init__(self, overrides: list[str], load=load_backend) -> None:
-        self.cfg = load_config(ServeConfig, None, ["device=cpu", "log_level=warning", *overrides])
+        self.cfg = load_config(ServeConfig, None, ["engine.device=cpu", "log_level=warning", *overrides])
         self.app = create_app(self.cfg, load=load)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -90,7 +90,7 @@ def live(router_file):
         assert gate.wait(60)
         return load_backend(cfg)
 
-    srv = LiveServer([f"router={router_file}", f"max_len={MAX_LEN}", "max_batch_size=4", "k=4"], load=gated_load)
+    srv = LiveServer([f"router={router_file}", f"engine.max_len={MAX_LEN}", "engine.max_batch_size=4", "engine.k=4"], load=gated_load)
     srv.early = {path: srv.request(method, path, body) for method, path, body in (
         ("GET", "/health", None), ("GET", "/v1/models", None),
         ("POST", "/v1/completions", b'{"model": "m", "prompt": "hi"}'))}  # fmt: skip
@@ -298,7 +298,7 @@ def test_load_test_script_has_no_lost_or_malformed_responses(live, tmp_path):
 def test_full_queue_429_disconnect_frees_slot_and_timeout(router_file):
     """One slot, no queue: a second request while the first runs gets 429; closing the first
     stream cancels it and frees the slot; a request past its timeout gets a clean error."""
-    srv = LiveServer([f"router={router_file}", "max_len=512", "max_batch_size=1", "queue_limit=0", "warmup=false"])
+    srv = LiveServer([f"router={router_file}", "engine.max_len=512", "engine.max_batch_size=1", "queue_limit=0", "warmup=false"])
     try:
         srv.wait_ready()
         long = dict(model=srv.model, prompt="hi", max_tokens=480, temperature=0, extra_body={"draft": "none"})  # no EOS
@@ -340,9 +340,12 @@ def test_full_queue_429_disconnect_frees_slot_and_timeout(router_file):
 
 @pytest.mark.e2e
 def test_serve_cli_fails_fast_on_bad_config(router_file, tmp_path, capsys):
-    assert load_config(ServeConfig, Path(__file__).parents[1] / "configs" / "serve.yaml").max_batch_size == 8
+    assert load_config(ServeConfig, Path(__file__).parents[1] / "configs" / "serve.yaml").engine.max_batch_size == 8
     assert cli_serve.main(["--describe"]) == 0
-    assert "queue_limit" in capsys.readouterr().out
+    described = capsys.readouterr().out
+    assert "queue_limit" in described and "engine.max_batch_size: int = 8" in described  # serve's own default
+    assert cli_serve.main(["--router", str(router_file), "max_batch_size=4"]) == 2  # a key that moved names its new place
+    assert capsys.readouterr().err == "serve: error: max_batch_size was renamed to engine.max_batch_size: use that key instead\n"
     assert cli_serve.main([]) == 2
     assert "needs a router" in capsys.readouterr().err
     assert cli_serve.main(["--router", str(tmp_path / "missing.pt")]) == 2
