@@ -29,18 +29,29 @@ def accept_reject(
     draft_tokens: torch.Tensor,  # [B, K] long
     u_accept: torch.Tensor,  # [B, K] uniforms for the accept tests
     u_next: torch.Tensor,  # [B] uniform for the residual or bonus draw
+    n_draft: torch.Tensor | None = None,  # [B] long: real draft tokens per row, the rest padding
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (n_accepted [B] long in 0..K, next_token [B] long).
 
     The committed tokens of the step are draft_tokens[:, :n_accepted] followed by next_token.
     K = 0 is the target-only step: nothing to accept, next_token is drawn from p_1.
+    ``n_draft``: a row that drafted fewer than K tokens (its own K, or an early stop) has padding
+    slots after them. They propose nothing (q = 0 there), so they are never accepted and the
+    token after the row's last draft is its bonus, drawn from p: the row's output is what it
+    would be in a batch whose K were its own.
     """
     B, K1, V = p.shape
     K = K1 - 1
     p_x = p[:, :K].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # [B, K]
+    if n_draft is not None:
+        real = torch.arange(K, device=p.device) < n_draft.unsqueeze(1)  # [B, K]
+        q = q * real.unsqueeze(-1)  # [B, K, V]
     q_x = q.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # [B, K]
     # u < p/q, written without a division (q_x > 0 for sampled tokens, but keep it branch-free).
+    # A padding slot has q_x = 0, so u * 0 < p_x could pass: it is masked out explicitly.
     accepted = u_accept * q_x < p_x  # [B, K]
+    if n_draft is not None:
+        accepted &= real
     n_accepted = accepted.long().cumprod(-1).sum(-1)  # [B] accepted before the first rejection
 
     # A zero "draft distribution" after the last position turns the bonus into a residual draw.

@@ -32,8 +32,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from serving.bundled import choral_home
 from serving.cpu_kernels import prepare_for_cpu, rowdot_available
-from serving.devices import compile_backend, resolve_dtype, synchronize
-from serving.models import eos_token_ids
+from serving.devices import compile_backend, resolve_device, resolve_dtype, synchronize
+from serving.models import check_same_tokenizer, eos_token_ids, load_model, load_tokenizer
 from serving.runner import ModelRunner
 from serving.sampling import SamplingParams, SamplingTensors
 from serving.speculative import DecodeState, StepRandom, draft_half, prefill_first_token, start_row, verify_half
@@ -175,6 +175,7 @@ class _Slot:
     generated: list[int]
     stats: RequestStats
     started: float
+    k_value: float = 0.0  # this request's own K ("auto" moves it by the request's own acceptance)
     emitted: int = 0  # tokens of ``generated`` already handed out by step()
 
 
@@ -224,7 +225,9 @@ class SpeculativeEngine:
         )
         self._eos = set(self.state.eos_ids.tolist())
         self._sampling: SamplingTensors | None = None  # rebuilt when a slot's request changes
-        self._k_value = float(config.k_buckets[len(config.k_buckets) // 2] if config.k == "auto" else config.k)
+        # Where each request's K starts; with "auto" every request then moves its own K, so its
+        # output never depends on what else shares the batch.
+        self._k_start = float(config.k_buckets[len(config.k_buckets) // 2] if config.k == "auto" else config.k)
         self._slots: list[_Slot | None] = [None] * B
         self._waiting: deque[tuple[int, Request]] = deque()
         self._next_id = 0
@@ -248,17 +251,20 @@ class SpeculativeEngine:
         tokenizers agree, and build the engine on ``device`` in ``dtype``. On a CPU in fp32,
         ``cpu_kernels`` swaps in the batch-invariant kernels of ``serving.cpu_kernels``, which
         verify K+1 tokens for about the cost of one with bitwise-identical rows, and
-        ``draft_weights`` "auto" (default) or "int8" runs the draft in int8 there (see ``use_cpu_kernels``).
-        The commands build their engines from settings the same way: ``serving.engine_settings.load_engines``."""
-        from serving.engine_settings import EngineSettings, load_engines
-
+        ``draft_weights`` "auto" (default) or "int8" runs the draft in int8 there (see ``use_cpu_kernels``)."""
         config = config or EngineConfig()
-        settings = EngineSettings(
-            device=device, dtype=dtype, quantize=quantize, cpu_kernels=cpu_kernels, draft_weights=draft_weights,
-            compile_backend=config.compile_backend, max_batch_size=config.max_batch_size, max_len=config.max_len,
-            k=config.k or 1, k_buckets=config.k_buckets, draft_confidence=config.draft_confidence, draft_stop=config.draft_stop,
-        )  # fmt: skip
-        return load_engines(settings, target, {"engine": draft if config.k != 0 else None}).engines["engine"]
+        dev = resolve_device(device)
+        tokenizer = load_tokenizer(target)
+        models = [load_model(target, dtype=dtype, device=dev, quantize=quantize)]
+        if draft is not None:
+            check_same_tokenizer(tokenizer, load_tokenizer(draft), draft_name=f"draft {draft!r}")
+            models.append(load_model(draft, dtype=dtype, device=dev, quantize=quantize))
+        if cpu_kernels:
+            use_cpu_kernels(models[:1], drafts=models[1:], draft_weights=draft_weights, device=dev, dtype=dtype,
+                            widths=config.step_widths, quantize=quantize)
+        elif draft_weights == "int8":
+            raise ValueError(f"draft_weights={draft_weights!r} needs cpu_kernels=True")
+        return cls(models[0], tokenizer, models[1] if len(models) > 1 else None, config)
 
     # ---- public API ----------------------------------------------------------------------------
 
@@ -400,8 +406,9 @@ class SpeculativeEngine:
         self._sampling = None
         stats = RequestStats(new_tokens=1)
         stats.prefill_time_s = time.perf_counter() - started
-        slot = _Slot(index, request, ids.shape[1], generator, [first_id], stats, started)
-        return slot, done or self._hit_stop(slot, 0)
+        slot = _Slot(index, request, ids.shape[1], generator, [first_id], stats, started, k_value=self._k_start)
+        stopped = self._hit_stop(slot, 0)
+        return slot, done or stopped
 
     def _retire(self, b: int, slots: list[_Slot | None]) -> Completion:
         slot = slots[b]
@@ -456,11 +463,12 @@ class SpeculativeEngine:
         rand: StepRandom,
         draft_tokens: torch.Tensor,  # [B, K]
         q: torch.Tensor,  # [B, K, V]
+        n_draft: torch.Tensor,  # [B] real draft tokens per row; the rest of K is padding
         clock,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The verify half of the step for every slot: returns (n_accepted [B], n_new [B]) and
         leaves ``self.state`` committed. Calls ``clock("target")`` once the target has answered."""
-        n_accepted, _, n_new = verify_half(self.target, self.state, sampling, rand, draft_tokens, q, clock)
+        n_accepted, _, n_new = verify_half(self.target, self.state, sampling, rand, draft_tokens, q, clock, n_draft)
         return n_accepted, n_new
 
     def _release(self, b: int) -> None:
@@ -474,26 +482,20 @@ class SpeculativeEngine:
             self._sampling = SamplingTensors.build(params, self.device)
         return self._sampling
 
-    def _choose_k(self) -> int:
-        if self.draft is None:
+    def _row_k(self, slot: _Slot | None) -> int:
+        """The request's K this step: the largest bucket its own K value reaches (0: no draft)."""
+        if slot is None or self.draft is None:
             return 0
         if self.config.k != "auto":
             return int(self.config.k)
-        fitting = [k for k in self.config.k_buckets if k <= self._k_value]
+        fitting = [k for k in self.config.k_buckets if k <= slot.k_value]
         return fitting[-1] if fitting else self.config.k_buckets[0]
-
-    def _random(self, slots: list[_Slot | None], k: int) -> StepRandom:
-        draws = torch.rand(len(slots), 2 * k + 1)  # empty slots draw from a fresh unseeded stream
-        for b, slot in enumerate(slots):
-            if slot is not None:
-                draws[b] = torch.rand(2 * k + 1, generator=slot.generator)
-        draws = draws.to(self.device)
-        return StepRandom(draft=draws[:, :k], accept=draws[:, k : 2 * k], next=draws[:, 2 * k])
 
     def _step(self, slots: list[_Slot | None]) -> list[int]:
         """One speculative step over all slots; returns the slots whose request finished."""
-        k = self._choose_k()
         s = self.state
+        k_rows = [self._row_k(slot) for slot in slots]
+        k = max(k_rows)  # the step's K: a bucket; rows with a smaller K pad with masked slots
         n_before = s.lengths.clone()
         times: dict[str, float] = {}
         last = [time.perf_counter()]
@@ -504,29 +506,51 @@ class SpeculativeEngine:
             times[phase] = now - last[0]
             last[0] = now
 
-        # speculative_step's two halves, split so that the verify half can run elsewhere.
-        sampling, rand = self._batch_sampling(slots), self._random(slots, k)
-        draft_tokens, q = draft_half(self.draft, s, sampling, rand, k, self.vocab_size, self.config.draft_confidence,
-                                     self.config.draft_stop)
+        # 1. draft, 2-4. verify, accept/reject, commit: speculative_step's two halves, split so
+        # that the verify half can run elsewhere.
+        sampling = self._batch_sampling(slots)
+        rand = step_uniforms([slot.generator if slot else None for slot in slots], k_rows, k, self.device)
+        budget = torch.tensor(k_rows, dtype=torch.long, device=self.device)  # [B]
+        draft_tokens, q, n_draft = draft_half(self.draft, s, sampling, rand, k, self.vocab_size,
+                                              self.config.draft_confidence, self.config.draft_stop, budget)  # fmt: skip
         clock("draft")
-        n_acc, n_new = self._verify(slots, sampling, rand, draft_tokens, q, clock)
+        n_acc, n_new = self._verify(slots, sampling, rand, draft_tokens, q, n_draft, clock)
         k = draft_tokens.shape[1]
         committed = s.tokens.gather(1, n_before.unsqueeze(1) + torch.arange(k + 1, device=self.device))
-        # The single host sync of the step.
-        rows = torch.cat([n_acc[:, None], n_new[:, None], s.done[:, None].long(), committed], 1).tolist()
+        # 5. The single host sync of the step.
+        rows = torch.cat([n_acc[:, None], n_new[:, None], s.done[:, None].long(), n_draft[:, None], committed], 1)
+        rows = rows.tolist()
 
-        finished, all_accepted = [], True
+        finished = []
+        lo, hi = self.config.k_buckets[0], self.config.k_buckets[-1]
         for b, slot in enumerate(slots):
             if slot is None:
                 continue
-            accepted, new, done, tokens = rows[b][0], rows[b][1], bool(rows[b][2]), rows[b][3:]
+            accepted, new, done, drafted, tokens = rows[b][0], rows[b][1], bool(rows[b][2]), rows[b][3], rows[b][4:]
             before = len(slot.generated)
             slot.generated += tokens[:new]
-            slot.stats.record_step(k, accepted, new, times.get("draft", 0.0), times.get("target", 0.0))
-            all_accepted &= accepted == k
-            if done or self._hit_stop(slot, before):
+            slot.stats.record_step(drafted, accepted, new, times.get("draft", 0.0), times.get("target", 0.0))
+            if self.config.k == "auto":  # Hugging Face's heuristic, per request: +2 after a full accept, else -1
+                slot.k_value = min(hi, slot.k_value + 2) if accepted == drafted else max(lo, slot.k_value - 1)
+            # Stop strings first: a step that also reaches the length limit must still cut at the stop.
+            stopped = self._hit_stop(slot, before)
+            if done or stopped:
                 finished.append(b)
-        if self.config.k == "auto" and self.draft is not None:
-            lo, hi = self.config.k_buckets[0], self.config.k_buckets[-1]
-            self._k_value = min(hi, self._k_value + 2) if all_accepted else max(lo, self._k_value - 1)
         return finished
+
+
+def step_uniforms(generators: list[torch.Generator | None], k_rows: list[int], k: int, device) -> StepRandom:
+    """The uniforms of one step, [B, K] padded. Row b takes 2 * k_rows[b] + 1 draws from its own
+    generator, in a fixed order: its draft tokens, its accept tests, then the correction or bonus
+    draw. What a row consumes depends only on its own K, never on the step's K or on the other
+    rows, so a seeded request's output does not depend on what else is in the batch. The accept
+    tests must be draws of their own: reusing the ones that drew the draft tokens would correlate
+    each test with its token and bias sampled output. Empty slots (None) get zeros."""
+    B = len(generators)
+    draft, accept, nxt = torch.zeros(B, k), torch.zeros(B, k), torch.zeros(B)  # [B, K], [B, K], [B]
+    for b, (g, kb) in enumerate(zip(generators, k_rows)):
+        if g is None:
+            continue
+        u = torch.rand(2 * kb + 1, generator=g)
+        draft[b, :kb], accept[b, :kb], nxt[b] = u[:kb], u[kb : 2 * kb], u[2 * kb]
+    return StepRandom(draft=draft.to(device), accept=accept.to(device), next=nxt.to(device))

@@ -166,6 +166,7 @@ class RemoteSpeculativeEngine(SpeculativeEngine):
         rand: StepRandom,
         draft_tokens: torch.Tensor,  # [B, K]
         q: torch.Tensor,  # [B, K, V]
+        n_draft: torch.Tensor,  # [B]
         clock,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.state
@@ -174,13 +175,15 @@ class RemoteSpeculativeEngine(SpeculativeEngine):
         n = s.lengths.cpu()  # [B]
         last = s.tokens.gather(1, (s.lengths - 1).unsqueeze(1)).squeeze(1).tolist()  # [B] x_{n-1}
         drafts, u_accept, u_next = draft_tokens.tolist(), rand.accept[:, :k].tolist(), rand.next.tolist()
+        counts = n_draft.tolist()  # [B]
         q = q.to("cpu", torch.float32).contiguous()  # [B, K, V]
+        # Each item carries only its row's real draft tokens; the target pads the rest of K.
         items = [
             verify_pb2.VerifyItem(
-                session_id=self._sessions[b], length=int(n[b]), pending=[last[b]], draft_tokens=drafts[b],
+                session_id=self._sessions[b], length=int(n[b]), pending=[last[b]], draft_tokens=drafts[b][: counts[b]],
                 # Greedy q is one-hot at the draft token: the target rebuilds it, nothing to send.
-                q=b"" if k == 0 or slots[b].request.params.greedy else q[b].numpy().tobytes(),
-                u_accept=u_accept[b], u_next=u_next[b],
+                q=b"" if counts[b] == 0 or slots[b].request.params.greedy else q[b, : counts[b]].numpy().tobytes(),
+                u_accept=u_accept[b][: counts[b]], u_next=u_next[b],
             )  # fmt: skip
             for b in live
         ]

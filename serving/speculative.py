@@ -54,6 +54,7 @@ def speculative_step(
     clock: Callable[[str], None] | None = None,
     draft_confidence: float | None = None,
     draft_stop: str = "token",
+    k_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Advance every row by one target call. Mutates ``state`` (tokens, lengths, done) in place and
     returns (n_accepted [B], n_new [B], k): draft tokens accepted, tokens committed this step
@@ -63,16 +64,19 @@ def speculative_step(
     ``clock(phase)``, if given, is called after the draft and after the verification, for timing;
     leave it None to compile the whole step into one graph.
 
-    ``draft_confidence``: stop drafting early once every row's draft is less sure than this (its
-    top probability), as transformers' assisted generation does; the verification then covers the
-    shorter block. It reads a flag back after each draft token, so it is meant for CPUs, where that
-    costs nothing; leave it None for one host sync per step and a single compiled graph.
-    ``draft_stop="cumulative"`` compares the running product of those probabilities instead.
+    ``draft_confidence``: a row stops drafting once its draft is less sure than this (its top
+    probability), as transformers' assisted generation does; the step's drafting ends when no row
+    drafts any more and the verification covers the shorter block. It reads a flag back after
+    each draft token, so it is meant for CPUs, where that costs nothing; leave it None for one
+    host sync per step and a single compiled graph. ``draft_stop="cumulative"`` compares the
+    running product of those probabilities instead.
+    ``k_rows`` ([B] long, each <= k): a per-row draft budget (each request's own K); None: k for all.
     """
-    draft_tokens, q = draft_half(draft, state, sampling, rand, k, target.vocab_size, draft_confidence, draft_stop)
+    draft_tokens, q, n_draft = draft_half(draft, state, sampling, rand, k, target.vocab_size, draft_confidence,
+                                          draft_stop, k_rows)  # fmt: skip
     if clock is not None:
         clock("draft")
-    n_accepted, _, n_new = verify_half(target, state, sampling, rand, draft_tokens, q, clock)
+    n_accepted, _, n_new = verify_half(target, state, sampling, rand, draft_tokens, q, clock, n_draft)
     return n_accepted, n_new, draft_tokens.shape[1]
 
 
@@ -85,14 +89,23 @@ def draft_half(
     vocab_size: int,
     draft_confidence: float | None = None,
     draft_stop: str = "token",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step 1: draft up to k tokens per row. Returns (draft_tokens [B, K] long, q [B, K, V]), K = k,
-    fewer after a ``draft_confidence`` stop, 0 without a draft. Reads ``state``, writes only the
-    draft's cache. ``draft_stop``: "token" stops once the draft's top probability of the latest
-    token is below ``draft_confidence`` (transformers' rule); "cumulative" once the product of
-    the top probabilities so far is, a proxy for the chance the whole block is accepted."""
+    k_rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step 1: draft up to k tokens per row. Returns (draft_tokens [B, K] long, q [B, K, V],
+    n_draft [B] long): K = k, fewer once every row has stopped (``draft_confidence``), 0 without a
+    draft; ``n_draft`` counts each row's real draft tokens, the rest of its K are padding that
+    ``accept_reject`` masks. A row drafts at most its ``k_rows`` budget, and stops after a token
+    whose draft distribution is unsure ("token": that distribution's top probability is below
+    ``draft_confidence``, transformers' rule; "cumulative": the product of the top probabilities
+    so far, a proxy for the chance the whole block survives). Both rules look only at the
+    distributions, never at which token was drawn from them: a stop that depends on the drawn
+    token would bias sampled output. A row's stop never depends on the other rows. Reads
+    ``state``, writes only the draft's cache."""
     B = state.lengths.shape[0]
     n = state.lengths  # [B]
+    budget = torch.full_like(n, k) if k_rows is None else k_rows  # [B]
+    n_draft = torch.zeros_like(n)  # [B]
+    drafting = budget > 0  # [B] rows still drafting
     # The first call re-feeds x_{n-2} too: after a step in which all K were accepted the draft
     # never saw its own last token, and always feeding two keeps the shape fixed instead of
     # branching on the host.
@@ -106,15 +119,17 @@ def draft_half(
             q_i = probs_from_logits(logits, sampling)[:, 0]  # [B, V]
             drafted.append(sample(q_i, rand.draft[:, i]))  # [B]
             q.append(q_i)
+            n_draft = n_draft + drafting.long()
+            drafting = drafting & (budget > i + 1)
             if draft_confidence is not None and i + 1 < k:
                 top = torch.softmax(logits[:, 0].float(), -1).amax(-1)  # [B]
-                # "cumulative": the chance that the whole block so far survives, not just this token.
                 sure = top if draft_stop == "token" else (sure * top if i > 0 else top)  # [B]
-                if bool(((sure < draft_confidence) | state.done).all()):
+                drafting = drafting & (sure >= draft_confidence)
+                if not bool((drafting & ~state.done).any()):
                     break
     draft_tokens = torch.stack(drafted, 1) if drafted else n.new_zeros(B, 0)  # [B, K]
     q_all = torch.stack(q, 1) if q else torch.zeros(B, 0, vocab_size, device=n.device)  # [B, K, V]
-    return draft_tokens, q_all
+    return draft_tokens, q_all, torch.minimum(n_draft, n.new_tensor(draft_tokens.shape[1]))
 
 
 def verify_half(
@@ -125,6 +140,7 @@ def verify_half(
     draft_tokens: torch.Tensor,  # [B, K] long
     q: torch.Tensor,  # [B, K, V] the distributions the draft tokens were sampled from
     clock: Callable[[str], None] | None = None,
+    n_draft: torch.Tensor | None = None,  # [B] long: real draft tokens per row (None: all K)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Steps 2-4: one target forward over [x_{n-1}, drafts], accept/reject, commit. Mutates
     ``state``; returns (n_accepted [B], next_token [B], n_new [B]): a draft node that holds its own
@@ -136,12 +152,16 @@ def verify_half(
     # 2. Verify all K draft tokens and get the bonus distribution in one target forward.
     verify_in = torch.cat([current, draft_tokens], dim=1)  # [B, K+1]
     verify_pos = (n - 1).unsqueeze(1) + torch.arange(k + 1, device=n.device)  # [B, K+1]
+    # A done (frozen) row still runs through the forward; it may have reserved room for a smaller
+    # K than this step's (a session of another K on a shared target), so keep its writes inside
+    # the cache. Everything at or past its n-1 is stale to it and rewritten before it is read.
+    verify_pos = torch.where(state.done.unsqueeze(1), verify_pos.clamp(max=target.max_len - 1), verify_pos)
     p = probs_from_logits(target.forward(verify_in, verify_pos), sampling)  # [B, K+1, V]
     if clock is not None:
         clock("target")
 
     # 3. Accept/reject (Leviathan et al. 2023); the residual or bonus token comes with it.
-    n_accepted, next_token = accept_reject(p, q, draft_tokens, rand.accept[:, :k], rand.next)
+    n_accepted, next_token = accept_reject(p, q, draft_tokens, rand.accept[:, :k], rand.next, n_draft)
     return n_accepted, next_token, commit(state, draft_tokens, n_accepted, next_token)
 
 

@@ -295,11 +295,12 @@ class VerifyService(verify_pb2_grpc.VerifierServicer):
                 f"opened on an earlier run of the target (now instance {self.instance_id[:8]})"
             )
         b = sess.slot
-        if k > sess.k_max or len(item.draft_tokens) != k or len(item.u_accept) != k:
-            return f"K={k} with {len(item.draft_tokens)} draft tokens and {len(item.u_accept)} uniforms (k_max {sess.k_max})"
-        if item.q and len(item.q) != 4 * k * self.vocab_size:
-            return f"q has {len(item.q)} bytes, expected float32 [{k}, {self.vocab_size}]"
-        if not item.q and k > 0 and not sess.params.greedy:
+        m = len(item.draft_tokens)  # this session's real draft tokens: up to K, the rest is padding
+        if m > min(k, sess.k_max) or len(item.u_accept) != m:
+            return f"K={k} with {m} draft tokens and {len(item.u_accept)} uniforms (k_max {sess.k_max})"
+        if item.q and len(item.q) != 4 * m * self.vocab_size:
+            return f"q has {len(item.q)} bytes, expected float32 [{m}, {self.vocab_size}]"
+        if not item.q and m > 0 and not sess.params.greedy:
             return "a sampled session needs q"
         bad = [t for t in item.draft_tokens if not 0 <= t < self.vocab_size]
         if bad:
@@ -317,6 +318,7 @@ class VerifyService(verify_pb2_grpc.VerifierServicer):
         draft_tokens = torch.zeros(B, k, dtype=torch.long)  # [B, K]
         q = torch.zeros(B, k, V)  # [B, K, V]
         u_accept, u_next = torch.zeros(B, k), torch.zeros(B)  # [B, K], [B]
+        n_draft = torch.zeros(B, dtype=torch.long)  # [B] real draft tokens per row
         live = torch.zeros(B, dtype=torch.bool)
         params = [SamplingParams()] * B
         answer = []
@@ -328,13 +330,14 @@ class VerifyService(verify_pb2_grpc.VerifierServicer):
                 continue
             sess = self.sessions[item.session_id]
             sess.last_used = now
-            b = sess.slot
-            draft_tokens[b] = torch.tensor(list(item.draft_tokens), dtype=torch.long)
+            b, m = sess.slot, len(item.draft_tokens)
+            n_draft[b] = m
+            draft_tokens[b, :m] = torch.tensor(list(item.draft_tokens), dtype=torch.long)
             if item.q:
-                q[b] = torch.frombuffer(bytearray(item.q), dtype=torch.float32).view(k, V)
-            elif k > 0:  # greedy: q is one-hot at the draft token, as probs_from_logits makes it
-                q[b] = torch.nn.functional.one_hot(draft_tokens[b], V).float()
-            u_accept[b] = torch.tensor(list(item.u_accept))
+                q[b, :m] = torch.frombuffer(bytearray(item.q), dtype=torch.float32).view(m, V)
+            elif m > 0:  # greedy: q is one-hot at the draft token, as probs_from_logits makes it
+                q[b, :m] = torch.nn.functional.one_hot(draft_tokens[b, :m], V).float()
+            u_accept[b, :m] = torch.tensor(list(item.u_accept))
             u_next[b] = item.u_next
             live[b] = True
             params[b] = sess.params
@@ -348,7 +351,8 @@ class VerifyService(verify_pb2_grpc.VerifierServicer):
         rand = StepRandom(draft=u_accept[:, :0].to(dev), accept=u_accept.to(dev), next=u_next.to(dev))
         sampling = SamplingTensors.build(params, dev)
         try:
-            n_acc, next_token, _ = verify_half(self.runner, s, sampling, rand, draft_tokens.to(dev), q.to(dev))
+            n_acc, next_token, _ = verify_half(self.runner, s, sampling, rand, draft_tokens.to(dev), q.to(dev),
+                                               n_draft=n_draft.to(dev))  # fmt: skip
         finally:  # also when the forward fails: the other sessions' rows must not stay frozen
             s.done.copy_(torch.where(live, s.done, frozen))
         self.forwards += 1

@@ -12,6 +12,7 @@ class PositionStub:
 
     def __init__(self, vocab_size: int, script) -> None:
         self.vocab_size = vocab_size
+        self.max_len = 1 << 30  # cache positions a forward may write (ModelRunner's attribute)
         self.script = script
         self.calls: list[int] = []  # input widths, to check the shapes the step asks for
 
@@ -29,6 +30,7 @@ class MarkovStub:
     def __init__(self, table: torch.Tensor) -> None:
         self.table = table  # [V, V] logits of the next token given the current one
         self.vocab_size = table.shape[0]
+        self.max_len = 1 << 30
 
     def forward(self, tokens, positions, last_only=False):
         if last_only:

@@ -164,3 +164,27 @@ def test_unreachable_target_at_start_names_the_address(tiny_draft, tokenizer):
         address = probe.address
     with pytest.raises(TargetUnavailable, match=f"{address}.*serve --role target"):
         RemoteSpeculativeEngine(tiny_draft, tokenizer, address, EngineConfig(max_len=MAX_LEN), timeout_s=0.5)
+
+
+def test_a_session_at_its_context_end_does_not_fail_larger_k_verifies(server, tiny_target, tiny_draft, tokenizer):
+    """A target-only session (k_max=0) reserves no room past its limit. Once it is within K of
+    the context end, a Verify of K=8 from another session freezes its row in a forward that
+    would write past its cache: that row must stay inside it, and both sessions decode as fused."""
+    long_request = Request(list(range(3, 43)), max_new_tokens=MAX_LEN - 40 - 1)  # needs exactly MAX_LEN positions
+    alone = RemoteSpeculativeEngine(None, tokenizer, server.address, EngineConfig(max_len=MAX_LEN, k=0))
+    alone.add_request(long_request)
+    tokens, finished = [], None
+    while len(tokens) < long_request.max_new_tokens - 3 and alone.has_unfinished_requests():
+        for out in alone.step():
+            tokens += out.new_token_ids
+    assert len(tokens) == long_request.max_new_tokens - 3, "the session must be running three tokens short of its limit"
+    others = [Request(p, max_new_tokens=12) for p in prompts(3, seed=11)]
+    spec = RemoteSpeculativeEngine(tiny_draft, tokenizer, server.address, EngineConfig(max_batch_size=3, max_len=MAX_LEN, k=8))
+    outs = spec.generate(others)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in fused(tiny_target, tiny_draft, tokenizer, others, k=8)]
+    while alone.has_unfinished_requests():
+        for out in alone.step():
+            tokens += out.new_token_ids
+            finished = out.finished or finished
+    [expected] = fused(tiny_target, None, tokenizer, [long_request], batch=1, k=0)
+    assert tokens == expected.token_ids and finished.token_ids == expected.token_ids

@@ -1,8 +1,12 @@
 """Tier 4: sampled speculative output follows the target's distribution (Leviathan et al. 2023,
-Theorem 1), checked with a chi-square test on Markov-chain stubs; and the test has power: it
-fails an acceptor that resamples from p instead of the residual max(0, p - q)."""
+Theorem 1), checked with a chi-square test on the joint distribution of three tokens from
+Markov-chain stubs, drawn with the engine's own per-row uniforms (``step_uniforms``), with and
+without early drafting stops and per-row K. The test has power: it fails an acceptor that
+resamples from p instead of the residual max(0, p - q), accept tests that reuse the draft's
+uniforms, and a drafting stop that drops an unlikely drawn token."""
 
 import itertools
+import sys
 
 import pytest
 import torch
@@ -11,6 +15,8 @@ from scipy.stats import chisquare
 import serving.speculative as speculative
 from serving.acceptance import accept_reject
 from serving.sampling import SamplingParams, SamplingTensors, probs_from_logits, sample
+import serving.engine as engine
+from serving.engine import step_uniforms
 from serving.speculative import StepRandom, speculative_step
 from tests.stubs import MarkovStub, state_for
 
@@ -37,14 +43,34 @@ def exact_distribution(p_table, start, params):
     return probs
 
 
-def speculative_samples(p_table, q_table, params, K, seed, device="cpu"):
+def sharp_draft_table():
+    """A draft that is confident after some tokens and unsure after others (top probability 0.3
+    to 0.8), so stops that look at the draft's confidence fire on some contexts and not others."""
+    probs = torch.tensor([
+        [0.10, 0.20, 0.30, 0.20, 0.20],
+        [0.70, 0.05, 0.15, 0.05, 0.05],
+        [0.05, 0.05, 0.05, 0.80, 0.05],
+        [0.25, 0.25, 0.20, 0.15, 0.15],
+        [0.10, 0.65, 0.10, 0.10, 0.05],
+    ])  # fmt: skip
+    return probs.log()
+
+
+def speculative_samples(p_table, q_table, params, K, seed, device="cpu", draft_confidence=None, draft_stop="token",
+                        mixed_k=False):  # fmt: skip
+    """N sequences of M tokens after the prefix [0, 1], decoded by ``speculative_step`` with the
+    engine's own uniforms (``step_uniforms``: per-row seeded generators). ``mixed_k``: every row
+    has its own K in 1..K (padded, masked slots), as requests with their own K share a step."""
     target, draft = MarkovStub(p_table.to(device)), MarkovStub(q_table.to(device))
     state = state_for([[0, 1]] * N, capacity=2 + M + K + 8, limit=M + K + 4, eos=[], device=device)
     sampling = SamplingTensors.build([params] * N, device)
-    g = torch.Generator(device=device).manual_seed(seed)
+    generators = [torch.Generator().manual_seed(seed * N + i) for i in range(N)]
+    k_rows = [1 + i % K for i in range(N)] if mixed_k else [K] * N
+    budget = torch.tensor(k_rows, device=device)
     while int(state.lengths.min()) < 2 + M:
-        u = torch.rand(N, 2 * K + 1, generator=g, device=device)
-        speculative_step(target, draft, state, sampling, StepRandom(u[:, :K], u[:, K : 2 * K], u[:, 2 * K]), K)
+        rand = step_uniforms(generators, k_rows, K, device)
+        speculative_step(target, draft, state, sampling, rand, K, draft_confidence=draft_confidence,
+                         draft_stop=draft_stop, k_rows=budget)  # fmt: skip
     return state.tokens[:, 2 : 2 + M].cpu()
 
 
@@ -78,11 +104,37 @@ def test_sampled_output_follows_target_distribution(K, params):
     assert p_value(samples, exact_distribution(p_table, 1, params)) > 1e-3
 
 
-def wrong_acceptor(p, q, draft_tokens, u_accept, u_next):
+# The early drafting stops and per-row K, on a draft whose confidence depends on the context.
+STOPS = [
+    dict(draft_confidence=0.6, draft_stop="token"),
+    dict(draft_confidence=0.5, draft_stop="cumulative"),
+    dict(mixed_k=True),
+    dict(mixed_k=True, draft_confidence=0.6),
+]
+
+
+@pytest.mark.parametrize("stop", STOPS, ids=["token-stop", "cumulative-stop", "mixed-k", "mixed-k-token-stop"])
+def test_early_stops_and_per_row_k_keep_the_target_distribution(stop):
+    p_table, _ = tables(3)
+    params = SamplingParams(temperature=1.0)
+    samples = speculative_samples(p_table, sharp_draft_table(), params, 3, seed=300, **stop)
+    assert p_value(samples, exact_distribution(p_table, 1, params)) > 1e-3
+
+
+# ---- power: each known-bad change must fail the statistic ------------------------------------
+
+
+def wrong_acceptor(p, q, draft_tokens, u_accept, u_next, n_draft=None):
     """The classic bug: on rejection, draw from p instead of the residual max(0, p - q)."""
-    n, _ = accept_reject(p, q, draft_tokens, u_accept, u_next)
+    n, _ = accept_reject(p, q, draft_tokens, u_accept, u_next, n_draft)
     at = n.view(-1, 1, 1).expand(-1, 1, p.shape[-1])
     return n, sample(p.gather(1, at).squeeze(1), u_next)
+
+
+def reused_uniforms(generators, k_rows, k, device):
+    """Accept tests that reuse the uniforms that drew the draft tokens."""
+    rand = engine.step_uniforms(generators, k_rows, k, device)
+    return StepRandom(draft=rand.draft, accept=rand.draft.clone(), next=rand.next)
 
 
 def test_chi_square_catches_a_wrong_acceptor(monkeypatch):
@@ -90,4 +142,40 @@ def test_chi_square_catches_a_wrong_acceptor(monkeypatch):
     K, params = 2, SamplingParams(temperature=1.0)
     p_table, q_table = tables(K)
     samples = speculative_samples(p_table, q_table, params, K, seed=7)
+    assert p_value(samples, exact_distribution(p_table, 1, params)) < 1e-6
+
+
+def test_chi_square_catches_accept_tests_that_reuse_the_draft_uniforms(monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "step_uniforms", reused_uniforms)
+    K, params = 3, SamplingParams(temperature=1.0)
+    p_table, q_table = tables(K)
+    samples = speculative_samples(p_table, q_table, params, K, seed=8)
+    assert p_value(samples, exact_distribution(p_table, 1, params)) < 1e-6
+
+
+def test_chi_square_catches_a_stop_that_drops_an_unlikely_draft_token(monkeypatch):
+    """A drafting stop that looks at the drawn token (drop it, and stop, when the draft gave it
+    less than 0.3) makes the proposal a truncated q while the accept rule still divides by q."""
+    real_sample = speculative.sample
+
+    def dropping_sample(probs, u):
+        x = real_sample(probs, u)
+        unlikely = probs.gather(-1, x.unsqueeze(-1)).squeeze(-1) < 0.3
+        return torch.where(unlikely, -1, x)  # a token id no row can hold: the row stops here
+
+    def draft_half_dropping(*args, **kwargs):
+        monkeypatch.setattr(speculative, "sample", dropping_sample)
+        try:
+            tokens, q, n_draft = real_draft_half(*args, **kwargs)
+        finally:
+            monkeypatch.setattr(speculative, "sample", real_sample)
+        dropped = (tokens < 0).long()  # [B, K]
+        first = torch.where(dropped.any(1), dropped.argmax(1), tokens.shape[1])  # [B]
+        return tokens.clamp(min=0), q, torch.minimum(n_draft, first)
+
+    real_draft_half = speculative.draft_half
+    monkeypatch.setattr(speculative, "draft_half", draft_half_dropping)
+    p_table, _ = tables(3)
+    params = SamplingParams(temperature=1.0)
+    samples = speculative_samples(p_table, sharp_draft_table(), params, 3, seed=9)
     assert p_value(samples, exact_distribution(p_table, 1, params)) < 1e-6

@@ -143,3 +143,64 @@ def test_incremental_api_streams_the_same_tokens_and_abort_frees_the_slot(tiny_t
     for i, exp in zip(ids, expected):
         if i in finished:
             assert streamed[i] == finished[i].token_ids == exp.token_ids
+
+
+def stream(engine, request):
+    """The request's tokens as ``step`` hands them out (what a server streams), and its Completion."""
+    rid, streamed, done = engine.add_request(request), [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid:
+                streamed += out.new_token_ids
+                done = out.finished or done
+    return streamed, done
+
+
+def first_completing_stop(tokenizer, tokens, j):
+    """A stop string that first appears in the text once token j-1 (0-based) is decoded, or None."""
+    before, text = tokenizer.decode(tokens[: j - 1]), tokenizer.decode(tokens[:j])
+    for m in range(1, len(text) + 1):
+        if text[-m:] not in before and text.startswith(before):
+            return text[-m:]
+    return None
+
+
+@pytest.mark.parametrize("extra", [0, 2, 20], ids=["limit-at-stop", "limit-in-same-step", "limit-far"])
+def test_stop_string_at_every_position_of_an_accepted_block(tiny_target, tokenizer, extra):
+    """The draft is the target, so whole K+1 blocks commit in one step; a stop string completed by
+    any token of a block, whatever max_new_tokens is beyond it, gives the tokens up to and
+    including that token, the text before the stop, finish_reason "stop", streamed and not."""
+    config = EngineConfig(max_len=96, k=4)
+    engine = SpeculativeEngine(tiny_target, tokenizer, tiny_target, config)
+    prompt = tokenizer.encode("def add(a, b):")
+    [free] = engine.generate([Request(prompt, max_new_tokens=16)])
+    assert free.stats["mean_accepted_length"] > 3, "the blocks must be long for this test to mean anything"
+    checked = 0
+    for j in range(1, len(free.token_ids)):
+        stop = first_completing_stop(tokenizer, free.token_ids, j)
+        if stop is None or free.token_ids[j - 1] == EOS:
+            continue
+        request = Request(prompt, max_new_tokens=j + extra, stop=(stop,))
+        [out] = engine.generate([request])
+        streamed, done = stream(engine, request)
+        expected_text = tokenizer.decode(free.token_ids[:j])
+        for tokens, completion in ((out.token_ids, out), (streamed, done)):
+            assert tokens == free.token_ids[:j], f"stop {stop!r} completed by token {j}, max_new_tokens={j + extra}"
+            assert completion.finish_reason == "stop" and completion.text == expected_text[: expected_text.find(stop)]
+        checked += 1
+    assert checked >= 8
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch_with_k_auto(tiny_target, tiny_draft, tokenizer):
+    """Each request moves its own K, and draws its uniforms by its own K, so three other requests
+    (greedy, sampled, longer or shorter) in the batch change nothing of a seeded request."""
+    config = dict(max_len=96, k="auto", k_buckets=(1, 2, 4, 6))
+    others = [Request([7, 8, 9, 10, 11], max_new_tokens=20), Request([12], SamplingParams(temperature=1.0, seed=99),
+              max_new_tokens=6), Request([40, 41, 42], SamplingParams(temperature=0.6, top_k=5), max_new_tokens=12)]  # fmt: skip
+    alone_engine = SpeculativeEngine(tiny_target, tokenizer, tiny_draft, EngineConfig(max_batch_size=1, **config))
+    batch_engine = SpeculativeEngine(tiny_target, tokenizer, tiny_draft, EngineConfig(max_batch_size=4, **config))
+    for seed in range(10):
+        mine = Request([5, 6, 7], SamplingParams(temperature=0.9, top_p=0.95, seed=seed), max_new_tokens=16)
+        [alone] = alone_engine.generate([mine])
+        together = batch_engine.generate([others[seed % 3], mine, *others[: seed % 3]])
+        assert together[1].token_ids == alone.token_ids, f"seed {seed}"

@@ -1,0 +1,164 @@
+"""Mutation check for the exactness tests: apply known-bad changes one at a time, run the tests
+that should catch each, and report any that survive.
+
+    python scripts/mutation_check.py            # every mutant; exit 1 if one survives or is stale
+    python scripts/mutation_check.py --list     # the mutants and their tests
+    python scripts/mutation_check.py stop-kept  # some of them, by name
+
+Each mutant is one exact text replacement in one file. The tree is copied (tracked files and
+untracked, unignored ones) into a temporary folder and the mutant applied there, so the working
+tree is never touched. A mutant whose text no longer occurs exactly once is reported as stale: a
+refactor moved the code, and the mutant must follow it (a silent skip would hide a lost check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    why: str  # what the change breaks
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]  # pytest arguments: files, node ids, -k expressions
+
+
+STOP_TESTS = ("tests/test_engine_tiny.py", "-k", "stop")
+DISTRIBUTION = ("tests/test_distribution.py", "-k", "follows or early_stops")
+ACCEPTANCE = ("tests/test_acceptance.py", "tests/test_distribution.py", "-k", "not catches")
+
+MUTANTS = [
+    Mutant("stop-kept", "tokens generated after a stop string are kept instead of cut",
+           "serving/engine.py", "                del slot.generated[end:]\n", "                pass\n", STOP_TESTS),
+    Mutant("stop-after-limit", "the length limit is checked before the stop strings (a step that reaches "
+           "both keeps the tokens past the stop)", "serving/engine.py",
+           "            stopped = self._hit_stop(slot, before)\n            if done or stopped:",
+           "            if done or self._hit_stop(slot, before):", STOP_TESTS),
+    Mutant("accept-reuses-draft-uniforms", "accept tests reuse the uniforms that drew the draft tokens",
+           "serving/engine.py", "draft[b, :kb], accept[b, :kb], nxt[b] = u[:kb], u[kb : 2 * kb], u[2 * kb]",
+           "draft[b, :kb], accept[b, :kb], nxt[b] = u[:kb], u[:kb], u[2 * kb]", DISTRIBUTION),
+    Mutant("draft-stop-looks-at-token", "drafting stops before a drawn token the draft found unlikely "
+           "(a token-dependent stop)", "serving/speculative.py",
+           "            n_draft = n_draft + drafting.long()\n            drafting = drafting & (budget > i + 1)\n",
+           "            likely = q_i.gather(-1, drafted[-1].unsqueeze(-1)).squeeze(-1) >= (draft_confidence or 0.0)\n"
+           "            drafting = drafting & likely\n"
+           "            n_draft = n_draft + drafting.long()\n            drafting = drafting & (budget > i + 1)\n",
+           ("tests/test_distribution.py", "-k", "early_stops")),
+    Mutant("k-per-batch", "every row drafts the batch's K (seeded output then depends on the batch)",
+           "serving/engine.py", "        k_rows = [self._row_k(slot) for slot in slots]\n",
+           "        k_rows = [max(self._row_k(slot) for slot in slots)] * len(slots)\n",
+           ("tests/test_engine_tiny.py", "-k", "k_auto")),
+    Mutant("frozen-row-past-cache", "a frozen row runs at positions past its cache (mixed K on a shared target)",
+           "serving/speculative.py",
+           "    verify_pos = torch.where(state.done.unsqueeze(1), verify_pos.clamp(max=target.max_len - 1), verify_pos)\n",
+           "", ("tests/test_distributed.py", "-k", "context_end")),
+    Mutant("padding-accepted", "padding slots after a row's last draft token can be accepted",
+           "serving/acceptance.py", "    if n_draft is not None:\n        accepted &= real\n", "",
+           ("tests/test_distribution.py", "-k", "mixed")),
+    Mutant("residual-is-p", "on rejection the token is drawn from p instead of the residual max(0, p - q)",
+           "serving/acceptance.py", "    residual = (p_at - q_pad.gather(1, at).squeeze(1)).clamp(min=0.0)  # [B, V]",
+           "    residual = p_at  # [B, V]", ACCEPTANCE),
+    Mutant("q-off-by-one", "the residual subtracts the draft distribution of the next position",
+           "serving/acceptance.py", "q_pad.gather(1, at).squeeze(1)).clamp(min=0.0)",
+           "q_pad.gather(1, (at + 1).clamp(max=K)).squeeze(1)).clamp(min=0.0)", ACCEPTANCE),
+    Mutant("bonus-misplaced", "the bonus token is drawn from the last draft position's p",
+           "serving/acceptance.py", "    p_at = p.gather(1, at).squeeze(1)  # [B, V]",
+           "    p_at = p.gather(1, at.clamp(max=max(K - 1, 0))).squeeze(1)  # [B, V]", ACCEPTANCE),
+    Mutant("top-p-missing-on-q", "the draft's q ignores top-p", "serving/speculative.py",
+           "            q_i = probs_from_logits(logits, sampling)[:, 0]  # [B, V]",
+           "            q_i = probs_from_logits(logits, type(sampling)(sampling.temperature, sampling.top_k, "
+           "torch.ones_like(sampling.top_p), sampling.filters, sampling.all_greedy))[:, 0]  # [B, V]", DISTRIBUTION),
+    Mutant("top-p-missing-on-p", "the target's p ignores top-p", "serving/speculative.py",
+           "    p = probs_from_logits(target.forward(verify_in, verify_pos), sampling)  # [B, K+1, V]",
+           "    p = probs_from_logits(target.forward(verify_in, verify_pos), type(sampling)(sampling.temperature, "
+           "sampling.top_k, torch.ones_like(sampling.top_p), sampling.filters, sampling.all_greedy))  # [B, K+1, V]",
+           DISTRIBUTION),
+]
+
+
+def copy_tree(dest: Path) -> None:
+    """Tracked files plus untracked, unignored ones, as they are in the working tree."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
+                            capture_output=True).stdout.decode().split("\0")  # fmt: skip
+    for rel in filter(None, listed):
+        src = ROOT / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+
+
+def tree_env(tree: Path) -> dict:
+    """The copy's packages first on the path, ahead of an editable install of the working tree."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
+
+
+def run_mutant(m: Mutant, tree: Path, timeout_s: float) -> tuple[str, float, str]:
+    """Returns (outcome, seconds, last output line): killed, survived, stale or timeout."""
+    path = tree / m.path
+    original = path.read_text()
+    if original.count(m.old) != 1:
+        return "stale", 0.0, f"{m.path}: the mutant's text occurs {original.count(m.old)} times, not once"
+    path.write_text(original.replace(m.old, m.new))
+    started = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *m.tests],
+                              cwd=tree, env=tree_env(tree), capture_output=True, text=True, timeout=timeout_s)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return "timeout", time.perf_counter() - started, ""
+    finally:
+        path.write_text(original)
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    last = lines[-1] if lines else proc.stderr.strip().splitlines()[-1:]
+    if proc.returncode == 5:  # no test selected: a renamed test must not count as a kill
+        return "no tests", time.perf_counter() - started, str(last)
+    return ("killed" if proc.returncode != 0 else "survived"), time.perf_counter() - started, str(last)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    ap.add_argument("--list", action="store_true", help="list the mutants and exit")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per mutant")
+    args = ap.parse_args(argv)
+    known = {m.name: m for m in MUTANTS}
+    unknown = [n for n in args.names if n not in known]
+    if unknown:
+        ap.error(f"unknown mutant {unknown[0]!r}; known: {', '.join(known)}")
+    chosen = [known[n] for n in args.names] or MUTANTS
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}: {m.why}\n    {m.path}; tests: {' '.join(m.tests)}")
+        return 0
+    with tempfile.TemporaryDirectory(prefix="choral-mutants-") as tmp:
+        tree = Path(tmp)
+        copy_tree(tree)
+        baseline = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--co",
+                                   "tests/test_distribution.py"], cwd=tree, env=tree_env(tree), capture_output=True)  # fmt: skip
+        if baseline.returncode != 0:
+            print("the copied tree does not collect its tests:\n" + baseline.stdout.decode()[-2000:])
+            return 2
+        print(f"| mutant | outcome | seconds | pytest |\n|---|---|---|---|", flush=True)
+        bad = 0
+        for m in chosen:
+            outcome, seconds, last = run_mutant(m, tree, args.timeout)
+            bad += outcome != "killed"
+            print(f"| {m.name} | {outcome} | {seconds:.0f} | {last} |", flush=True)
+    print(f"\n{len(chosen) - bad} of {len(chosen)} mutants killed, {bad} survived (or stale, or timed out)")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
