@@ -32,8 +32,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from serving.bundled import choral_home
 from serving.cpu_kernels import prepare_for_cpu, rowdot_available
-from serving.devices import compile_backend, resolve_device, resolve_dtype, synchronize
-from serving.models import check_same_tokenizer, eos_token_ids, load_model, load_tokenizer
+from serving.devices import compile_backend, resolve_dtype, synchronize
+from serving.models import eos_token_ids
 from serving.runner import ModelRunner
 from serving.sampling import SamplingParams, SamplingTensors
 from serving.speculative import DecodeState, StepRandom, draft_half, prefill_first_token, start_row, verify_half
@@ -251,20 +251,17 @@ class SpeculativeEngine:
         tokenizers agree, and build the engine on ``device`` in ``dtype``. On a CPU in fp32,
         ``cpu_kernels`` swaps in the batch-invariant kernels of ``serving.cpu_kernels``, which
         verify K+1 tokens for about the cost of one with bitwise-identical rows, and
-        ``draft_weights`` "auto" (default) or "int8" runs the draft in int8 there (see ``use_cpu_kernels``)."""
+        ``draft_weights`` "auto" (default) or "int8" runs the draft in int8 there (see ``use_cpu_kernels``).
+        The commands build their engines from settings the same way: ``serving.engine_settings.load_engines``."""
+        from serving.engine_settings import EngineSettings, load_engines
+
         config = config or EngineConfig()
-        dev = resolve_device(device)
-        tokenizer = load_tokenizer(target)
-        models = [load_model(target, dtype=dtype, device=dev, quantize=quantize)]
-        if draft is not None:
-            check_same_tokenizer(tokenizer, load_tokenizer(draft), draft_name=f"draft {draft!r}")
-            models.append(load_model(draft, dtype=dtype, device=dev, quantize=quantize))
-        if cpu_kernels:
-            use_cpu_kernels(models[:1], drafts=models[1:], draft_weights=draft_weights, device=dev, dtype=dtype,
-                            widths=config.step_widths, quantize=quantize)
-        elif draft_weights == "int8":
-            raise ValueError(f"draft_weights={draft_weights!r} needs cpu_kernels=True")
-        return cls(models[0], tokenizer, models[1] if len(models) > 1 else None, config)
+        settings = EngineSettings(
+            device=device, dtype=dtype, quantize=quantize, cpu_kernels=cpu_kernels, draft_weights=draft_weights,
+            compile_backend=config.compile_backend, max_batch_size=config.max_batch_size, max_len=config.max_len,
+            k=config.k or 1, k_buckets=config.k_buckets, draft_confidence=config.draft_confidence, draft_stop=config.draft_stop,
+        )  # fmt: skip
+        return load_engines(settings, target, {"engine": draft if config.k != 0 else None}).engines["engine"]
 
     # ---- public API ----------------------------------------------------------------------------
 
