@@ -10,28 +10,74 @@ step and of a (K+1)-token verification, the speedup those costs predict, and whe
 equals the target's own greedy output; a differing output is explained by the target's top-2 logit
 gap at the first differing token (a near-tie) or flagged as a bug. A K sweep follows. Writes
 ``bench.json``, ``bench.md`` and ``bench.png`` under ``--out``.
+
+Flags map onto the settings (``--k`` is ``engine.k``, ``--no-hf`` is ``hf=false``; every one:
+``spec-bench --describe``); ``--config FILE`` and ``key=value`` overrides work as on every command.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 from tqdm import tqdm
 
-from serving.engine import DRAFT_STOPS, EngineConfig, Request, SpeculativeEngine, use_cpu_kernels
-from serving.models import check_same_tokenizer, load_model, load_tokenizer
-from serving.cpu_kernels import set_enabled
-from serving.devices import resolve_device
+from serving.cli import Command, Flag
+from serving.config import ConfigError
+from serving.cpu_kernels import rowdot_available, set_enabled
+from serving.engine import Request, SpeculativeEngine
+from serving.engine_settings import EngineSettings, load_models, prepare_kernels
+from serving.models import load_model
 from serving.prompts import DOMAINS, encode_prompt, load_prompts
 
 NEAR_TIE = 1e-3  # a top-2 logit gap below this is a numerical tie, where rounding may pick either
+
+
+def doc(text: str) -> dict:
+    return {"doc": text}
+
+
+@dataclass
+class BenchConfig:
+    target: str = field(default="qwen2.5-coder-1.5b-instruct", metadata=doc("target: hub id, folder or bundled name"))
+    draft: str = field(default="qwen2.5-coder-0.5b-instruct", metadata=doc("draft model reference"))
+    domains: list[Literal["code", "chat", "math"]] = field(default_factory=lambda: list(DOMAINS), metadata=doc(
+        "prompt domains (spec-bench's own prompts: the head rows of each)"))
+    prompts_per_domain: int = field(default=10, metadata=doc("prompts per domain"))
+    max_new_tokens: int = field(default=64, metadata=doc("tokens generated per prompt, greedy"))
+    k_sweep: list[int] = field(default_factory=lambda: list(range(1, 9)), metadata=doc("K values of the sweep; [] skips it"))
+    sweep_prompts: int = field(default=2, metadata=doc("prompts per domain in the K sweep"))
+    hf: bool = field(default=True, metadata=doc("also run Hugging Face assisted generation"))
+    hf_kernels: Literal["stock", "choral"] = field(default="stock", metadata=doc(
+        "kernels for HF assisted generation: stock transformers (what its users run) or Choral's (and Choral's draft weights)"))
+    hf_draft_weights: Literal["fp32", "int8-dynamic"] = field(default="fp32", metadata=doc(
+        "with hf_kernels=stock: HF's draft in fp32 or in PyTorch's own dynamic int8 (quantize_dynamic), the stock "
+        "int8 path, to compare with Choral's int8 draft in the same precision"))
+    out: str = field(default="runs/bench", metadata=doc("bench.json, bench.md and bench.png go here"))
+    profile: str | None = field(default=None, metadata=doc(
+        "also write a simulator profile (YAML/JSON) of this run: see serving/profile.py"))
+    # Choral's engine. The target stays fp32 with draft_weights=int8 (HF keeps an fp32 draft unless hf_kernels=choral).
+    engine: EngineSettings = field(default_factory=lambda: EngineSettings(device="cpu", draft_weights="fp32"))
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.engine.k, int):
+            raise ValueError(f"engine.k={self.engine.k!r}: spec-bench measures a fixed K (and k_sweep); give an integer")
+        if self.hf_draft_weights != "fp32" and (self.hf_kernels != "stock" or not self.hf or self.engine.quantize):
+            raise ValueError("hf_draft_weights=int8-dynamic goes with hf_kernels=stock, hf=true and no engine.quantize")
+        for name in ("prompts_per_domain", "max_new_tokens", "sweep_prompts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if not self.domains:
+            raise ValueError("domains must name at least one of code, chat, math")
 
 
 @torch.no_grad()
@@ -215,98 +261,95 @@ def plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="spec-bench", description=__doc__.split("\n")[0])
-    ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
-    ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
-    ap.add_argument("--domains", default=",".join(DOMAINS))
-    ap.add_argument("--prompts-per-domain", type=int, default=10)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--draft-confidence", type=float, default=None,
-                    help="stop drafting when the draft's top probability falls below this (CPU)")
-    ap.add_argument("--draft-stop", choices=DRAFT_STOPS, default="token",
-                    help="with --draft-confidence: compare each token's top probability (transformers' rule) or their running product")
-    ap.add_argument("--k-sweep", default="1,2,3,4,5,6,7,8", help="comma list; empty to skip")
-    ap.add_argument("--sweep-prompts", type=int, default=2, help="prompts per domain in the K sweep")
-    ap.add_argument("--no-hf", action="store_true", help="skip Hugging Face assisted generation")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--quantize", choices=["int8-dynamic"], default=None)
-    ap.add_argument("--draft-weights", choices=["fp32", "int8"], default="fp32",
-                    help="int8: run Choral's draft in W8A8 int8 (the target stays fp32; HF keeps an fp32 draft unless --hf-kernels choral)")
-    ap.add_argument("--compile", action="store_true", help="compile the step shapes")
-    ap.add_argument("--no-cpu-kernels", action="store_true", help="Choral on stock PyTorch CPU kernels")
-    ap.add_argument("--hf-kernels", choices=["stock", "choral"], default="stock",
-                    help="kernels for HF assisted generation: stock transformers (what its users run) or Choral's (and Choral's draft weights)")
-    ap.add_argument("--hf-draft-weights", choices=["fp32", "int8-dynamic"], default="fp32",
-                    help="with --hf-kernels stock: HF's draft in fp32 or in PyTorch's own dynamic int8 (quantize_dynamic), "
-                         "the stock int8 path, to compare with Choral's int8 draft in the same precision")
-    ap.add_argument("--max-len", type=int, default=None)
-    ap.add_argument("--out", default="runs/bench")
-    ap.add_argument("--from-json", help="re-render the summary, table and plot of a saved bench.json (no runs)")
-    ap.add_argument("--profile", help="also write a simulator profile (YAML/JSON) of this run: see serving/profile.py")
-    args = ap.parse_args(argv)
+CLI = Command("spec-bench", BenchConfig, __doc__, flags=[
+    Flag("--target", "target"),
+    Flag("--draft", "draft"),
+    Flag("--domains", "domains", sep=","),
+    Flag("--prompts-per-domain", "prompts_per_domain"),
+    Flag("--max-new-tokens", "max_new_tokens"),
+    Flag("--k", "engine.k"),
+    Flag("--draft-confidence", "engine.draft_confidence"),
+    Flag("--draft-stop", "engine.draft_stop"),
+    Flag("--k-sweep", "k_sweep", sep=",", help="comma list of K values; empty to skip"),
+    Flag("--sweep-prompts", "sweep_prompts"),
+    Flag("--no-hf", "hf", const=False, help="skip Hugging Face assisted generation"),
+    Flag("--device", "engine.device"),
+    Flag("--dtype", "engine.dtype"),
+    Flag("--quantize", "engine.quantize"),
+    Flag("--draft-weights", "engine.draft_weights"),
+    Flag("--compile", "engine.compile_backend", const="auto", help="compile the step shapes"),
+    Flag("--no-cpu-kernels", "engine.cpu_kernels", const=False, help="Choral on stock PyTorch CPU kernels"),
+    Flag("--hf-kernels", "hf_kernels"),
+    Flag("--hf-draft-weights", "hf_draft_weights"),
+    Flag("--max-len", "engine.max_len"),
+    Flag("--out", "out"),
+    Flag("--profile", "profile"),
+])  # fmt: skip
+CLI.parser.add_argument("--from-json", metavar="BENCH_JSON", help="re-render the summary, table and plot of a saved bench.json (no runs)")
 
-    out_dir = Path(args.out)
+
+def main(argv: list[str] | None = None) -> int:
+    return CLI.main(argv, lambda cfg, args: run(cfg, args, argv))
+
+
+def run(cfg: BenchConfig, args: argparse.Namespace, argv: list[str] | None = None) -> int:
+    out_dir = Path(cfg.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.from_json:
         report = json.loads(Path(args.from_json).read_text())
-        report["config"]["profile"] = args.profile
+        report["config"]["profile"] = cfg.profile
         report["summary"] = {d: summarize(rows) for d, rows in report["rows"].items()}
         report["summary"]["all"] = summarize([r for rows in report["rows"].values() for r in rows])
         return write_report(report, out_dir)
-    device = resolve_device(args.device)
-    tokenizer = load_tokenizer(args.target)
-    check_same_tokenizer(tokenizer, load_tokenizer(args.draft), draft_name=args.draft)
-    target = load_model(args.target, dtype=args.dtype, device=device, quantize=args.quantize)
-    draft = load_model(args.draft, dtype=args.dtype, device=device, quantize=args.quantize)
+    e = cfg.engine
+    tokenizer, target, drafts = load_models(e, cfg.target, [cfg.draft])
+    draft = drafts[cfg.draft]
+    device = target.device
     # With stock kernels HF assisted generation keeps an fp32 draft (its users' setup); with
-    # --hf-kernels choral it runs the very draft Choral runs, int8 included (same precision).
-    # --hf-draft-weights int8-dynamic gives HF its own int8 draft, PyTorch's stock dynamic int8.
-    hf_int8 = args.hf_draft_weights != "fp32"
-    if hf_int8 and (args.hf_kernels != "stock" or args.no_hf or args.quantize):
-        raise SystemExit("--hf-draft-weights int8-dynamic goes with --hf-kernels stock, HF enabled and no --quantize")
+    # hf_kernels=choral it runs the very draft Choral runs, int8 included (same precision).
+    # hf_draft_weights=int8-dynamic gives HF its own int8 draft, PyTorch's stock dynamic int8.
+    hf_int8 = cfg.hf_draft_weights != "fp32"
     choral_draft = draft
-    if args.draft_weights != "fp32" and not args.no_hf and args.hf_kernels == "stock" and not hf_int8:
-        choral_draft = load_model(args.draft, dtype=args.dtype, device=device, quantize=args.quantize)
-    hf_draft = draft if args.hf_kernels == "stock" else choral_draft
+    if e.draft_weights != "fp32" and cfg.hf and cfg.hf_kernels == "stock" and not hf_int8:
+        choral_draft = load_model(cfg.draft, dtype=e.dtype, device=device, quantize=e.quantize)  # the kernels change it in place
+    hf_draft = draft if cfg.hf_kernels == "stock" else choral_draft
     if hf_int8:
-        hf_draft = load_model(args.draft, dtype=args.dtype, device=device, quantize=args.hf_draft_weights)
-    sweep = [int(k) for k in args.k_sweep.split(",") if k.strip()]
-    cpu_kernels = False
-    if not (args.no_cpu_kernels or args.compile):  # the CPU kernels are eager-only
-        every_k = EngineConfig(k="auto", k_buckets=tuple(range(1, max([args.k, *sweep]) + 1)))
-        cpu_kernels = use_cpu_kernels(
-            [target], drafts=[choral_draft], draft_weights=args.draft_weights, device=device, dtype=args.dtype,
-            widths=every_k.step_widths, quantize=args.quantize,
-        )
-    if args.draft_weights != "fp32" and not cpu_kernels:
-        raise SystemExit(f"--draft-weights {args.draft_weights} needs Choral's CPU kernels (cpu, float32, no --compile)")
-    hf_stock = args.hf_kernels == "stock"
+        hf_draft = load_model(cfg.draft, dtype=e.dtype, device=device, quantize=cfg.hf_draft_weights)
+    sweep = list(cfg.k_sweep)
+
+    def engine_settings(k: int) -> EngineSettings:
+        return dataclasses.replace(e, k=max(k, 1), k_buckets=tuple(range(1, max([k, *sweep]) + 1)) if k else (1,))
+
+    # Every K of the run and the sweep is a step width the kernels must know.
+    every_k = engine_settings(max([e.k, *sweep])).engine_config(draft=True, device=device, k="auto")
+    try:
+        cpu_kernels = prepare_kernels(e, [target], [choral_draft], every_k.step_widths)
+    except ValueError as error:  # int8 drafts where the kernels do not apply
+        raise ConfigError(f"engine.{error}") from None
+    draft_weights = e.draft_weights if e.draft_weights != "auto" else ("int8" if cpu_kernels and rowdot_available() else "fp32")
+    hf_stock = cfg.hf_kernels == "stock"
 
     def engine(k: int) -> SpeculativeEngine:
-        cfg = EngineConfig(max_len=args.max_len, k=k, k_buckets=tuple(range(1, max([k, *sweep]) + 1)) if k else (1,),
-                           draft_confidence=args.draft_confidence, draft_stop=args.draft_stop)
-        e = SpeculativeEngine(target, tokenizer, choral_draft if k else None, cfg)
-        if args.compile:
-            e.enable_compile()
-        return e
+        config = engine_settings(k).engine_config(draft=bool(k), device=device)
+        return SpeculativeEngine(target, tokenizer, choral_draft if k else None, config)
 
-    target_engine, spec_engine = engine(0), engine(args.k)
+    target_engine, spec_engine = engine(0), engine(e.k)
     eos = sorted(target_engine._eos)
-    domains = [d for d in args.domains.split(",") if d]
-    prompts = {d: load_prompts(d, args.prompts_per_domain) for d in domains}
+    domains = list(cfg.domains)
+    prompts = {d: load_prompts(d, cfg.prompts_per_domain) for d in domains}
+    settings = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "engine"} | dataclasses.asdict(e)
     report: dict = {
-        "config": vars(args) | {"machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads".strip(),
-                                "command": " ".join(["spec-bench", *(argv if argv is not None else sys.argv[1:])]),
-                                "torch": torch.__version__, "choral_cpu_kernels": cpu_kernels},  # fmt: skip
+        # Flat, as bench.json always was: the run's settings (engine ones included) and where it ran.
+        "config": settings | {"draft_weights": draft_weights, "no_hf": not cfg.hf,
+                              "machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads".strip(),
+                              "command": " ".join(["spec-bench", *(argv if argv is not None else sys.argv[1:])]),
+                              "torch": torch.__version__, "choral_cpu_kernels": cpu_kernels},  # fmt: skip
         "rows": {},
         "summary": {},
     }
     # One untimed pass of each decoder first: allocator, thread pools and lazy inits warm up.
     warm = encode_prompt(tokenizer, prompts[domains[0]][0])
-    bench_prompt((target_engine, spec_engine), (target, hf_draft), warm, 8, eos, 0, not args.no_hf, hf_stock)
+    bench_prompt((target_engine, spec_engine), (target, hf_draft), warm, 8, eos, 0, cfg.hf, hf_stock)
     total = sum(len(p) for p in prompts.values())
     with tqdm(total=total, desc="spec-bench", unit="prompt") as bar:
         for d in domains:
@@ -314,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
             for i, prompt in enumerate(prompts[d]):
                 ids = encode_prompt(tokenizer, prompt)
                 row = bench_prompt(
-                    (target_engine, spec_engine), (target, hf_draft), ids, args.max_new_tokens, eos, i, not args.no_hf, hf_stock
+                    (target_engine, spec_engine), (target, hf_draft), ids, cfg.max_new_tokens, eos, i, cfg.hf, hf_stock
                 )
                 rows.append(row | {"id": prompt.id})
                 bar.update(1)
@@ -325,10 +368,10 @@ def main(argv: list[str] | None = None) -> int:
 
     report["k_sweep"] = []
     for k in tqdm(sweep, desc="K sweep"):
-        e = engine(k)
+        sweep_engine = engine(k)
         for d in domains:
-            rows = report["rows"][d][: args.sweep_prompts]
-            stats = [run_engine(e, encode_prompt(tokenizer, prompts[d][i]), args.max_new_tokens)[1] for i in range(len(rows))]
+            rows = report["rows"][d][: cfg.sweep_prompts]
+            stats = [run_engine(sweep_engine, encode_prompt(tokenizer, prompts[d][i]), cfg.max_new_tokens)[1] for i in range(len(rows))]
             spec_s = sum(s["total_time_s"] for s in stats)
             report["k_sweep"].append({
                 "k": k, "domain": d,

@@ -23,7 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from serving.config import ConfigError, describe, load_config
+from serving.cli import Command
+from serving.config import ConfigError, load_config
 from serving.profile import Profile, load_profile
 from serving.simulator import SimulateConfig, simulate
 
@@ -210,33 +211,27 @@ def to_json(data: Any) -> str:
     return json.dumps(clean(data), indent=1)
 
 
+CLI = Command("simulate", SimulateConfig, __doc__)
+CLI.parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="simulate", description=__doc__.split("\n")[0])
-    ap.add_argument("--config", help="YAML scenario (configs/simulate.yaml); defaults apply without one")
-    ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. balancer=round_robin targets[0].count=50")
-    ap.add_argument("--describe", action="store_true", help="print every config key with its type, default and meaning")
-    ap.add_argument("--no-progress", action="store_true")
-    args = ap.parse_args(argv)
-    if args.describe:
-        print(describe(SimulateConfig))
+    return CLI.main(argv, run)
+
+
+def run(cfg: SimulateConfig, args: argparse.Namespace) -> int:
+    out = Path(cfg.output.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.sweep.param:
+        runs = run_sweep(args.config, args.overrides, cfg, progress=not args.no_progress)
+        write_atomic(out / "sweep.json", to_json({"sweep": runs, "config": json.loads(to_json(vars(cfg.sweep)))}))
+        write_atomic(out / "sweep.md", sweep_markdown(runs, cfg))
+        if cfg.output.plots:
+            plot_sweep(runs, cfg, out / "sweep.png")
+        print(sweep_markdown(runs, cfg))
+        print(f"wrote {out}/sweep.json, sweep.md" + (", sweep.png" if cfg.output.plots else ""))
         return 0
-    try:
-        cfg = load_config(SimulateConfig, args.config, args.overrides)
-        out = Path(cfg.output.dir)
-        out.mkdir(parents=True, exist_ok=True)
-        if cfg.sweep.param:
-            runs = run_sweep(args.config, args.overrides, cfg, progress=not args.no_progress)
-            write_atomic(out / "sweep.json", to_json({"sweep": runs, "config": json.loads(to_json(vars(cfg.sweep)))}))
-            write_atomic(out / "sweep.md", sweep_markdown(runs, cfg))
-            if cfg.output.plots:
-                plot_sweep(runs, cfg, out / "sweep.png")
-            print(sweep_markdown(runs, cfg))
-            print(f"wrote {out}/sweep.json, sweep.md" + (", sweep.png" if cfg.output.plots else ""))
-            return 0
-        result = simulate(cfg, load_scenario_profile(cfg), progress=not args.no_progress)
-    except ConfigError as e:
-        print(f"simulate: error: {e}", file=sys.stderr)
-        return 2
+    result = simulate(cfg, load_scenario_profile(cfg), progress=not args.no_progress)
     write_atomic(out / "simulate.json", to_json(result))
     write_atomic(out / "simulate.md", markdown(result))
     if cfg.output.plots:

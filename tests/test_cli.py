@@ -40,9 +40,11 @@ def test_spec_generate_prompt_too_long_is_a_clear_error(model_dirs, capsys):
 
 def test_spec_generate_rejects_bad_sampling_values(model_dirs, capsys):
     assert cli_generate.main(["--target", str(model_dirs["target"]), "--prompt", "x", "--top-p", "1.5"]) == 2
-    assert "top_p=1.5" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        cli_generate.main(["--target", str(model_dirs["target"]), "--prompt", "x", "--k", "many"])
+    assert "sampling.top_p=1.5 must be in (0, 1]" in capsys.readouterr().err
+    assert cli_generate.main(["--target", str(model_dirs["target"]), "--prompt", "x", "--k", "many"]) == 2
+    assert capsys.readouterr().err == "spec-generate: error: engine.k='many' must be a positive integer or 'auto'\n"
+    assert cli_generate.main(["--target", str(model_dirs["target"])]) == 2
+    assert "give one prompt source: --prompt TEXT or --prompt-file FILE" in capsys.readouterr().err
 
 
 def test_spec_bench_writes_report(model_dirs, tmp_path, capsys):
@@ -59,7 +61,7 @@ def test_spec_bench_writes_report(model_dirs, tmp_path, capsys):
     assert (out / "bench.png").stat().st_size > 1000 and "| code |" in (out / "bench.md").read_text()
 
 
-def test_spec_bench_gives_hf_its_own_dynamic_int8_draft(model_dirs, tmp_path):
+def test_spec_bench_gives_hf_its_own_dynamic_int8_draft(model_dirs, tmp_path, capsys):
     out = tmp_path / "bench"
     args = ["--target", str(model_dirs["target"]), "--draft", str(model_dirs["draft"]), "--domains", "code",
             "--prompts-per-domain", "1", "--max-new-tokens", "8", "--k", "2", "--k-sweep", "", "--draft-weights", "int8",
@@ -69,8 +71,8 @@ def test_spec_bench_gives_hf_its_own_dynamic_int8_draft(model_dirs, tmp_path):
     assert report["config"]["hf_draft_weights"] == "int8-dynamic"
     assert report["summary"]["all"]["hf_identical"] == 1  # the fp32 target verifies: still lossless
     assert "HF assisted kernels: stock (draft weights: int8-dynamic)" in (out / "bench.md").read_text()
-    with pytest.raises(SystemExit, match="goes with --hf-kernels stock"):
-        bench.main([*args, "--hf-kernels", "choral"])
+    assert bench.main([*args, "--hf-kernels", "choral"]) == 2
+    assert "hf_draft_weights=int8-dynamic goes with hf_kernels=stock" in capsys.readouterr().err
 
 
 def test_tune_draft_stop_compares_stops_losslessly(model_dirs, tmp_path):
