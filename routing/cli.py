@@ -12,47 +12,50 @@ import argparse
 import sys
 from pathlib import Path
 
-from serving.config import ConfigError, describe, load_config
+from routing.config import CollectConfig, RouterTrainConfig
+from serving.cli import Command
+from serving.config import ConfigError
+
+COLLECT = Command(
+    "collect-router-data", CollectConfig,
+    "Measure every prompt x draft with the real engine; append rows to a JSONL file (resumable).\n\n" + __doc__,
+)  # fmt: skip
+COLLECT.parser.add_argument("--shard", help="i/n: take prompts i, i+n, ... (0 <= i < n) into <output>.shard<i>of<n>.jsonl")
+COLLECT.parser.add_argument("--merge", nargs="+", metavar=("OUT", "SHARD"), help="join shard files into OUT and exit")
+COLLECT.parser.add_argument("--profile", metavar="PATH", help="also write a simulator profile (YAML/JSON) of the rows (serving/profile.py)")
+
+TRAIN = Command("train-router", RouterTrainConfig, "Train and evaluate the draft router on collected rows.\n\n" + __doc__,
+                errors=(ValueError, FileNotFoundError))  # fmt: skip
 
 
 def collect_main(argv: list[str] | None = None) -> int:
-    from routing.config import CollectConfig
+    return COLLECT.main(argv, _collect, early=_merge)
 
-    ap = argparse.ArgumentParser(
-        prog="collect-router-data",
-        description="Measure every prompt x draft with the real engine; append rows to a JSONL file (resumable).",
-    )
-    ap.add_argument("--config", help="YAML file (configs/router_collect.yaml)")
-    ap.add_argument("--shard", help="i/n: take prompts i, i+n, ... (0 <= i < n) into <output>.shard<i>of<n>.jsonl")
-    ap.add_argument("--merge", nargs="+", metavar=("OUT", "SHARD"), help="join shard files into OUT and exit")
-    ap.add_argument("--profile", metavar="PATH", help="also write a simulator profile (YAML/JSON) of the rows (serving/profile.py)")
-    ap.add_argument("--show-config", action="store_true", help="list every key with its type, default and doc")
-    ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. decode.max_new_tokens=32")
-    args = ap.parse_args(argv)
-    if args.show_config:
-        print(describe(CollectConfig))
-        return 0
+
+def _merge(args: argparse.Namespace) -> int | None:
+    """``--merge OUT SHARD...``: join shard files (no settings needed)."""
+    if not args.merge:
+        return None
     from routing.rows import merge
 
-    if args.merge:
-        if len(args.merge) < 2:
-            ap.error("--merge needs OUT and at least one shard file")
-        try:
-            n = merge(args.merge[0], args.merge[1:])
-        except (FileNotFoundError, ValueError) as e:
-            print(f"collect-router-data: error: {e}", file=sys.stderr)
-            return 2
-        print(f"collect-router-data: merged {len(args.merge) - 1} files into {args.merge[0]} ({n} rows)")
-        return _write_profile(args.merge[0], args.profile)
+    if len(args.merge) < 2:
+        COLLECT.parser.error("--merge needs OUT and at least one shard file")
     try:
-        cfg = load_config(CollectConfig, args.config, args.overrides)
-        from routing.collect import collect, load_sources, parse_shard
+        n = merge(args.merge[0], args.merge[1:])
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    print(f"collect-router-data: merged {len(args.merge) - 1} files into {args.merge[0]} ({n} rows)")
+    return _write_profile(args.merge[0], args.profile)
 
+
+def _collect(cfg: CollectConfig, args: argparse.Namespace) -> int:
+    from routing.collect import collect, load_sources, parse_shard
+
+    try:
         shard = parse_shard(args.shard) if args.shard else None
         load_sources(cfg)  # a bad source fails before any model loads
-    except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"collect-router-data: error: {e}", file=sys.stderr)
-        return 2
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(str(e)) from None
     path = collect(cfg, shard=shard)
     print(f"collect-router-data: rows in {path}")
     return _write_profile(path, args.profile)
@@ -67,35 +70,19 @@ def _write_profile(rows: str | Path, out: str | None) -> int:
     try:
         from_router_data(rows).save(out)
     except ValueError as e:
-        print(f"collect-router-data: error: cannot make a profile of {rows}: {e}", file=sys.stderr)
-        return 2
+        return COLLECT.fail(f"cannot make a profile of {rows}: {e}")
     print(f"collect-router-data: simulator profile in {out}")
     return 0
 
 
 def train_main(argv: list[str] | None = None) -> int:
-    from routing.config import RouterTrainConfig
+    return TRAIN.main(argv, _train)
 
-    ap = argparse.ArgumentParser(prog="train-router", description="Train and evaluate the draft router on collected rows.")
-    ap.add_argument("--config", help="YAML file (configs/router_train.yaml)")
-    ap.add_argument("--show-config", action="store_true", help="list every key with its type, default and doc")
-    ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. objective=speedup")
-    args = ap.parse_args(argv)
-    if args.show_config:
-        print(describe(RouterTrainConfig))
-        return 0
-    try:
-        cfg = load_config(RouterTrainConfig, args.config, args.overrides)
-    except ConfigError as e:
-        print(f"train-router: error: {e}", file=sys.stderr)
-        return 2
+
+def _train(cfg: RouterTrainConfig, args: argparse.Namespace) -> int:
     from routing.train import train  # heavy imports only once the config is valid
 
-    try:
-        train(cfg)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"train-router: error: {e}", file=sys.stderr)
-        return 2
+    train(cfg)
     return 0
 
 

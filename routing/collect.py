@@ -9,6 +9,7 @@ written. Rows already in the output file are skipped, so rerunning resumes.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from collections.abc import Callable
@@ -20,9 +21,10 @@ from tqdm import tqdm
 from routing.config import CollectConfig
 from routing.router import NONE
 from routing.rows import RowStore
-from serving.engine import EngineConfig, Request, SpeculativeEngine, use_cpu_kernels
 from serving.devices import resolve_device
-from serving.models import check_same_tokenizer, load_model, load_tokenizer
+from serving.engine import Request, SpeculativeEngine
+from serving.engine_settings import EngineSettings, load_engines
+from serving.models import load_tokenizer
 from serving.prompts import Prompt, encode_prompt, load_prompts, read_prompt_file
 from serving.sampling import SamplingParams
 
@@ -97,8 +99,8 @@ def make_row(cfg: CollectConfig, prompt: Prompt, n_prompt: int, draft: str, mode
         "target": cfg.target,
         "mode": mode,
         "repeat": repeat,
-        "k": 0 if draft == NONE else cfg.decode.k,
-        "batch_size": cfg.engine.batch_size,
+        "k": 0 if draft == NONE else cfg.engine.k,
+        "batch_size": cfg.engine.max_batch_size,
         "new_tokens": s["new_tokens"],
         "target_calls": s["target_calls"],
         "acceptance_rate": s["acceptance_rate"],
@@ -145,12 +147,10 @@ def collect(
 
     tokenizer = load_tokenizer(cfg.target)
     ids = {p.id: encode_prompt(tokenizer, p) for p in prompts}
-    k = cfg.decode.k
-    max_len = cfg.engine.max_len or max(len(i) for i in ids.values()) + cfg.decode.max_new_tokens + k + 1
-    engine_cfg = dict(max_batch_size=cfg.engine.batch_size, max_len=max_len, k=k, k_buckets=(k,))
-    engines = _build_engines(cfg, tokenizer, engine_cfg)
+    max_len = cfg.engine.max_len or max(len(i) for i in ids.values()) + cfg.decode.max_new_tokens + cfg.engine.k + 1
+    engines = _build_engines(cfg, dataclasses.replace(cfg.engine, max_len=max_len))
 
-    B = cfg.engine.batch_size
+    B = cfg.engine.max_batch_size
     with tqdm(total=total, initial=total - len(todo), desc="collect-router-data", unit="row") as bar:
         for start in range(0, len(prompts), B):
             chunk = prompts[start : start + B]
@@ -184,32 +184,14 @@ def _speedup(store: RowStore, prompt_id: str, name: str, mode: str, repeat: int,
     return tps / base["tokens_per_second"]
 
 
-def _build_engines(cfg: CollectConfig, tokenizer, engine_cfg: dict) -> dict[str, SpeculativeEngine]:
+def _build_engines(cfg: CollectConfig, settings: EngineSettings) -> dict[str, SpeculativeEngine]:
     """One engine per draft (and NONE), all sharing the one loaded target, each warmed up once so
     no row pays first-call costs."""
-    e = cfg.engine
-    if e.threads is not None:
-        torch.set_num_threads(e.threads)
-    device = resolve_device(e.device)
-    if device.type == "cuda" and "LOCAL_RANK" in os.environ:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    target = load_model(cfg.target, dtype=e.dtype, device=device)
-    drafts = {}
-    for name, ref in cfg.drafts.items():
-        check_same_tokenizer(tokenizer, load_tokenizer(ref), draft_name=f"draft {name!r} ({ref})")
-        drafts[name] = load_model(ref, dtype=e.dtype, device=device)
-    if e.cpu_kernels:
-        widths = EngineConfig(**engine_cfg).step_widths
-        use_cpu_kernels([target], drafts=list(drafts.values()), draft_weights=e.draft_weights, device=device,
-                        dtype=e.dtype, widths=widths)
-    elif e.draft_weights == "int8":
-        raise ValueError(f"engine.draft_weights={e.draft_weights} needs engine.cpu_kernels=true")
-    engines = {}
-    if cfg.baseline:
-        engines[NONE] = SpeculativeEngine(target, tokenizer, None, EngineConfig(**engine_cfg))
-    for name, draft in drafts.items():
-        engines[name] = SpeculativeEngine(target, tokenizer, draft, EngineConfig(**engine_cfg))
-    warm = tokenizer.encode("Hello world", add_special_tokens=False) or [0]
-    for engine in engines.values():
-        engine.generate([Request(warm, max_new_tokens=4)] * e.batch_size)
-    return engines
+    if resolve_device(settings.device).type == "cuda" and "LOCAL_RANK" in os.environ:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # one GPU per process under accelerate launch
+    drafts = ({NONE: None} if cfg.baseline else {}) | dict(cfg.drafts)
+    loaded = load_engines(settings, cfg.target, drafts)
+    warm = loaded.tokenizer.encode("Hello world", add_special_tokens=False) or [0]
+    for engine in loaded.engines.values():
+        engine.generate([Request(warm, max_new_tokens=4)] * settings.max_batch_size)
+    return loaded.engines

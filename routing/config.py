@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field, fields
-from typing import Literal
+from typing import ClassVar, Literal
 
 from routing.router import NONE
+from serving.engine_settings import EngineSettings
 
 
 def doc(text: str) -> dict:
@@ -45,7 +46,6 @@ class DecodeConfig:
     temperature: float = field(default=0.7, metadata=doc("sampled mode's temperature"))
     top_p: float = field(default=1.0, metadata=doc("sampled mode's nucleus"))
     top_k: int = field(default=0, metadata=doc("sampled mode's top-k (0: off)"))
-    k: int = field(default=4, metadata=doc("draft tokens per step"))
     max_new_tokens: int = field(default=64, metadata=doc("tokens generated per prompt"))
     repeats: int = field(default=1, metadata=doc("runs per (prompt, draft, mode); sampled repeats use different seeds"))
     seed: int = field(default=0, metadata=doc("base seed of sampled runs"))
@@ -55,32 +55,11 @@ class DecodeConfig:
             raise ValueError("modes must name at least one of greedy, sampled")
         if len(set(self.modes)) != len(self.modes):
             raise ValueError(f"modes={self.modes} repeats a mode")
-        for name in ("k", "max_new_tokens", "repeats"):
+        for name in ("max_new_tokens", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.temperature <= 0:
             raise ValueError(f"temperature={self.temperature} must be > 0 (greedy is its own mode)")
-
-
-@dataclass
-class EngineSettings:
-    device: Literal["auto", "cpu", "cuda", "neuron"] = "auto"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    cpu_kernels: bool = field(default=True, metadata=doc("batch-invariant CPU kernels (CPU, fp32)"))
-    draft_weights: Literal["auto", "fp32", "int8"] = field(default="auto", metadata=doc(
-        "int8: drafts run as W8A8 int8 on the CPU kernels (cheaper draft steps, same outputs); auto: int8 "
-        "wherever the CPU kernels run"))
-    batch_size: int = field(
-        default=1, metadata=doc("prompts decoded together; >1 is faster but rows of one batch share their timings")
-    )
-    max_len: int | None = field(default=None, metadata=doc("per-slot context; null: fit the longest prompt"))
-    threads: int | None = field(default=None, metadata=doc("torch CPU threads (torch.set_num_threads); null keeps the default"))
-
-    def __post_init__(self) -> None:
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads={self.threads} must be >= 1 (or null)")
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size={self.batch_size} must be >= 1")
 
 
 @dataclass
@@ -92,10 +71,15 @@ class CollectConfig:
     baseline: bool = field(default=True, metadata=doc(f"also run the target alone as draft {NONE!r}; needed for speedup"))
     sources: list[SourceConfig] = field(default_factory=list, metadata=doc("prompt sources, in order"))
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+    # engine.max_batch_size > 1 collects faster, but the rows of one batch share their timings.
     engine: EngineSettings = field(default_factory=EngineSettings)
     output: str = field(default="runs/router-data/rows.jsonl", metadata=doc("JSONL file rows are appended to"))
 
+    RENAMED: ClassVar[dict[str, str]] = {"engine.batch_size": "engine.max_batch_size", "decode.k": "engine.k"}
+
     def __post_init__(self) -> None:
+        if not isinstance(self.engine.k, int):
+            raise ValueError(f"engine.k={self.engine.k!r}: each row measures one K; give an integer")
         if not self.drafts:
             raise ValueError("drafts must name at least one draft (name: model reference)")
         if NONE in self.drafts:

@@ -96,7 +96,14 @@ def test_clis_report_bad_config_and_input(tmp_path, capsys):
     assert "missing.jsonl does not exist" in capsys.readouterr().err
     assert train_main([f"data=[{tmp_path / 'none.jsonl'}]", f"output={tmp_path / 'r'}"]) == 2
     assert "run collect-router-data first" in capsys.readouterr().err
-    assert collect_main(["--show-config"]) == 0 and "decode.k: int" in capsys.readouterr().out
+    assert collect_main(["--show-config"]) == 0 and "engine.k: int | str = 4" in capsys.readouterr().out
+    old = tmp_path / "old.yaml"
+    old.write_text("decode:\n  k: 4\nengine:\n  batch_size: 2\n")
+    assert collect_main(["--config", str(old)]) == 2
+    assert capsys.readouterr().err == (f"collect-router-data: error: {old}: keys were renamed: engine.batch_size -> "
+                                       "engine.max_batch_size, decode.k -> engine.k; use the new keys\n")
+    assert collect_main(["sources=[{file: a.txt}]", "engine.k=auto"]) == 2
+    assert "engine.k='auto': each row measures one K; give an integer" in capsys.readouterr().err
 
 
 def test_shard_spec():

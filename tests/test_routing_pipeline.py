@@ -57,7 +57,7 @@ def collected(setup, tmp_path_factory):
     """One collection (24 prompts x {code, math, none}) shared by the tests that train on it."""
     _, dirs, files = setup
     rows_path = tmp_path_factory.mktemp("collected") / "rows.jsonl"
-    assert collect_main(overrides(dirs, files, rows_path, "engine.batch_size=4")) == 0
+    assert collect_main(overrides(dirs, files, rows_path, "engine.max_batch_size=4")) == 0
     return rows_path
 
 
