@@ -31,7 +31,7 @@ def tiny_config(model_dirs, out: Path, **sections) -> Path:
         "loss": {"kind": "forward_kl", "ce_ratio": 0.0},
         "optim": {"lr": 3e-3, "warmup_steps": 2, "schedule": "constant"},
         "train": {"max_steps": 30, "batch_size": 4, "device": "cpu", "log_every": 1},
-        "eval": {"every": 30, "prompts": 4, "max_new_tokens": 12, "k": 3},
+        "eval": {"every": 30, "prompts": 4, "max_new_tokens": 12, "engine": {"k": 3}},
         "output": {"dir": str(out), "save_every": 10},
     }
     for section, values in sections.items():
@@ -60,7 +60,7 @@ def short_run_config(tmp_path: Path, name: str, model: dict, save_every: int, **
                          data={"domain": "code", "n_docs": 20, "seq_len": 32, "max_rows": 64},
                          optim={"lr": 1e-2, "warmup_steps": 1, "schedule": "constant"},
                          train={"max_steps": 12, "batch_size": 4, "device": "cpu", "log_every": 1},
-                         eval={"every": 12, "prompts": 2, "max_new_tokens": 4, "k": 2},
+                         eval={"every": 12, "prompts": 2, "max_new_tokens": 4, "engine": {"k": 2}},
                          output={"dir": str(out), "save_every": save_every}, **sections)  # fmt: skip
     return config, out
 
@@ -121,7 +121,7 @@ def run_cli(config: Path, *extra, wait=True):
 def test_kill_and_resume_continues_step_count_and_optimizer(model_dirs, tmp_path):
     out = tmp_path / "killed"
     config = tiny_config(model_dirs, out, train={"max_steps": 400, "batch_size": 4, "device": "cpu", "log_every": 1},
-                         eval={"every": 1000, "prompts": 2, "max_new_tokens": 4, "k": 2},
+                         eval={"every": 1000, "prompts": 2, "max_new_tokens": 4, "engine": {"k": 2}},
                          output={"dir": str(out), "save_every": 3})  # fmt: skip
     proc = run_cli(config, wait=False)
     progress_file = out / "last" / "progress.json"
@@ -150,7 +150,7 @@ def test_kill_and_resume_continues_step_count_and_optimizer(model_dirs, tmp_path
 def test_two_processes_under_accelerate(model_dirs, tmp_path):
     out = tmp_path / "ddp"
     config = tiny_config(model_dirs, out, train={"max_steps": 4, "batch_size": 2, "device": "cpu", "log_every": 1},
-                         eval={"every": 4, "prompts": 2, "max_new_tokens": 4, "k": 2})  # fmt: skip
+                         eval={"every": 4, "prompts": 2, "max_new_tokens": 4, "engine": {"k": 2}})  # fmt: skip
     # accelerate's torchrun launcher; train.device=cpu makes each process a gloo CPU worker.
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "training.cli", "--config", str(config)]  # fmt: skip
@@ -174,6 +174,30 @@ def test_two_processes_under_accelerate(model_dirs, tmp_path):
 def test_bad_config_is_a_clear_error(override, message, capsys):
     assert cli.main(["--config", str(REPO / "configs" / "distill_code.yaml"), *override.split()]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.e2e
+def test_wandb_offline_logs_the_run_in_its_folder(tmp_path, tokenizer):
+    pytest.importorskip("wandb")
+    peaked_teacher(tmp_path, tokenizer)
+    config, out = short_run_config(tmp_path, "logged", {}, save_every=4)
+    assert cli.main(["--config", str(config), "train.max_steps=4", "eval.every=4", "output.wandb=offline"]) == 0
+    [run] = (out / "wandb").glob("offline-run-*")  # what `wandb sync` uploads
+    [records] = run.glob("run-*.wandb")
+    # The offline records hold metrics.json's scalars: training, held-out evaluation, summary.
+    logged = records.read_bytes()
+    assert all(key in logged for key in (b"loss", b"lr", b"acceptance_rate", b"val_agreement", b"target_alone/tokens_per_second", b"best_step"))
+
+
+@pytest.mark.unit
+def test_wandb_without_the_package_is_a_clear_error(monkeypatch, capsys):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    assert cli.main(["output.wandb=offline"]) == 2
+    assert capsys.readouterr().err == ("train-draft: error: output.wandb=offline needs the wandb package: "
+                                       "pip install 'choral[wandb]' (or set wandb=off)\n")
 
 
 @pytest.mark.unit

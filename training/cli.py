@@ -1,6 +1,7 @@
 """train-draft: fine-tune or distill a domain draft from the target.
 
     train-draft --config configs/distill_code.yaml [--resume] [key=value ...]
+    train-draft --describe                     # every key (alias: --show-config)
     accelerate launch --num_processes 2 -m training.cli --config configs/distill_code.yaml train.device=cpu
 """
 
@@ -9,25 +10,18 @@ from __future__ import annotations
 import argparse
 import sys
 
-from serving.config import ConfigError, describe, load_config
+from serving.cli import Command
 from training.config import TrainDraftConfig
+
+CLI = Command("train-draft", TrainDraftConfig, __doc__)
+CLI.parser.add_argument("--resume", action="store_true", help="continue from <output.dir>/last if it exists")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="train-draft", description=__doc__.split("\n")[0])
-    ap.add_argument("--config", help="YAML file (configs/train_code.yaml, configs/distill_*.yaml)")
-    ap.add_argument("--resume", action="store_true", help="continue from <output.dir>/last if it exists")
-    ap.add_argument("--show-config", action="store_true", help="list every key with its type, default and doc")
-    ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.max_steps=50")
-    args = ap.parse_args(argv)
-    if args.show_config:
-        print(describe(TrainDraftConfig))
-        return 0
-    try:
-        cfg = load_config(TrainDraftConfig, args.config, args.overrides)
-    except ConfigError as e:
-        print(f"train-draft: error: {e}", file=sys.stderr)
-        return 2
+    return CLI.main(argv, run)
+
+
+def run(cfg: TrainDraftConfig, args: argparse.Namespace) -> int:
     from training.train import train  # heavy imports only once the config is valid
 
     train(cfg, resume=args.resume)

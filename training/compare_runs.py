@@ -40,7 +40,7 @@ def measure_runs(args, out: Path) -> int:
     """Untrained and every run's final student on the same held-out prompts, one target load."""
     from tqdm import tqdm
 
-    from serving.engine import EngineConfig, use_cpu_kernels
+    from serving.engine_settings import EngineSettings
     from serving.models import load_model, load_tokenizer
     from training.evaluate import held_out_prompts, measure
     from training.students import derive_student, reduce_vocab
@@ -49,9 +49,8 @@ def measure_runs(args, out: Path) -> int:
     tokenizer = load_tokenizer(first["model"]["target"])
     target = load_model(first["model"]["target"])
     prompts = held_out_prompts(first["data"]["domain"], args.measure, tokenizer)
-    if args.draft_weights == "fp32":  # measure() prepares the target's kernels only for int8 drafts
-        use_cpu_kernels([target], device=target.device, dtype=target.dtype,
-                        widths=EngineConfig(k=args.k, k_buckets=(args.k,)).step_widths)
+    # As served: the target (and a copy of each student, in draft_weights) on Choral's CPU kernels.
+    engine = EngineSettings(cpu_kernels=True, draft_weights=args.draft_weights, k=args.k, k_buckets=(args.k,))
 
     cut = first["model"].get("student_layers")  # a layer-cut student starts as the cut, untrained
 
@@ -68,7 +67,7 @@ def measure_runs(args, out: Path) -> int:
     settings = dict(k=args.k, max_new_tokens=args.max_new_tokens, draft_weights=args.draft_weights)
     results = []
     for label, ref, build in tqdm(students, desc="students", unit="student"):
-        r = measure(target, build(), tokenizer, prompts, **settings)
+        r = measure(target, build(), tokenizer, prompts, engine, max_new_tokens=args.max_new_tokens)
         r.pop("token_ids")
         results.append({"student": label, "ref": ref} | r)
     lines = [f"Held-out greedy acceptance, {len(prompts)} {first['data']['domain']} evaluation prompts, "
@@ -120,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         minutes = m.get("train_seconds", 0) / 60
         lines.append(f"| ({path}: {m['step']} steps, {m['tokens']} tokens, {minutes:.1f} min of training) | | | | | | |")
     cfgs = [rows_of(Path(p))[0]["metrics"]["config"]["eval"] for p in args.runs]
+    engine = cfgs[0].get("engine", cfgs[0])  # runs before the shared engine settings kept k and draft_weights in eval
     header = (f"Held-out greedy acceptance on the first {cfgs[0]['prompts']} evaluation prompts of the domain, "
-              f"{cfgs[0]['max_new_tokens']} new tokens, K={cfgs[0]['k']}, draft weights {cfgs[0].get('draft_weights', 'fp32')}; "
+              f"{cfgs[0]['max_new_tokens']} new tokens, K={engine['k']}, draft weights {engine.get('draft_weights', 'fp32')}; "
               "tokens/s are the evaluation's own (target alone measured in the same run).")
     md = "# train-draft runs compared\n\n" + header + "\n\n" + "\n".join(lines) + "\n"
     (out / "compare.md").write_text(md)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
+
+from serving.engine_settings import EngineSettings
 
 
 def doc(text: str) -> dict:
@@ -121,21 +123,42 @@ class TrainConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
 
 
+# What the held-out evaluation cannot choose: it runs the models training holds, where they are.
+_TRAINING_OWNS = {"device": "set train.device instead", "dtype": "set model.dtype instead", "quantize": "leave it null",
+                  "compile_backend": "leave it null (the evaluation runs eager)", "threads": "leave it null"}  # fmt: skip
+
+
 @dataclass
 class EvalConfig:
     every: int = field(default=50, metadata=doc("steps between held-out acceptance evaluations"))
     prompts: int = field(default=16, metadata=doc("held-out evaluation prompts of the domain (HumanEval for code)"))
     max_new_tokens: int = 32
-    k: int = field(default=4, metadata=doc("draft tokens per step when measuring acceptance"))
-    draft_weights: Literal["fp32", "int8"] = field(default="fp32", metadata=doc(
-        "measure the student as it will be served: int8 = W8A8 on Choral's CPU kernels (CPU only)"))
+    # The engine that measures acceptance (k, the draft's weights, ...). By default the student runs
+    # as trained, on stock kernels; measure it as it will be served with cpu_kernels: true and
+    # draft_weights: int8 (W8A8 on Choral's CPU kernels, CPU only).
+    engine: EngineSettings = field(default_factory=lambda: EngineSettings(cpu_kernels=False, draft_weights="fp32"))
+
+    def __post_init__(self) -> None:
+        default = EngineSettings()
+        for name, fix in _TRAINING_OWNS.items():
+            if getattr(self.engine, name) != getattr(default, name):
+                raise ValueError(f"engine.{name}={getattr(self.engine, name)!r}: the evaluation runs the models "
+                                 f"training holds, where they are; {fix}")  # fmt: skip
 
 
 @dataclass
 class OutputConfig:
     dir: str = field(default="runs/draft", metadata=doc("checkpoints, metrics.json and plots go here"))
     save_every: int = field(default=50, metadata=doc("steps between resumable checkpoints"))
-    wandb: Literal["off", "offline", "online"] = field(default="off", metadata=doc("Weights & Biases logging"))
+    wandb: Literal["off", "offline", "online"] = field(default="off", metadata=doc(
+        "Weights & Biases logging of what metrics.json holds (training/metric_logging.py; the choral[wandb] "
+        "extra): offline writes a run under <dir>/wandb to `wandb sync` later, online uploads it"))
+    wandb_project: str = field(default="choral", metadata=doc("W&B project of the run (named after `dir`)"))
+
+    def __post_init__(self) -> None:
+        from training.metric_logging import check_wandb
+
+        check_wandb(self.wandb)
 
 
 @dataclass
@@ -147,6 +170,8 @@ class TrainDraftConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+
+    RENAMED: ClassVar[dict[str, str]] = {"eval.k": "eval.engine.k", "eval.draft_weights": "eval.engine.draft_weights"}
 
     def __post_init__(self) -> None:
         if self.loss.draft_vocab_only and self.model.draft_vocab is None:

@@ -9,8 +9,10 @@ import copy
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from serving.engine import EngineConfig, Request, SpeculativeEngine, use_cpu_kernels
+from serving.engine import Request, SpeculativeEngine
+from serving.engine_settings import EngineSettings, prepare_kernels
 from serving.prompts import encode_prompt, load_prompts
+from training.config import EvalConfig
 
 
 def held_out_prompts(domain: str, n: int, tokenizer: PreTrainedTokenizerBase, max_tokens: int = 384) -> list[list[int]]:
@@ -24,26 +26,28 @@ def measure(
     draft: PreTrainedModel | None,
     tokenizer: PreTrainedTokenizerBase,
     prompts: list[list[int]],
+    settings: EngineSettings | None = None,
     *,
-    k: int = 4,
     max_new_tokens: int = 32,
-    draft_weights: str = "fp32",
 ) -> dict:
-    """Greedy decoding of every prompt; ``draft=None`` measures the target alone.
-    ``draft_weights="int8"`` measures an int8 copy of the draft on Choral's CPU kernels (and
-    prepares the target's kernels, which only apply to steps of at most 16 tokens, so training's
-    long teacher forwards are unaffected)."""
+    """Greedy decoding of every prompt with the engine of ``settings`` (default: train-draft's
+    ``eval.engine``); ``draft=None`` measures the target alone. The models run where they are.
+    With ``cpu_kernels`` (and ``draft_weights="int8"``) the engine runs a copy of the draft on
+    Choral's CPU kernels (int8), never the model being trained; the target's kernels only apply
+    to steps of at most 16 tokens, so training's long teacher forwards are unaffected."""
+    settings = settings or EvalConfig().engine
     original, was_training = draft, draft.training if draft is not None else False
     if draft is not None:
         draft.eval()
-    if draft_weights != "fp32":
-        widths = EngineConfig(k=k, k_buckets=(k,)).step_widths
+    k_max = max(settings.k_buckets) if settings.k == "auto" else settings.k
+    max_len = settings.max_len or max(len(p) for p in prompts) + max_new_tokens + k_max + 2
+    config = settings.engine_config(draft=draft is not None, device=target.device, max_len=max_len)
+    if settings.uses_cpu_kernels:
         if draft is not None:
-            draft = copy.deepcopy(draft)
-        use_cpu_kernels([target], drafts=[draft] if draft is not None else [], draft_weights=draft_weights,
-                        device=target.device, dtype=target.dtype, widths=widths)
-    max_len = max(len(p) for p in prompts) + max_new_tokens + k + 2
-    engine = SpeculativeEngine(target, tokenizer, draft, EngineConfig(max_len=max_len, k=k if draft is not None else 0))
+            draft = copy.deepcopy(draft)  # the kernels change a model in place
+        widths = settings.engine_config(draft=True, device=target.device).step_widths  # what a draft's steps use
+        prepare_kernels(settings, [target], [draft] if draft is not None else [], widths, device=target.device, dtype=target.dtype)
+    engine = SpeculativeEngine(target, tokenizer, draft, config)
     outs = engine.generate([Request(p, max_new_tokens=max_new_tokens) for p in prompts])
     if was_training:
         original.train()

@@ -39,6 +39,7 @@ from training.evaluate import held_out_prompts, measure
 from training.exercises import write_exercises
 from training.generate import target_generate
 from training.losses import DistillLoss
+from training.metric_logging import log_run
 from training.students import add_lora, count_parameters, derive_student, frequent_tokens, plain_model, reduce_vocab, untie_head
 
 
@@ -315,7 +316,7 @@ class TrainDraftRecipe:
         ``validate()``."""
         cfg = self.cfg
         result = measure(self.teacher, plain_model(self.accelerator.unwrap_model(self.student)), self.tokenizer, self.eval_prompts,
-                         k=cfg.eval.k, max_new_tokens=cfg.eval.max_new_tokens, draft_weights=cfg.eval.draft_weights)  # fmt: skip
+                         cfg.eval.engine, max_new_tokens=cfg.eval.max_new_tokens)  # fmt: skip
         result.pop("token_ids")
         return result | {"label": label} | self.validate()
 
@@ -326,8 +327,8 @@ class TrainDraftRecipe:
             return
         progress, cfg = self.progress, self.cfg
         if "before" not in progress:
-            alone = measure(self.teacher, None, self.tokenizer, self.eval_prompts, max_new_tokens=cfg.eval.max_new_tokens,
-                            draft_weights=cfg.eval.draft_weights)  # fmt: skip
+            alone = measure(self.teacher, None, self.tokenizer, self.eval_prompts, cfg.eval.engine,
+                            max_new_tokens=cfg.eval.max_new_tokens)  # fmt: skip
             progress["target_alone"] = {k: v for k, v in alone.items() if k != "token_ids"}
             progress["before"] = self.evaluate("before training")
             progress["student_params"] = self.student_params
@@ -427,6 +428,7 @@ class TrainDraftRecipe:
         progress["train_seconds"] = seconds
         progress["steps_this_run"] = steps
         write_json_atomic(self.out_dir / "metrics.json", progress)
+        log_run(self.cfg, progress)  # the same record to W&B when output.wandb asks for it
         plot_history(progress["history"], self.out_dir / "training.png")
         print_summary(progress)
 
