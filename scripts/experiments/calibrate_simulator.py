@@ -142,7 +142,7 @@ def serve_and_load(arch: str, target: Path, draft: Path, router: Path, out: Path
     models and settings (distributed: through the still-running target server, so the gRPC round
     trip is measured, not assumed) and stop it. Returns (load test JSON, profile)."""
     http = free_port()
-    common = [f"max_batch_size={a.batch}", f"k={a.k}", "log_level=warning", "device=cpu"]
+    common = [f"engine.max_batch_size={a.batch}", f"engine.k={a.k}", "log_level=warning", "engine.device=cpu"]
     procs = []
     grpc_address = None
     try:
