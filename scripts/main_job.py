@@ -88,7 +88,7 @@ def serve_and_ask(router: Path, out: Path, log: Path, max_tokens: int) -> list[d
     base = f"http://127.0.0.1:{port}"
     # One slot per engine: the demo sends one request at a time, and the engine's static batch would
     # make a lone request pay for every slot (see the README's server results for batched serving).
-    cmd = ["serve", "--router", str(router), "--port", str(port), "max_len=1024", "max_batch_size=1"]
+    cmd = ["serve", "--router", str(router), "--port", str(port), "engine.max_len=1024", "engine.max_batch_size=1"]
     print(f"\n[serve] $ {' '.join(cmd)}", flush=True)
     with open(log, "a") as f:
         server = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)

@@ -192,15 +192,19 @@ def test_stop_string_at_every_position_of_an_accepted_block(tiny_target, tokeniz
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch_with_k_auto(tiny_target, tiny_draft, tokenizer):
-    """Each request moves its own K, and draws its uniforms by its own K, so three other requests
-    (greedy, sampled, longer or shorter) in the batch change nothing of a seeded request."""
+    """Each request moves its own K, and draws its uniforms by its own K, so other requests in the
+    batch change nothing of a seeded one. The seeded request runs cool (the draft often misses, its
+    K falls) beside one so hot that p and q are both near uniform (it accepts almost everything and
+    its K climbs to the top bucket): a batch-wide K would hand the seeded row the larger K."""
     config = dict(max_len=96, k="auto", k_buckets=(1, 2, 4, 6))
-    others = [Request([7, 8, 9, 10, 11], max_new_tokens=20), Request([12], SamplingParams(temperature=1.0, seed=99),
-              max_new_tokens=6), Request([40, 41, 42], SamplingParams(temperature=0.6, top_k=5), max_new_tokens=12)]  # fmt: skip
+    hot = Request([12], SamplingParams(temperature=8.0, seed=99), max_new_tokens=40)
+    others = [Request([7, 8, 9, 10, 11], max_new_tokens=20), Request([40, 41, 42], SamplingParams(temperature=0.6, top_k=5),
+              max_new_tokens=12)]  # fmt: skip
     alone_engine = SpeculativeEngine(tiny_target, tokenizer, tiny_draft, EngineConfig(max_batch_size=1, **config))
     batch_engine = SpeculativeEngine(tiny_target, tokenizer, tiny_draft, EngineConfig(max_batch_size=4, **config))
     for seed in range(10):
-        mine = Request([5, 6, 7], SamplingParams(temperature=0.9, top_p=0.95, seed=seed), max_new_tokens=16)
+        mine = Request([5, 6, 7], SamplingParams(temperature=0.5, seed=seed), max_new_tokens=16)
         [alone] = alone_engine.generate([mine])
-        together = batch_engine.generate([others[seed % 3], mine, *others[: seed % 3]])
+        together = batch_engine.generate([hot, mine, *others[: seed % 3]])
         assert together[1].token_ids == alone.token_ids, f"seed {seed}"
+        assert together[0].stats["mean_k"] > alone.stats["mean_k"], "the hot row must run a larger K than the seeded one"
