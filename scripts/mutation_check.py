@@ -77,10 +77,13 @@ MUTANTS = [
     Mutant("bonus-misplaced", "the bonus token is drawn from the last draft position's p",
            "serving/acceptance.py", "    p_at = p.gather(1, at).squeeze(1)  # [B, V]",
            "    p_at = p.gather(1, at.clamp(max=max(K - 1, 0))).squeeze(1)  # [B, V]", ACCEPTANCE),
-    Mutant("top-p-missing-on-q", "the draft's q ignores top-p", "serving/speculative.py",
-           "            q_i = probs_from_logits(logits, sampling)[:, 0]  # [B, V]",
-           "            q_i = probs_from_logits(logits, type(sampling)(sampling.temperature, sampling.top_k, "
-           "torch.ones_like(sampling.top_p), sampling.filters, sampling.all_greedy))[:, 0]  # [B, V]", DISTRIBUTION),
+    # Dropping top-p from q everywhere would still be lossless (any q is, if the tokens are drawn
+    # from it); the bug is a q that is not the distribution the draft tokens were drawn from.
+    Mutant("top-p-missing-on-draws", "draft tokens are drawn without top-p while q, used to accept them, has it",
+           "serving/speculative.py", "            drafted.append(sample(q_i, rand.draft[:, i]))  # [B]",
+           "            drafted.append(sample(probs_from_logits(logits, type(sampling)(sampling.temperature, "
+           "sampling.top_k, torch.ones_like(sampling.top_p), sampling.filters, sampling.all_greedy))[:, 0], "
+           "rand.draft[:, i]))  # [B]", DISTRIBUTION),
     Mutant("top-p-missing-on-p", "the target's p ignores top-p", "serving/speculative.py",
            "    p = probs_from_logits(target.forward(verify_in, verify_pos), sampling)  # [B, K+1, V]",
            "    p = probs_from_logits(target.forward(verify_in, verify_pos), type(sampling)(sampling.temperature, "
