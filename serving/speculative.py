@@ -129,7 +129,7 @@ def draft_half(
                     break
     draft_tokens = torch.stack(drafted, 1) if drafted else n.new_zeros(B, 0)  # [B, K]
     q_all = torch.stack(q, 1) if q else torch.zeros(B, 0, vocab_size, device=n.device)  # [B, K, V]
-    return draft_tokens, q_all, torch.minimum(n_draft, n.new_tensor(draft_tokens.shape[1]))
+    return draft_tokens, q_all, n_draft  # n_draft <= K: it grows once per loop pass at most
 
 
 def verify_half(
