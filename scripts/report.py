@@ -13,7 +13,8 @@ Sections (each from the file named, skipped with a note when the file is missing
 * server: ``scripts/load_test.py`` results (``--load-test``, JSON files);
 * main job: stage timings and answers (``--main-job``, main_job.json).
 
-Writes ``report.md`` and ``routed.png`` under ``--out``.
+Writes ``report.md`` and ``routed.png`` under ``--out``; ``--page docs/results.md`` also writes the
+report as the docs' results page, headed by the command, the date and the machine it ran on.
 """
 
 from __future__ import annotations
@@ -159,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load-test", nargs="*", default=[], help="load_test.py JSON results")
     ap.add_argument("--main-job", default="runs/main/main_job.json")
     ap.add_argument("--out", default="runs/report")
+    ap.add_argument("--page", default=None, help="also write the report here with its command, date and machine "
+                    "(docs/results.md is the page the README points to)")  # fmt: skip
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -193,7 +196,42 @@ def main(argv: list[str] | None = None) -> int:
     (out / "report.md").write_text("".join(parts))
     print("".join(parts))
     print(f"wrote {out}/report.md")
+    if args.page:
+        write_page(Path(args.page), "".join(parts[1:]), argv if argv is not None else sys.argv[1:], out)
+        print(f"wrote {args.page}")
     return 0
+
+
+def machine() -> str:
+    """The CPU model, its vector extensions that change the kernels' speed, cores and torch."""
+    name, flags = platform.processor() or "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    isa = ", ".join(f for f in ("avx2", "avx512f", "avx512_vnni", "amx_tile") if f in flags) or "no AVX2"
+    return f"{name} ({isa}), {os.cpu_count()} cores, torch {torch.__version__}"
+
+
+def write_page(page: Path, body: str, argv: list[str], out: Path) -> None:
+    """The report as a docs page: what ran, when and where first, then the sections. Figures stay in
+    ``--out`` (a run folder), so the page names them instead of embedding them."""
+    import datetime
+    import shlex
+
+    head = ["# Results\n\n", "Written by `scripts/report.py`; every number below comes from the run named here.\n\n",
+            "| | |\n|---|---|\n", f"| Command | `python scripts/report.py {shlex.join(argv)}` |\n",
+            f"| Date | {datetime.date.today().isoformat()} |\n", f"| Machine | {machine()} |\n",
+            f"| Figures | `{out}/` (not in the repository) |\n\n"]  # fmt: skip
+    page.parent.mkdir(parents=True, exist_ok=True)
+    tmp = page.with_suffix(".tmp")
+    tmp.write_text("".join(head) + body.replace("![routed](routed.png)", f"Plot: `{out}/routed.png`."))
+    os.replace(tmp, page)
 
 
 if __name__ == "__main__":
