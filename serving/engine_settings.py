@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Literal, Mapping
+from typing import TYPE_CHECKING, Callable, Iterable, Literal, Mapping
 
 if TYPE_CHECKING:
     import torch
@@ -125,11 +125,18 @@ class LoadedEngines:
 
 
 def load_models(
-    settings: EngineSettings, target: str, drafts: Iterable[str] = (), *, load_target: bool = True
+    settings: EngineSettings,
+    target: str,
+    drafts: Iterable[str] = (),
+    *,
+    load_target: bool = True,
+    each_draft: Callable[[PreTrainedModel], object] | None = None,
 ) -> tuple[PreTrainedTokenizerBase, PreTrainedModel | None, dict[str, PreTrainedModel]]:
     """The target's tokenizer, the target (unless ``load_target`` is false: a remote target) and
     each distinct draft reference, loaded once on the settings' device, dtype and quantization;
-    a draft whose tokenizer differs from the target's is refused before it loads."""
+    a draft whose tokenizer differs from the target's is refused before it loads.
+    ``each_draft`` runs on every draft as soon as it has loaded, before the next one loads: an
+    int8 conversion there keeps one fp32 draft in memory at a time, not all of them."""
     import torch
 
     from serving.devices import resolve_device
@@ -144,7 +151,12 @@ def load_models(
         check_same_tokenizer(tokenizer, load_tokenizer(ref), draft_name=f"draft {ref!r}")
     load = lambda ref: load_model(ref, dtype=settings.dtype, device=device, quantize=settings.quantize)  # noqa: E731
     target_model = load(target) if load_target else None
-    return tokenizer, target_model, {ref: load(ref) for ref in refs}
+    models = {}
+    for ref in refs:
+        models[ref] = load(ref)
+        if each_draft is not None:
+            each_draft(models[ref])
+    return tokenizer, target_model, models
 
 
 def prepare_kernels(
@@ -187,15 +199,14 @@ def load_engines(
     from serving.devices import resolve_device
     from serving.engine import SpeculativeEngine
 
-    tokenizer, target_model, by_ref = load_models(
-        settings, target, [r for r in drafts.values() if r is not None], load_target=target_address is None
-    )
     device = resolve_device(settings.device)
     configs = {name: settings.engine_config(draft=ref is not None, device=device) for name, ref in drafts.items()}
-    kernels = prepare_kernels(
-        settings, [target_model] if target_model is not None else [], by_ref.values(),
-        {w for c in configs.values() for w in c.step_widths},
+    widths = {w for c in configs.values() for w in c.step_widths}
+    tokenizer, target_model, by_ref = load_models(
+        settings, target, [r for r in drafts.values() if r is not None], load_target=target_address is None,
+        each_draft=lambda draft: prepare_kernels(settings, [], [draft], widths),
     )  # fmt: skip
+    kernels = prepare_kernels(settings, [target_model] if target_model is not None else [], [], widths)
     models = {name: by_ref[ref] if ref is not None else None for name, ref in drafts.items()}
     if target_address is not None:
         from serving.remote import RemoteSpeculativeEngine

@@ -359,3 +359,33 @@ def test_lora_target_that_names_no_layer_is_a_clear_error():
     model = tiny_qwen2(0)
     with pytest.raises(ValueError, match=r"lora_targets \['qproj'\] name no linear layer"):
         add_lora(model, 4, 8.0, ["qproj", "v_proj"])
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("draft_weights", ["fp32", "int8"])
+def test_evaluation_on_cpu_kernels_leaves_the_trained_student_as_it_was(tokenizer, draft_weights):
+    """The held-out evaluation runs the student on the CPU kernels through a copy that shares its
+    tensors (no second fp32 student in memory): the student keeps its own Linear modules, its
+    weights bit for bit and its trainable flags, and the copy decodes as a deep copy would."""
+    import copy
+
+    from serving.cpu_kernels import rowdot_available
+    from serving.engine_settings import EngineSettings
+    from training.evaluate import measure
+
+    if draft_weights == "int8" and not rowdot_available():
+        pytest.skip("int8 drafts need the rowdot C++ kernel")
+    teacher, student = tiny_qwen2(0), tiny_qwen2(1).train()
+    for name, p in student.named_parameters():
+        p.requires_grad_(name.startswith("lm_head"))  # as with model.trainable=head
+    before = {name: (p.detach().clone(), p.requires_grad) for name, p in student.named_parameters()}
+    linears = [name for name, m in student.named_modules() if type(m) is torch.nn.Linear]
+    settings = EngineSettings(cpu_kernels=True, draft_weights=draft_weights, k=3)
+    prompts = [[5, 6, 7], [9, 10, 11, 12]]
+    result = measure(teacher, student, tokenizer, prompts, settings, max_new_tokens=8)
+    assert [name for name, m in student.named_modules() if type(m) is torch.nn.Linear] == linears
+    for name, p in student.named_parameters():
+        assert torch.equal(p, before[name][0]) and p.requires_grad == before[name][1], name
+    assert student.training
+    deep = measure(tiny_qwen2(0), copy.deepcopy(student), tokenizer, prompts, settings, max_new_tokens=8)
+    assert result["token_ids"] == deep["token_ids"] and result["acceptance_rate"] == deep["acceptance_rate"]

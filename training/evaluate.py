@@ -21,6 +21,15 @@ def held_out_prompts(domain: str, n: int, tokenizer: PreTrainedTokenizerBase, ma
 
 
 @torch.no_grad()
+def shared_copy(model: PreTrainedModel) -> PreTrainedModel:
+    """A copy of ``model``'s module tree (modules, config) that shares its parameters and buffers.
+    The CPU kernels replace the copy's Linear modules (int8 ones hold their own int8 weights),
+    leaving the original's modules as they were, and no second fp32 copy of the weights is ever
+    in memory: for a 0.5B student that is 2.5 GB on top of the teacher and the student."""
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return copy.deepcopy(model, memo=shared)
+
+
 def measure(
     target: PreTrainedModel,
     draft: PreTrainedModel | None,
@@ -43,10 +52,13 @@ def measure(
     max_len = settings.max_len or max(len(p) for p in prompts) + max_new_tokens + k_max + 2
     config = settings.engine_config(draft=draft is not None, device=target.device, max_len=max_len)
     if settings.uses_cpu_kernels:
+        flags = [(p, p.requires_grad) for p in draft.parameters()] if draft is not None else []
         if draft is not None:
-            draft = copy.deepcopy(draft)  # the kernels change a model in place
+            draft = shared_copy(draft)  # the kernels swap modules in place: never the trained model's
         widths = settings.engine_config(draft=True, device=target.device).step_widths  # what a draft's steps use
         prepare_kernels(settings, [target], [draft] if draft is not None else [], widths, device=target.device, dtype=target.dtype)
+        for p, flag in flags:  # the kernels freeze parameters; the shared ones are still being trained
+            p.requires_grad_(flag)
     engine = SpeculativeEngine(target, tokenizer, draft, config)
     outs = engine.generate([Request(p, max_new_tokens=max_new_tokens) for p in prompts])
     if was_training:
