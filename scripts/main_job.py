@@ -31,15 +31,16 @@ import time
 from pathlib import Path
 
 from serving.launch import free_port, stop, wait_healthy
+from serving.prompts import load_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
 
 PROFILES = {
     # The quick draft config is a short-budget copy of configs/distill_code.yaml.
-    # A smoke run of every stage in about a quarter of an hour on 2 cores: 9 prompts x 3 drafters of
+    # A smoke run of every stage in about a quarter of an hour on 2 cores: 6 prompts x 3 drafters of
     # router data (its evaluation says it is a smoke run); --profile full is the real thing.
     "quick": {"draft_config": "configs/distill_code_quick.yaml", "collect": [
-        "sources=[{domain: code, n: 3, offset: 100}, {domain: chat, n: 3, offset: 100}, {domain: math, n: 3, offset: 100}]",
+        "sources=[{domain: code, n: 2, offset: 100}, {domain: chat, n: 2, offset: 100}, {domain: math, n: 2, offset: 100}]",
         "decode.max_new_tokens=32",
     ]},
     "full": {"draft_config": "configs/distill_code.yaml", "collect": []},
@@ -47,11 +48,10 @@ PROFILES = {
 
 ROUNDS = 2  # timed runs per request and path, after one untimed warm-up run of each
 
-REQUESTS = [
-    ("code", "completion", "def is_palindrome(s: str) -> bool:\n    \"\"\"Return True if s reads the same forwards and backwards.\"\"\"\n"),
-    ("chat", "chat", "What are three good habits for staying focused while working from home?"),
-    ("math", "chat", "Solve for x: 3*x + 7 = 25. Show the steps."),
-]
+# The demo's requests: the first spec-bench prompt of each domain (serving.prompts), so that
+# `spec-bench prompts_per_domain=1` measures the same prompt with the same drafter outside the server.
+DOMAINS = ("code", "chat", "math")
+WARMUP_TOKENS = 8  # the untimed first run of each path: first-use costs are paid by the first tokens
 
 
 def run(stage: str, cmd: list[str], log: Path) -> None:
@@ -103,11 +103,13 @@ def serve_and_ask(router: Path, out: Path, log: Path, max_tokens: int) -> list[d
         client = OpenAI(base_url=f"{base}/v1", api_key="none", timeout=600)
         model = client.models.list().data[0].id
         answers = []
-        for domain, kind, text in REQUESTS:
+        for domain in DOMAINS:
+            prompt = load_prompts(domain, 1)[0]
+            kind, text = ("chat" if prompt.use_chat_template else "completion"), prompt.text
             # Each path once untimed (first-use costs: kernel builds, lazy allocations, caches), then
             # ROUNDS timed runs of each, interleaved so drift hits both sides alike; the best of each.
             for draft in (None, "none"):
-                ask(client, model, kind, text, max_tokens, draft)
+                ask(client, model, kind, text, WARMUP_TOKENS, draft)
             routed_s, alone_s = [], []
             for _ in range(ROUNDS):
                 answer, spec, seconds, tokens = ask(client, model, kind, text, max_tokens, None)
@@ -115,7 +117,7 @@ def serve_and_ask(router: Path, out: Path, log: Path, max_tokens: int) -> list[d
                 alone, _, seconds, _ = ask(client, model, kind, text, max_tokens, "none")
                 alone_s.append(seconds)
             row = {
-                "domain": domain, "prompt": text, "answer": answer, "draft": spec.get("draft"),
+                "domain": domain, "prompt": text, "spec_bench_row": 0, "answer": answer, "draft": spec.get("draft"),
                 "acceptance_rate": spec.get("acceptance_rate"), "tokens_per_target_call": spec.get("tokens_per_target_call"),
                 "seconds": min(routed_s), "seconds_target_alone": min(alone_s), "speedup": min(alone_s) / min(routed_s),
                 "timing": f"request wall time through the API, warmed up, best of {ROUNDS} interleaved runs per path",

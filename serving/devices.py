@@ -56,3 +56,23 @@ def synchronize(device: torch.device) -> None:
     """Wait for queued work, so host timers measure it (CPU work is already synchronous)."""
     if device.type != "cpu":
         torch.accelerator.synchronize()
+
+
+def release_host_memory() -> None:
+    """Hand memory freed on the host back to the OS: collect garbage cycles (a dropped engine or
+    model copy often sits in one), then glibc's ``malloc_trim``. PyTorch's CPU allocations below
+    glibc's mmap threshold come from malloc arenas, which keep freed pages resident; after an
+    evaluation or a model conversion that is a gigabyte or more that the next phase cannot use.
+    Elsewhere than glibc it only collects."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
+    except OSError:
+        pass

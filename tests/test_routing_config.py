@@ -18,11 +18,13 @@ pytestmark = pytest.mark.unit
 
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-COLLECT_CONFIGS = sorted(p.stem for p in CONFIGS.glob("router_collect*.yaml"))
+# User configs at the top, experiment records' configs under experiments/: names relative to configs/.
+COLLECT_CONFIGS = sorted(str(p.relative_to(CONFIGS).with_suffix("")) for p in CONFIGS.glob("**/router_collect*.yaml"))
 
 
 def test_the_collect_configs_are_found():
-    assert {"router_collect", "router_collect_math_spec", "router_collect_math_spec_test", "router_collect_math_spec_fresh"} <= set(COLLECT_CONFIGS)
+    assert {"router_collect", "experiments/router_collect_math_spec", "experiments/router_collect_math_spec_test",
+            "experiments/router_collect_math_spec_fresh"} <= set(COLLECT_CONFIGS)
 
 
 @pytest.mark.parametrize("name", COLLECT_CONFIGS)
@@ -36,8 +38,8 @@ def test_shipped_configs_load(name):
 @pytest.mark.parametrize(
     "test_name, train_names",
     [
-        ("router_collect_math_spec_test", ["router_collect_math_spec"]),
-        ("router_collect_math_spec_fresh", ["router_collect_math_spec", "router_collect_math_spec_test"]),
+        ("experiments/router_collect_math_spec_test", ["experiments/router_collect_math_spec"]),
+        ("experiments/router_collect_math_spec_fresh", ["experiments/router_collect_math_spec", "experiments/router_collect_math_spec_test"]),
     ],
 )
 def test_the_fresh_test_sets_share_no_prompt_with_the_rows_they_test(test_name, train_names):

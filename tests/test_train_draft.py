@@ -16,10 +16,10 @@ import torch._dynamo
 import yaml
 
 from serving.config import load_config
+from tests.conftest import no_recompile, tiny_qwen2
 from training import cli
 from training.config import TrainDraftConfig
 from training.losses import DistillLoss
-from tests.conftest import no_recompile, tiny_qwen2
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -169,7 +169,8 @@ def test_two_processes_under_accelerate(model_dirs, tmp_path):
     [("trian.max_steps=3", "unknown key 'trian'"), ("loss.kind=kl", "loss.kind='kl' must be one of"),
      ("data.seq_len=2", "seq_len=2 must be >= 8"), ("optim.lr=0", "lr=0.0 must be > 0"),
      ("model.draft_vocab=null loss.draft_vocab_only=true", "draft_vocab_only=true needs a reduced model.draft_vocab"),
-     ("model.trainable=head model.lora_rank=4", "trainable=head with lora_rank=4")],  # fmt: skip
+     ("model.trainable=head model.lora_rank=4", "trainable=head with lora_rank=4"),
+     ("model.trainable=head model.draft_vocab=40", "set loss.draft_vocab_only=true")],  # fmt: skip
 )
 def test_bad_config_is_a_clear_error(override, message, capsys):
     assert cli.main(["--config", str(REPO / "configs" / "distill_code.yaml"), *override.split()]) == 2
@@ -202,8 +203,10 @@ def test_wandb_without_the_package_is_a_clear_error(monkeypatch, capsys):
 
 @pytest.mark.unit
 def test_shipped_configs_load():
-    names = sorted(p.stem for pattern in ("train_*.yaml", "distill_*.yaml") for p in (REPO / "configs").glob(pattern))
-    assert {"train_code", "distill_code", "distill_chat", "distill_math"} <= set(names)
+    configs = REPO / "configs"
+    names = sorted(str(p.relative_to(configs).with_suffix("")) for pattern in ("**/train_*.yaml", "**/distill_*.yaml")
+                   for p in configs.glob(pattern))
+    assert {"train_code", "distill_code", "distill_chat", "distill_math", "experiments/distill_code_cut"} <= set(names)
     for name in names:
         text = (REPO / "configs" / f"{name}.yaml").read_text()
         assert text.startswith(f"# train-draft --config configs/{name}.yaml")
@@ -318,9 +321,10 @@ def test_head_only_training_changes_only_the_head_over_the_draft_vocab(tmp_path,
                                    loss={"kind": "forward_kl", "ce_ratio": 0.0, "draft_vocab_only": True})  # fmt: skip
     run_cli(config)
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["trainable_params"] == teacher.lm_head.weight.numel()
     assert metrics["after"]["val_loss"] < metrics["before"]["val_loss"]
     final = AutoModelForCausalLM.from_pretrained(out / "final")
+    # Only the kept rows (40 and EOS) are parameters of the optimizer (KeptHead), not the whole head.
+    assert metrics["trainable_params"] == len(final.config.draft_vocab) * teacher.lm_head.weight.shape[1] < teacher.lm_head.weight.numel()
     source = AutoModelForCausalLM.from_pretrained(tmp_path / "teacher")
     assert torch.equal(final.model.layers[0].mlp.up_proj.weight, source.model.layers[0].mlp.up_proj.weight)
     assert torch.equal(final.model.embed_tokens.weight, source.model.embed_tokens.weight)

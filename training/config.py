@@ -176,3 +176,6 @@ class TrainDraftConfig:
     def __post_init__(self) -> None:
         if self.loss.draft_vocab_only and self.model.draft_vocab is None:
             raise ValueError("loss.draft_vocab_only=true needs a reduced model.draft_vocab (e.g. 32768)")
+        if self.model.trainable == "head" and self.model.draft_vocab is not None and not self.loss.draft_vocab_only:
+            raise ValueError(f"model.trainable=head with model.draft_vocab={self.model.draft_vocab} trains only the kept "
+                             "rows of the head, so the loss must be over them: set loss.draft_vocab_only=true")

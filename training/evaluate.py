@@ -4,30 +4,19 @@ ShareGPT and mathematics-dataset sequences for chat and math)."""
 
 from __future__ import annotations
 
-import copy
-
-import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from serving.devices import release_host_memory
 from serving.engine import Request, SpeculativeEngine
 from serving.engine_settings import EngineSettings, prepare_kernels
 from serving.prompts import encode_prompt, load_prompts
 from training.config import EvalConfig
+from training.students import shared_copy
 
 
 def held_out_prompts(domain: str, n: int, tokenizer: PreTrainedTokenizerBase, max_tokens: int = 384) -> list[list[int]]:
     """The first n evaluation prompts of a domain, tokenized, cut to their last ``max_tokens``."""
     return [encode_prompt(tokenizer, p)[-max_tokens:] for p in load_prompts(domain, n)]
-
-
-@torch.no_grad()
-def shared_copy(model: PreTrainedModel) -> PreTrainedModel:
-    """A copy of ``model``'s module tree (modules, config) that shares its parameters and buffers.
-    The CPU kernels replace the copy's Linear modules (int8 ones hold their own int8 weights),
-    leaving the original's modules as they were, and no second fp32 copy of the weights is ever
-    in memory: for a 0.5B student that is 2.5 GB on top of the teacher and the student."""
-    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
-    return copy.deepcopy(model, memo=shared)
 
 
 def measure(
@@ -63,6 +52,8 @@ def measure(
     outs = engine.generate([Request(p, max_new_tokens=max_new_tokens) for p in prompts])
     if was_training:
         original.train()
+    del engine, draft
+    release_host_memory()  # the engine's caches and the draft's int8 copy: training needs the room back
     stats = [o.stats for o in outs]
     drafted = sum(s["drafted"] for s in stats)
     calls = sum(s["target_calls"] for s in stats)

@@ -155,13 +155,62 @@ def untie_head(model: PreTrainedModel) -> nn.Module:
     return head
 
 
+class KeptHead(nn.Module):
+    """The output head of a reduced-vocabulary draft whose head alone trains: a trainable copy of
+    the kept rows ([V', H], in ``config.draft_vocab`` order), so the logits cover only the tokens
+    the draft can propose. The full head stays as loaded (tied or not) and frozen: no gradient or
+    optimizer state for the ~120k rows a reduced draft never uses (for the 0.5B, 1.6 GB of AdamW
+    state and gradient less). ``merged`` writes the kept rows into an untied copy for saving."""
+
+    def __init__(self, head: nn.Module, ids: list[int]) -> None:
+        super().__init__()
+        self.full = head
+        self.register_buffer("ids", torch.tensor(ids, dtype=torch.long, device=head.weight.device), persistent=False)
+        self.weight = nn.Parameter(head.weight.detach().index_select(0, self.ids).clone())  # [V', H]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(hidden, self.weight)  # [..., V']
+
+    @torch.no_grad()
+    def merged(self) -> nn.Linear:
+        """A full head of its own with the trained rows in place."""
+        weight = self.full.weight.detach().clone()
+        weight[self.ids] = self.weight.detach().to(weight.dtype)
+        head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+        head.weight = nn.Parameter(weight, requires_grad=False)
+        return head
+
+
+def keep_head_rows(model: PreTrainedModel) -> KeptHead:
+    """Train only the rows of ``model``'s head in its ``config.draft_vocab`` (see ``KeptHead``)."""
+    head = KeptHead(model.get_output_embeddings(), model.config.draft_vocab)
+    model.set_output_embeddings(head)
+    return head
+
+
+@torch.no_grad()
+def shared_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model``'s module tree (modules, config) that shares its parameters and buffers:
+    what a caller changes in the copy's modules leaves the original's as they were, and no second
+    copy of the weights is ever in memory."""
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return copy.deepcopy(model, memo=shared)
+
+
 def plain_model(model: nn.Module) -> PreTrainedModel:
     """The student as a plain Hugging Face model: a LoRA-wrapped one is merged into a copy (the
-    training model keeps its adapters); any other is returned as is."""
+    training model keeps its adapters), a ``KeptHead`` into a copy with a full untied head; any
+    other is returned as is."""
     from peft import PeftModel
 
     if isinstance(model, PeftModel):
         return copy.deepcopy(model).merge_and_unload()
+    head = model.get_output_embeddings()
+    if isinstance(head, KeptHead):
+        plain = shared_copy(model)
+        plain.set_output_embeddings(head.merged())
+        plain.config.tie_word_embeddings = False
+        return plain
     return model
 
 

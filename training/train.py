@@ -29,18 +29,38 @@ from torch.utils.data import DataLoader, TensorDataset
 from tqdm import tqdm
 
 from serving.config import to_dict
+from serving.devices import release_host_memory
 from serving.engine import Request
-from serving.models import check_same_tokenizer, eos_token_ids, load_model, load_tokenizer
+from serving.models import (
+    check_same_tokenizer,
+    eos_token_ids,
+    load_model,
+    load_tokenizer,
+)
 from serving.prompts import EVAL_ROWS, encode_prompt, load_prompts
 from training import data as data_mod
-from training.checkpoint import atomic_dir, atomic_file, read_progress, write_json_atomic
+from training.checkpoint import (
+    atomic_dir,
+    atomic_file,
+    read_progress,
+    write_json_atomic,
+)
 from training.config import TrainDraftConfig
 from training.evaluate import held_out_prompts, measure
 from training.exercises import write_exercises
 from training.generate import target_generate
 from training.losses import DistillLoss
 from training.metric_logging import log_run
-from training.students import add_lora, count_parameters, derive_student, frequent_tokens, plain_model, reduce_vocab, untie_head
+from training.students import (
+    add_lora,
+    count_parameters,
+    derive_student,
+    frequent_tokens,
+    keep_head_rows,
+    plain_model,
+    reduce_vocab,
+    untie_head,
+)
 
 
 def lr_lambda(cfg: TrainDraftConfig):
@@ -64,7 +84,8 @@ def build_student(cfg: TrainDraftConfig, device: torch.device) -> torch.nn.Modul
     student.requires_grad_(True)
     if cfg.model.trainable == "head":
         student.requires_grad_(False)
-        untie_head(student).weight.requires_grad_(True)
+        if cfg.model.draft_vocab is None:  # else only the kept rows train (keep_head_rows, once they are known)
+            untie_head(student).weight.requires_grad_(True)
     elif not cfg.model.train_embeddings:
         student.get_input_embeddings().requires_grad_(False)
     return student.train()
@@ -77,7 +98,7 @@ def on_policy_prompts(cfg: TrainDraftConfig, tokenizer, texts: list[str], teache
     (``teacher``) writes itself, cached in ``out_dir``; local files take their first lines.
     Empty prompts are dropped."""
     n = cfg.data.on_policy_prompts
-    heads = lambda docs: ["\n".join(t.splitlines()[:12]) for t in docs]  # noqa: E731
+    heads = lambda docs: ["\n".join(t.splitlines()[:12]) for t in docs]
     if cfg.data.files:
         prompts = [tokenizer.encode(t, add_special_tokens=False)[:128] for t in heads(texts[:n])]
     elif cfg.data.domain == "code" and cfg.data.code_prompts == "target_exercises":
@@ -218,7 +239,9 @@ class TrainDraftRecipe:
             source = text_ids if len(text_ids) else labels
             always = eos_token_ids(self.teacher, self.tokenizer)
             reduce_vocab(self.student, frequent_tokens(source, cfg.model.draft_vocab, always=always))
-        self.student_params = count_parameters(self.student)  # before adapters: the plain model that is saved and served
+        self.student_params = count_parameters(plain_model(self.student))  # the plain model that is saved and served
+        if cfg.model.trainable == "head" and cfg.model.draft_vocab is not None:
+            keep_head_rows(self.student)  # its logits then cover the kept tokens only
         if cfg.model.lora_rank:
             self.student = add_lora(self.student, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.lora_targets)
 
@@ -258,11 +281,13 @@ class TrainDraftRecipe:
         """The columns the loss sees: every token, or (loss.draft_vocab_only) the draft's own, which
         is the distribution a reduced draft is served with; labels outside them are not trained on."""
         self.columns, self.column_of = slice(0, self.vocab), None
+        self.columns_list = range(self.vocab)
         if self.cfg.loss.draft_vocab_only:
             device = self.accelerator.device
             self.columns = torch.tensor(self.accelerator.unwrap_model(self.student).config.draft_vocab, device=device)  # [V']
             self.column_of = torch.full((self.vocab,), -100, dtype=torch.long, device=device)  # [V] token id -> column
             self.column_of[self.columns] = torch.arange(len(self.columns), device=device)
+            self.columns_list = self.columns.tolist()
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -273,7 +298,9 @@ class TrainDraftRecipe:
         if self.column_of is not None:
             labels = torch.where(labels >= 0, self.column_of[labels.clamp(min=0)], labels)
         mask = labels != -100  # [B, L-1]
-        s_logits = model(input_ids=input_ids).logits[:, :-1, self.columns]  # [B, L-1, V']
+        s_logits = model(input_ids=input_ids).logits[:, :-1]  # [B, L-1, V] (V' with a KeptHead)
+        if s_logits.shape[-1] != len(self.columns_list):
+            s_logits = s_logits[..., self.columns]  # [B, L-1, V']
         t_logits = None
         if self.distill or with_agreement:
             with torch.no_grad(), self.accelerator.autocast():  # bf16 like the student under mixed_precision
@@ -361,6 +388,7 @@ class TrainDraftRecipe:
         with atomic_dir(self.out_dir / name) as tmp:
             plain_model(self.accelerator.unwrap_model(self.student)).save_pretrained(tmp, safe_serialization=True)
             self.tokenizer.save_pretrained(tmp)
+        release_host_memory()  # serialization buffers: the size of the student
 
     # ---- the loop ------------------------------------------------------------------------------
 
