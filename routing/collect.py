@@ -23,7 +23,7 @@ from routing.router import NONE
 from routing.rows import RowStore
 from serving.devices import resolve_device
 from serving.engine import Request, SpeculativeEngine
-from serving.engine_settings import EngineSettings, load_engines
+from serving.engine_settings import EngineSettings, load_engine
 from serving.models import load_tokenizer
 from serving.prompts import Prompt, encode_prompt, load_prompts, read_prompt_file
 from serving.sampling import SamplingParams
@@ -161,7 +161,8 @@ def collect(
                         if not pending:
                             continue
                         reqs = [
-                            Request(ids[p.id], params=sampling(cfg, mode, p.id, repeat), max_new_tokens=cfg.decode.max_new_tokens)
+                            Request(ids[p.id], params=sampling(cfg, mode, p.id, repeat), max_new_tokens=cfg.decode.max_new_tokens,
+                                    drafter=name)
                             for p in pending
                         ]  # fmt: skip
                         outs = engines[name].generate(reqs)
@@ -185,13 +186,14 @@ def _speedup(store: RowStore, prompt_id: str, name: str, mode: str, repeat: int,
 
 
 def _build_engines(cfg: CollectConfig, settings: EngineSettings) -> dict[str, SpeculativeEngine]:
-    """One engine per draft (and NONE), all sharing the one loaded target, each warmed up once so
-    no row pays first-call costs."""
+    """Every drafter name (and NONE) mapped to the one engine that holds them all (one target, one
+    KV cache); each drafter is warmed up once so no row pays first-call costs. A row's requests
+    name their drafter, and one drafter's requests run at a time, so each row's speed is its own."""
     if resolve_device(settings.device).type == "cuda" and "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # one GPU per process under accelerate launch
-    drafts = ({NONE: None} if cfg.baseline else {}) | dict(cfg.drafts)
-    loaded = load_engines(settings, cfg.target, drafts)
-    warm = loaded.tokenizer.encode("Hello world", add_special_tokens=False) or [0]
-    for engine in loaded.engines.values():
-        engine.generate([Request(warm, max_new_tokens=4)] * settings.max_batch_size)
-    return loaded.engines
+    drafts = dict(cfg.drafts) | ({NONE: None} if cfg.baseline else {})
+    engine = load_engine(settings, cfg.target, drafts).engine
+    warm = engine.tokenizer.encode("Hello world", add_special_tokens=False) or [0]
+    for name in drafts:
+        engine.generate([Request(warm, max_new_tokens=4, drafter=name)] * settings.max_batch_size)
+    return {name: engine for name in drafts}

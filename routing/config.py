@@ -21,8 +21,9 @@ def doc(text: str) -> dict:
 class SourceConfig:
     """One prompt source: a built-in domain (``serving.prompts.load_prompts``) or a file."""
 
-    domain: Literal["code", "chat", "math"] | None = field(
-        default=None, metadata=doc("built-in prompts: code = HumanEval, chat = ShareGPT, math = mathematics-dataset")
+    domain: Literal["code", "chat", "math", "edit", "extract", "summarize", "quoted", "grounded"] | None = field(
+        default=None, metadata=doc("built-in prompts: code = HumanEval, chat = ShareGPT, math = mathematics-dataset; "
+                                   "edit, extract, summarize, quoted: input-grounded prompts; grounded: `n` of each of those four")
     )
     file: str | None = field(default=None, metadata=doc(".txt (one prompt a line) or .jsonl prompt file, instead of `domain`"))
     n: int | None = field(default=None, metadata=doc("prompts to take (null: all of a file; required for a domain)"))

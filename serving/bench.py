@@ -35,9 +35,9 @@ from serving.cli import Command, Flag
 from serving.config import ConfigError
 from serving.cpu_kernels import rowdot_available, set_enabled
 from serving.engine import Request, SpeculativeEngine
-from serving.engine_settings import EngineSettings, load_models, prepare_kernels
+from serving.engine_settings import HOST_DRAFTERS, EngineSettings, load_models, prepare_kernels
 from serving.models import load_model
-from serving.prompts import DOMAINS, encode_prompt, load_prompts
+from serving.prompts import DOMAINS, encode_prompt, load_prompts, resolve_domains
 
 NEAR_TIE = 1e-3  # a top-2 logit gap below this is a numerical tie, where rounding may pick either
 
@@ -49,9 +49,11 @@ def doc(text: str) -> dict:
 @dataclass
 class BenchConfig:
     target: str = field(default="qwen2.5-coder-1.5b-instruct", metadata=doc("target: hub id, folder or bundled name"))
-    draft: str = field(default="qwen2.5-coder-0.5b-instruct", metadata=doc("draft model reference"))
-    domains: list[Literal["code", "chat", "math"]] = field(default_factory=lambda: list(DOMAINS), metadata=doc(
-        "prompt domains (spec-bench's own prompts: the head rows of each)"))
+    draft: str = field(default="qwen2.5-coder-0.5b-instruct", metadata=doc(
+        "drafter: a draft model reference, or ngram / suffix (model-free; HF's peer is then its prompt lookup decoding)"))
+    domains: list[Literal["code", "chat", "math", "edit", "extract", "summarize", "quoted", "grounded"]] = field(
+        default_factory=lambda: list(DOMAINS), metadata=doc(
+        "prompt domains (spec-bench's own prompts: the head rows of each); grounded = edit, extract, summarize, quoted"))
     prompts_per_domain: int = field(default=10, metadata=doc("prompts per domain"))
     max_new_tokens: int = field(default=64, metadata=doc("tokens generated per prompt, greedy"))
     k_sweep: list[int] = field(default_factory=lambda: list(range(1, 9)), metadata=doc("K values of the sweep; [] skips it"))
@@ -77,7 +79,7 @@ class BenchConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if not self.domains:
-            raise ValueError("domains must name at least one of code, chat, math")
+            raise ValueError("domains must name at least one domain (code, chat, math, edit, extract, summarize, quoted or grounded)")
 
 
 @torch.no_grad()
@@ -101,17 +103,19 @@ def hf_assisted(target, draft, prompt_ids: list[int], max_new: int, eos: list[in
     """transformers' assisted generation. ``stock``: with the library's own kernels, as its users
     run it, even when Choral's CPU kernels are installed in the shared model objects."""
     ids = torch.tensor([prompt_ids], device=target.device)
-    for model in (target, draft):
+    # A model-free drafter's peer is transformers' prompt lookup decoding (draft = its K).
+    assist = {"prompt_lookup_num_tokens": draft} if isinstance(draft, int) else {"assistant_model": draft}
+    models = [m for m in (target, draft) if isinstance(m, torch.nn.Module)]
+    for model in models:
         set_enabled(model, not stock)
     try:
         start = time.perf_counter()
         out = target.generate(
-            ids, assistant_model=draft, max_new_tokens=max_new, do_sample=False, eos_token_id=eos,
-            pad_token_id=eos[0],
+            ids, **assist, max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=eos[0],
         )  # fmt: skip
         seconds = time.perf_counter() - start
     finally:
-        for model in (target, draft):
+        for model in models:
             set_enabled(model, True)
     return out[0, len(prompt_ids) :].tolist(), seconds
 
@@ -302,18 +306,19 @@ def run(cfg: BenchConfig, args: argparse.Namespace, argv: list[str] | None = Non
         report["summary"]["all"] = summarize([r for rows in report["rows"].values() for r in rows])
         return write_report(report, out_dir)
     e = cfg.engine
-    tokenizer, target, drafts = load_models(e, cfg.target, [cfg.draft])
-    draft = drafts[cfg.draft]
+    host = cfg.draft in HOST_DRAFTERS  # ngram or suffix: no draft model; HF's peer is prompt lookup
+    tokenizer, target, drafts = load_models(e, cfg.target, [] if host else [cfg.draft])
+    draft = e.k if host else drafts[cfg.draft]
     device = target.device
     # With stock kernels HF assisted generation keeps an fp32 draft (its users' setup); with
     # hf_kernels=choral it runs the very draft Choral runs, int8 included (same precision).
     # hf_draft_weights=int8-dynamic gives HF its own int8 draft, PyTorch's stock dynamic int8.
     hf_int8 = cfg.hf_draft_weights != "fp32"
     choral_draft = draft
-    if e.draft_weights != "fp32" and cfg.hf and cfg.hf_kernels == "stock" and not hf_int8:
+    if not host and e.draft_weights != "fp32" and cfg.hf and cfg.hf_kernels == "stock" and not hf_int8:
         choral_draft = load_model(cfg.draft, dtype=e.dtype, device=device, quantize=e.quantize)  # the kernels change it in place
     hf_draft = draft if cfg.hf_kernels == "stock" else choral_draft
-    if hf_int8:
+    if hf_int8 and not host:
         hf_draft = load_model(cfg.draft, dtype=e.dtype, device=device, quantize=cfg.hf_draft_weights)
     sweep = list(cfg.k_sweep)
 
@@ -323,19 +328,21 @@ def run(cfg: BenchConfig, args: argparse.Namespace, argv: list[str] | None = Non
     # Every K of the run and the sweep is a step width the kernels must know.
     every_k = engine_settings(max([e.k, *sweep])).engine_config(draft=True, device=device, k="auto")
     try:
-        cpu_kernels = prepare_kernels(e, [target], [choral_draft], every_k.step_widths)
+        cpu_kernels = prepare_kernels(e, [target], [] if host else [choral_draft], every_k.step_widths)
     except ValueError as error:  # int8 drafts where the kernels do not apply
         raise ConfigError(f"engine.{error}") from None
     draft_weights = e.draft_weights if e.draft_weights != "auto" else ("int8" if cpu_kernels and rowdot_available() else "fp32")
     hf_stock = cfg.hf_kernels == "stock"
 
     def engine(k: int) -> SpeculativeEngine:
-        config = engine_settings(k).engine_config(draft=bool(k), device=device)
-        return SpeculativeEngine(target, tokenizer, choral_draft if k else None, config)
+        settings = engine_settings(k)
+        config = settings.engine_config(draft=bool(k), device=device)
+        drafter = settings.host_drafter(cfg.draft) if host else choral_draft
+        return SpeculativeEngine(target, tokenizer, config=config, drafters={cfg.draft: drafter} if k else {})
 
     target_engine, spec_engine = engine(0), engine(e.k)
     eos = sorted(target_engine._eos)
-    domains = list(cfg.domains)
+    domains = resolve_domains(cfg.domains)  # groups (grounded) expand to their domains
     prompts = {d: load_prompts(d, cfg.prompts_per_domain) for d in domains}
     settings = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "engine"} | dataclasses.asdict(e)
     report: dict = {

@@ -29,7 +29,8 @@ def doc(text: str) -> dict:
 @dataclass
 class GenerateConfig:
     target: str = field(default="qwen2.5-coder-1.5b-instruct", metadata=doc("target: hub id, folder or bundled name"))
-    draft: str | None = field(default=None, metadata=doc("draft model reference; null decodes with the target alone"))
+    draft: str | None = field(default=None, metadata=doc(
+        "drafter: a draft model reference, ngram or suffix (model-free); null or none decodes with the target alone"))
     prompt: str | None = field(default=None, metadata=doc("the prompt text (or prompt_file)"))
     prompt_file: str | None = field(default=None, metadata=doc(".txt (one prompt per line) or .jsonl with a 'text' field"))
     chat: bool = field(default=False, metadata=doc("wrap each prompt in the tokenizer's chat template"))
@@ -81,11 +82,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(cfg: GenerateConfig, args: argparse.Namespace) -> int:
     from serving.engine import Request
-    from serving.engine_settings import load_engines
+    from serving.engine_settings import load_engine
     from serving.prompts import read_prompt_file
 
     texts = [cfg.prompt] if cfg.prompt is not None else [p.text for p in read_prompt_file(cfg.prompt_file)]
-    engine = load_engines(cfg.engine, cfg.target, {"generate": cfg.draft}).engines["generate"]
+    # The draft: a model reference, a built-in model-free drafter (ngram, suffix) or none.
+    engine = load_engine(cfg.engine, cfg.target, {"draft": cfg.draft} if cfg.draft not in (None, "none") else {}).engine
     tok = engine.tokenizer
     if cfg.chat:
         texts = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True) for t in texts]

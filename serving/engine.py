@@ -1,19 +1,30 @@
 """The speculative engine: a static batch of slots that requests join and leave between steps.
 
-    engine = SpeculativeEngine(target, tokenizer, draft, EngineConfig(max_batch_size=4, k=4))
-    [out] = engine.generate([Request(tokenizer.encode("def add(a, b):"), max_new_tokens=32)])
+    engine = SpeculativeEngine(target, tokenizer, config=EngineConfig(max_batch_size=4, k=4),
+                               drafters={"base": draft_model, "ngram": NgramDrafter()})
+    [out] = engine.generate([Request(tokenizer.encode("def add(a, b):"), max_new_tokens=32, drafter="ngram")])
     out.text, out.token_ids, out.stats["acceptance_rate"]
 
-Every step runs all B slots through ``speculative_step`` (fixed shapes), then reads back one small
-tensor (accepted and committed counts, done flags, the new tokens): the step's single host sync.
+One engine holds the target, one target KV cache, one static batch and a set of named drafters
+(``serving.drafters``): draft models, model-free drafters (``ngram``, ``suffix``, ``prediction``)
+and ``none``, the target alone. Each row carries the drafter its request was given. A step:
+
+1. draft: every drafter proposes for its own rows (a draft model over the batch on the device, a
+   host drafter on the host), padded to the step's K bucket with masked slots;
+2. verify: one target forward over every row (a ``none`` row verifies a single token);
+3. accept or reject each row's proposal (``serving.acceptance``), drawing the correction or bonus;
+4. commit, then read back one small tensor: the step's single host sync.
+
 The host then applies stop strings, retires finished requests and admits waiting ones into free
-slots, so ``generate`` already batches continuously.
+slots, so ``generate`` already batches continuously. A step runs at the smallest batch bucket that
+holds the occupied slots (requests take the lowest free slot), so a lone request does not pay for
+the whole static batch.
 
 A server drives the same loop itself, as with vLLM's ``LLMEngine``: ``add_request`` queues,
 ``step`` admits and advances everyone by one speculative step and returns each request's new
 tokens, ``abort_request`` frees a slot. The engine is not thread-safe: call it from one thread.
 
-The model-facing parts are three hooks, ``_prefill_target``, ``_verify`` and ``_release``;
+The target-facing parts are three hooks, ``_prefill_target``, ``_verify`` and ``_release``;
 ``serving.remote.RemoteSpeculativeEngine`` overrides them to run the target over gRPC and keeps
 everything else (slots, seeds, stop strings, stats, retirement) from here.
 """
@@ -24,6 +35,7 @@ import os
 import secrets
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -33,12 +45,20 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from serving.bundled import choral_home
 from serving.cpu_kernels import prepare_for_cpu, rowdot_available
 from serving.devices import compile_backend, resolve_dtype, synchronize
+from serving.drafters.base import HostDrafter, RowContext
+from serving.drafters.prediction import PredictionDrafter
 from serving.models import eos_token_ids
 from serving.runner import ModelRunner
 from serving.sampling import SamplingParams, SamplingTensors
-from serving.speculative import DecodeState, StepRandom, draft_half, prefill_first_token, start_row, verify_half
+from serving.speculative import (
+    DecodeState,
+    StepRandom,
+    draft_half,
+    prefill_first_token,
+    start_row,
+    verify_half,
+)
 from serving.stats import RequestStats
-
 
 DRAFT_STOPS = ("token", "cumulative")  # what EngineConfig.draft_stop compares with draft_confidence
 
@@ -58,6 +78,8 @@ class EngineConfig:
         whose width must be a bucket + 1. A host check per draft token: for CPUs, not Neuron.
     draft_stop: "token" compares each draft token's top probability with ``draft_confidence``;
         "cumulative" compares their running product (the block's chance of surviving whole).
+    batch_buckets: the batch sizes a step can run at (compiled shapes); None: 1, 2, 4, ... up to
+        ``max_batch_size``, which is always one. A step runs at the smallest that holds its rows.
     """
 
     max_batch_size: int = 1
@@ -67,6 +89,7 @@ class EngineConfig:
     compile_backend: str | None = None
     draft_confidence: float | None = None
     draft_stop: str = "token"
+    batch_buckets: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.draft_stop not in DRAFT_STOPS:
@@ -78,6 +101,13 @@ class EngineConfig:
         self.k_buckets = tuple(sorted(set(self.k_buckets)))
         if self.k != "auto" and self.k not in self.k_buckets and self.k != 0:
             raise ValueError(f"k={self.k!r} must be 'auto' or one of k_buckets {self.k_buckets}")
+        if self.batch_buckets is None:
+            powers = [1 << i for i in range(self.max_batch_size.bit_length()) if 1 << i < self.max_batch_size]
+            self.batch_buckets = (*powers, self.max_batch_size)
+        buckets = tuple(sorted({*self.batch_buckets, self.max_batch_size}))
+        if min(buckets) < 1 or max(buckets) > self.max_batch_size:
+            raise ValueError(f"batch_buckets={self.batch_buckets} must be sizes from 1 to max_batch_size={self.max_batch_size}")
+        self.batch_buckets = buckets
 
     @property
     def k_max(self) -> int:
@@ -149,6 +179,8 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     max_new_tokens: int = 128
     stop: tuple[str, ...] = ()
+    drafter: str | None = None  # a drafter name of the engine; None: "prediction" with a prediction, else the default
+    prediction: list[int] | None = None  # token ids of the text the client expects (Predicted Outputs)
 
 
 @dataclass
@@ -175,8 +207,23 @@ class _Slot:
     generated: list[int]
     stats: RequestStats
     started: float
+    drafter: str  # the name of the drafter the request drafts with ("none": the target alone)
     k_value: float = 0.0  # this request's own K ("auto" moves it by the request's own acceptance)
     emitted: int = 0  # tokens of ``generated`` already handed out by step()
+
+
+NONE = "none"  # the drafter name of the target alone
+PREDICTION = "prediction"  # the built-in drafter of requests that carry a prediction
+
+Drafters = Mapping[str, "PreTrainedModel | HostDrafter | None"]
+
+
+def _drafters(draft: PreTrainedModel | None, drafters: Drafters | None) -> Drafters:
+    if draft is not None and drafters is not None:
+        raise ValueError("give either draft (one draft model) or drafters (name -> drafter), not both")
+    if drafters is not None:
+        return drafters
+    return {"draft": draft} if draft is not None else {}
 
 
 class SpeculativeEngine:
@@ -186,35 +233,66 @@ class SpeculativeEngine:
         tokenizer: PreTrainedTokenizerBase,
         draft: PreTrainedModel | None = None,
         config: EngineConfig | None = None,
+        *,
+        drafters: Drafters | None = None,
+        default_drafter: str | None = None,
     ) -> None:
+        """``drafters``: name -> a draft model (on the target's tokenizer), a ``HostDrafter``, or
+        None (another name for the target alone). ``draft`` is shorthand for ``{"draft": draft}``.
+        ``none`` always exists, ``prediction`` wherever there is another drafter. ``default_drafter``: for requests that name none
+        (default: the first of ``drafters``, else ``none``)."""
         config = config or EngineConfig()
         max_pos = getattr(target.config, "max_position_embeddings", None) or 2048
         resolve_max_len(config, max_pos)
         self.target = ModelRunner(target, batch_size=config.max_batch_size, max_len=config.max_len)
         self._setup(
-            tokenizer, draft, config, self.target.vocab_size, eos_token_ids(target, tokenizer), self.target.device
-        )
+            tokenizer, _drafters(draft, drafters), config, self.target.vocab_size, eos_token_ids(target, tokenizer),
+            self.target.device, default_drafter,
+        )  # fmt: skip
 
     def _setup(
         self,
         tokenizer: PreTrainedTokenizerBase,
-        draft: PreTrainedModel | None,
+        drafters: Drafters,
         config: EngineConfig,
         vocab_size: int,
         eos_ids: list[int],
         device: torch.device,
+        default_drafter: str | None = None,
     ) -> None:
-        """Everything but the target: draft runner, decode state and host bookkeeping. ``vocab_size``
+        """Everything but the target: drafters, decode state and host bookkeeping. ``vocab_size``
         and ``eos_ids`` are the target's (a remote engine learns them from the target service)."""
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         B = config.max_batch_size
-        self.draft = None
-        if draft is not None and config.k != 0:
-            self.draft = ModelRunner(draft, batch_size=B, max_len=config.max_len, vocab_size=vocab_size)
         self.device = device
-        k_max = config.k_max if self.draft else 0
+        # Model drafters run as ModelRunners with their own (small) KV caches, one per distinct
+        # model: two names for one model share it, since a row drafts with one name only.
+        self.model_drafters: dict[str, ModelRunner] = {}
+        self.host_drafters: dict[str, HostDrafter] = {}
+        runners: dict[int, ModelRunner] = {}
+        drafting = config.k != 0  # k=0: a target-only engine, whatever drafters it was given
+        for name, d in drafters.items():
+            if d is None or not drafting:
+                continue
+            if isinstance(d, HostDrafter):
+                self.host_drafters[name] = d
+            else:
+                if id(d) not in runners:
+                    runners[id(d)] = ModelRunner(d, batch_size=B, max_len=config.max_len, vocab_size=vocab_size)
+                self.model_drafters[name] = runners[id(d)]
+        if self.model_drafters or self.host_drafters:  # an engine that drafts also takes predictions
+            self.host_drafters.setdefault(PREDICTION, PredictionDrafter())
+        self.drafter_names = [*[n for n in drafters if n in self.model_drafters or n in self.host_drafters],
+                              *[n for n in (PREDICTION,) if n in self.host_drafters and n not in drafters], NONE]  # fmt: skip
+        self.default_drafter = default_drafter or next(
+            (n for n in drafters if n in self.model_drafters or n in self.host_drafters), NONE)
+        if self.default_drafter not in self.drafter_names:
+            raise ValueError(f"default_drafter={self.default_drafter!r} is not one of {self.drafter_names}")
+        # The first draft model: the draft of an engine built with one (tests and tools read it).
+        self.draft = next(iter(self.model_drafters.values()), None)
+        k_max = config.k_max if self.drafting else 0
         self.state = DecodeState(
             tokens=torch.zeros(B, config.max_len + k_max + 1, dtype=torch.long, device=self.device),
             # Empty slots look like finished two-token rows, so every gather stays in range.
@@ -224,7 +302,8 @@ class SpeculativeEngine:
             eos_ids=torch.tensor(eos_ids, dtype=torch.long, device=self.device),
         )
         self._eos = set(self.state.eos_ids.tolist())
-        self._sampling: SamplingTensors | None = None  # rebuilt when a slot's request changes
+        self._sampling: SamplingTensors | None = None  # rebuilt when a slot's request or the bucket changes
+        self._bucket_states: dict[int, DecodeState] = {B: self.state}  # views of the first rows
         # Where each request's K starts; with "auto" every request then moves its own K, so its
         # output never depends on what else shares the batch.
         self._k_start = float(config.k_buckets[len(config.k_buckets) // 2] if config.k == "auto" else config.k)
@@ -233,6 +312,11 @@ class SpeculativeEngine:
         self._next_id = 0
         if config.compile_backend is not None:
             self.enable_compile(config.compile_backend)
+
+    @property
+    def drafting(self) -> bool:
+        """Whether any request can draft (else every step verifies one token per row)."""
+        return bool(self.model_drafters or self.host_drafters)
 
     @classmethod
     def load(
@@ -246,14 +330,14 @@ class SpeculativeEngine:
         cpu_kernels: bool = True,
         draft_weights: str = "auto",
         config: EngineConfig | None = None,
-    ) -> "SpeculativeEngine":
+    ) -> SpeculativeEngine:
         """Load target and draft by reference (hub id, folder or bundled name), check that their
         tokenizers agree, and build the engine on ``device`` in ``dtype``. On a CPU in fp32,
         ``cpu_kernels`` swaps in the batch-invariant kernels of ``serving.cpu_kernels``, which
         verify K+1 tokens for about the cost of one with bitwise-identical rows, and
         ``draft_weights`` "auto" (default) or "int8" runs the draft in int8 there (see ``use_cpu_kernels``).
-        The commands build their engines from settings the same way: ``serving.engine_settings.load_engines``."""
-        from serving.engine_settings import EngineSettings, load_engines
+        The commands build their engine from settings the same way: ``serving.engine_settings.load_engine``."""
+        from serving.engine_settings import EngineSettings, load_engine
 
         config = config or EngineConfig()
         settings = EngineSettings(
@@ -261,7 +345,7 @@ class SpeculativeEngine:
             compile_backend=config.compile_backend, max_batch_size=config.max_batch_size, max_len=config.max_len,
             k=config.k or 1, k_buckets=config.k_buckets, draft_confidence=config.draft_confidence, draft_stop=config.draft_stop,
         )  # fmt: skip
-        return load_engines(settings, target, {"engine": draft if config.k != 0 else None}).engines["engine"]
+        return load_engine(settings, target, {"draft": draft} if draft is not None and config.k != 0 else {}).engine
 
     # ---- public API ----------------------------------------------------------------------------
 
@@ -304,6 +388,7 @@ class SpeculativeEngine:
                 self._slots[b] = None
                 self.state.done[b] = True
                 self._sampling = None
+                self._stop_drafter(b, slot, finished=False)
                 self._release(b)
                 return True
         return False
@@ -356,18 +441,34 @@ class SpeculativeEngine:
             # Freezing folds the weights into the graph as constants so the CPU GEMMs use
             # prepacked layouts; inference only, which is all the engine does.
             torch._inductor.config.freezing = True
-        for runner in (self.target, self.draft):
-            if runner is not None:
-                runner.compile(backend)
+        runners = list({id(r): r for r in self.model_drafters.values()}.values())
+        # Every runner compiles the same method, so its graphs count together against torch's limit:
+        # per batch bucket, the target's verify widths and each draft's two widths.
+        shapes = len(self.config.batch_buckets) * (len(self._verify_widths()) + 2 * len(runners))
+        for runner in [self.target, *runners] if self.target is not None else runners:
+            runner.compile(backend, shapes=shapes)
         self.warmup()
 
     def warmup(self) -> None:
-        """Run every compiled shape once (draft: 1 and 2 tokens; target: K+1 per bucket) so the
-        compile cost is paid at load; with the on-disk compile cache later loads are quick."""
-        self.target.warmup(self.config.verify_widths if self.draft else (1,))
-        if self.draft is not None:
-            self.draft.warmup((1, 2), last_only=True)  # draft_half's two forward shapes
+        """Run every compiled shape once, at every batch bucket (draft: 1 and 2 tokens; target: K+1
+        per K bucket) so the compile cost is paid at load; with the on-disk compile cache later
+        loads are quick."""
+        for rows in self.config.batch_buckets:
+            if self.target is not None:  # a remote engine's target warms itself up
+                self.target.warmup(self._verify_widths(), rows=rows)
+            for runner in {id(r): r for r in self.model_drafters.values()}.values():
+                runner.warmup((1, 2), last_only=True, rows=rows)  # draft_half's two forward shapes
         synchronize(self.device)
+
+    def _verify_widths(self) -> tuple[int, ...]:
+        """Target widths: K+1 per K bucket; a host drafter's short proposal rounds up to a bucket,
+        so a fixed k with host drafters may verify any bucket up to it."""
+        if not self.drafting:
+            return (1,)
+        widths = set(self.config.verify_widths)
+        if self.host_drafters:
+            widths |= {1} | {k + 1 for k in self.config.k_buckets if k <= self.config.k_max}
+        return tuple(sorted(widths))
 
     # ---- admission and retirement --------------------------------------------------------------
 
@@ -376,7 +477,9 @@ class SpeculativeEngine:
             raise ValueError("empty prompt: give at least one token")
         if r.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={r.max_new_tokens} must be >= 1")
-        k_max = self.config.k_max if self.draft else 0
+        if r.drafter is not None and r.drafter not in self.drafter_names:
+            raise ValueError(f"unknown drafter {r.drafter!r}; this engine has {', '.join(self.drafter_names)}")
+        k_max = self.config.k_max if self.drafting else 0
         need = len(r.prompt_ids) + r.max_new_tokens + k_max + 1
         if need > self.config.max_len:
             raise ValueError(
@@ -397,21 +500,41 @@ class SpeculativeEngine:
         first_id = self._prefill_target(b, request, ids, torch.rand(1, generator=generator))
         if first_id is None:
             return None
-        if self.draft is not None:
-            self.draft.prefill(ids, b)
+        drafter = self._drafter_of(request)
+        if drafter in self.model_drafters:
+            self.model_drafters[drafter].prefill(ids, b)
+        elif drafter in self.host_drafters:
+            private = request.params.seed is not None and not request.params.greedy
+            self.host_drafters[drafter].start(b, RowContext(index, request.prompt_ids, request.prediction, private))
         done = start_row(self.state, b, ids[0], first_id, request.max_new_tokens)
         self._sampling = None
         stats = RequestStats(new_tokens=1)
         stats.prefill_time_s = time.perf_counter() - started
-        slot = _Slot(index, request, ids.shape[1], generator, [first_id], stats, started, k_value=self._k_start)
+        slot = _Slot(index, request, ids.shape[1], generator, [first_id], stats, started, drafter, k_value=self._k_start)
         stopped = self._hit_stop(slot, 0)
+        if drafter in self.host_drafters:
+            self.host_drafters[drafter].observe(b, slot.generated)
         return slot, done or stopped
+
+    def _drafter_of(self, request: Request) -> str:
+        """The drafter a request drafts with: the one it names, else ``prediction`` when it carries
+        one (OpenAI's Predicted Outputs), else the engine's default."""
+        if request.drafter is not None:
+            return request.drafter
+        if request.prediction and PREDICTION in self.host_drafters:
+            return PREDICTION
+        return self.default_drafter
+
+    def _stop_drafter(self, b: int, slot: _Slot, finished: bool) -> None:
+        if slot.drafter in self.host_drafters:
+            self.host_drafters[slot.drafter].stop(b, finished)
 
     def _retire(self, b: int, slots: list[_Slot | None]) -> Completion:
         slot = slots[b]
         slots[b] = None
         self.state.done[b] = True
         self._sampling = None
+        self._stop_drafter(b, slot, finished=True)
         self._release(b)
         tokens = slot.generated
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -424,7 +547,7 @@ class SpeculativeEngine:
             reason = "length"
         slot.stats.new_tokens = len(tokens)
         slot.stats.total_time_s = time.perf_counter() - slot.started
-        return Completion(tokens, text, reason, slot.stats.to_dict())
+        return Completion(tokens, text, reason, slot.stats.to_dict() | {"drafter": slot.drafter})
 
     def _emit(self, b: int, finished: bool) -> StepOutput:
         slot = self._slots[b]
@@ -456,6 +579,7 @@ class SpeculativeEngine:
     def _verify(
         self,
         slots: list[_Slot | None],
+        state: DecodeState,
         sampling: SamplingTensors,
         rand: StepRandom,
         draft_tokens: torch.Tensor,  # [B, K]
@@ -463,9 +587,10 @@ class SpeculativeEngine:
         n_draft: torch.Tensor,  # [B] real draft tokens per row; the rest of K is padding
         clock,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The verify half of the step for every slot: returns (n_accepted [B], n_new [B]) and
-        leaves ``self.state`` committed. Calls ``clock("target")`` once the target has answered."""
-        n_accepted, _, n_new = verify_half(self.target, self.state, sampling, rand, draft_tokens, q, clock, n_draft)
+        """The verify half of the step for ``slots`` (the step's batch bucket, whose rows ``state``
+        holds): returns (n_accepted [B], n_new [B]) and leaves ``state`` committed. Calls
+        ``clock("target")`` once the target has answered."""
+        n_accepted, _, n_new = verify_half(self.target, state, sampling, rand, draft_tokens, q, clock, n_draft)
         return n_accepted, n_new
 
     def _release(self, b: int) -> None:
@@ -474,25 +599,88 @@ class SpeculativeEngine:
     # ---- one step ------------------------------------------------------------------------------
 
     def _batch_sampling(self, slots: list[_Slot | None]) -> SamplingTensors:
-        if self._sampling is None:
+        if self._sampling is None or self._sampling.temperature.shape[0] != len(slots):
             params = [s.request.params if s else SamplingParams() for s in slots]
             self._sampling = SamplingTensors.build(params, self.device)
         return self._sampling
 
+    def _bucket(self) -> int:
+        """The smallest batch bucket holding every occupied slot (requests take the lowest free one)."""
+        last = max((b for b, s in enumerate(self._slots) if s is not None), default=0)
+        return next(n for n in self.config.batch_buckets if n > last)
+
+    def _state_rows(self, rows: int) -> DecodeState:
+        """The decode state of the first ``rows`` slots: views, so every write lands in the whole."""
+        if rows not in self._bucket_states:
+            s = self.state
+            self._bucket_states[rows] = DecodeState(s.tokens[:rows], s.lengths[:rows], s.limits[:rows], s.done[:rows], s.eos_ids)
+        return self._bucket_states[rows]
+
     def _row_k(self, slot: _Slot | None) -> int:
-        """The request's K this step: the largest bucket its own K value reaches (0: no draft)."""
-        if slot is None or self.draft is None:
+        """The request's draft budget this step: 0 for ``none``; a host drafter's own k if it has
+        one; else the engine's k, or with "auto" the largest bucket the request's own K value
+        reaches."""
+        if slot is None or slot.drafter == NONE or not self.drafting:
             return 0
+        host = self.host_drafters.get(slot.drafter)
+        if host is not None and host.k is not None:
+            return min(host.k, self.config.k_max)
         if self.config.k != "auto":
             return int(self.config.k)
         fitting = [k for k in self.config.k_buckets if k <= slot.k_value]
         return fitting[-1] if fitting else self.config.k_buckets[0]
 
-    def _step(self, slots: list[_Slot | None]) -> list[int]:
-        """One speculative step over all slots; returns the slots whose request finished."""
-        s = self.state
+    def _draft(
+        self, slots: list[_Slot | None], state: DecodeState, sampling: SamplingTensors, rand: StepRandom, k_rows: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Step 1 for every drafter's rows: (draft_tokens [B, K] long, q [B, K, V], n_draft [B] long),
+        K the step's K bucket. Host drafters propose on the host (q: a point mass at each token);
+        each draft model with rows drafts over the batch on the device with a zero budget for the
+        rows that are not its own, which its proposals then leave alone."""
+        B, V = len(slots), self.vocab_size
+        host_tokens = [[] for _ in slots]
+        for b, slot in enumerate(slots):
+            if slot is not None and k_rows[b] and slot.drafter in self.host_drafters:
+                context = slot.request.prompt_ids + slot.generated
+                host_tokens[b] = self.host_drafters[slot.drafter].propose(b, context, k_rows[b])[: k_rows[b]]
+        width = max(map(len, host_tokens))
+        from_models = []
+        for name, runner in self.model_drafters.items():
+            budget = [k_rows[b] if slot is not None and slot.drafter == name else 0 for b, slot in enumerate(slots)]
+            if max(budget) == 0:
+                continue
+            tokens, q, n = draft_half(runner, state, sampling, rand, max(budget), V, self.config.draft_confidence,
+                                      self.config.draft_stop, torch.tensor(budget, device=self.device))  # fmt: skip
+            mine = torch.tensor([x > 0 for x in budget], device=self.device)  # [B]
+            from_models.append((tokens, q, n, mine))
+            width = max(width, tokens.shape[1])
+        # The step's K: the smallest bucket that holds every proposal (a compiled verify width).
+        k = next((kb for kb in self.config.k_buckets if kb >= width), width) if width else 0
+        rows = torch.tensor([t + [0] * (k - len(t)) for t in host_tokens], dtype=torch.long).reshape(B, k)
+        draft_tokens = rows.to(self.device)  # [B, K]
+        n_draft = torch.tensor([len(t) for t in host_tokens], dtype=torch.long, device=self.device)  # [B]
+        q = torch.nn.functional.one_hot(draft_tokens, V).float() if any(host_tokens) else None  # [B, K, V] point masses
+        for tokens, q_m, n_m, mine in from_models:
+            pad = k - tokens.shape[1]
+            tokens = torch.nn.functional.pad(tokens, (0, pad))  # [B, K]
+            q_m = torch.nn.functional.pad(q_m, (0, 0, 0, pad))  # [B, K, V]
+            draft_tokens = torch.where(mine.unsqueeze(1), tokens, draft_tokens)
+            n_draft = torch.where(mine, n_m, n_draft)
+            if q is None and len(from_models) == 1:
+                q = q_m  # the only proposer: rows not its own have n_draft 0, so their q is masked
+            else:
+                q = torch.where(mine.view(B, 1, 1), q_m, q if q is not None else torch.zeros_like(q_m))
+        if q is None:
+            q = torch.zeros(B, k, V, device=self.device)  # [B, K, V] nothing drafted
+        return draft_tokens, q, n_draft
+
+    def _step(self, all_slots: list[_Slot | None]) -> list[int]:
+        """One speculative step over the occupied slots, at the smallest batch bucket that holds
+        them; returns the slots whose request finished."""
+        B = self._bucket()
+        slots, s = all_slots[:B], self._state_rows(B)
         k_rows = [self._row_k(slot) for slot in slots]
-        k = max(k_rows)  # the step's K: a bucket; rows with a smaller K pad with masked slots
+        k = max(k_rows)  # the largest budget; the step's K is the longest proposal's bucket
         n_before = s.lengths.clone()
         times: dict[str, float] = {}
         last = [time.perf_counter()]
@@ -503,15 +691,13 @@ class SpeculativeEngine:
             times[phase] = now - last[0]
             last[0] = now
 
-        # 1. draft, 2-4. verify, accept/reject, commit: speculative_step's two halves, split so
-        # that the verify half can run elsewhere.
+        # 1. draft (every drafter, its own rows), 2-4. verify, accept/reject, commit: split so that
+        # the verify half can run elsewhere.
         sampling = self._batch_sampling(slots)
         rand = step_uniforms([slot.generator if slot else None for slot in slots], k_rows, k, self.device)
-        budget = torch.tensor(k_rows, dtype=torch.long, device=self.device)  # [B]
-        draft_tokens, q, n_draft = draft_half(self.draft, s, sampling, rand, k, self.vocab_size,
-                                              self.config.draft_confidence, self.config.draft_stop, budget)  # fmt: skip
+        draft_tokens, q, n_draft = self._draft(slots, s, sampling, rand, k_rows)
         clock("draft")
-        n_acc, n_new = self._verify(slots, sampling, rand, draft_tokens, q, n_draft, clock)
+        n_acc, n_new = self._verify(slots, s, sampling, rand, draft_tokens, q, n_draft, clock)
         k = draft_tokens.shape[1]
         committed = s.tokens.gather(1, n_before.unsqueeze(1) + torch.arange(k + 1, device=self.device))
         # 5. The single host sync of the step.
@@ -527,10 +713,12 @@ class SpeculativeEngine:
             before = len(slot.generated)
             slot.generated += tokens[:new]
             slot.stats.record_step(drafted, accepted, new, times.get("draft", 0.0), times.get("target", 0.0))
-            if self.config.k == "auto":  # Hugging Face's heuristic, per request: +2 after a full accept, else -1
+            if self.config.k == "auto" and k_rows[b]:  # Hugging Face's heuristic, per request: +2 after a full accept, else -1
                 slot.k_value = min(hi, slot.k_value + 2) if accepted == drafted else max(lo, slot.k_value - 1)
             # Stop strings first: a step that also reaches the length limit must still cut at the stop.
             stopped = self._hit_stop(slot, before)
+            if slot.drafter in self.host_drafters and len(slot.generated) > before:
+                self.host_drafters[slot.drafter].observe(b, slot.generated[before:])
             if done or stopped:
                 finished.append(b)
         return finished

@@ -2,8 +2,11 @@
 function that turns it into loaded models, Choral's CPU kernels and engines.
 
     settings = EngineSettings(device="cpu", max_batch_size=4, k=4)
-    loaded = load_engines(settings, "qwen2.5-coder-1.5b-instruct", {"base": "qwen2.5-coder-0.5b-instruct", "none": None})
-    [out] = loaded.engines["base"].generate([Request(ids, max_new_tokens=32)])
+    loaded = load_engine(settings, "qwen2.5-coder-1.5b-instruct", {"base": "qwen2.5-coder-0.5b-instruct", "ngram": "ngram"})
+    [out] = loaded.engine.generate([Request(ids, max_new_tokens=32, drafter="ngram")])
+
+A drafter reference is a model (hub id, folder or bundled name), a built-in model-free drafter
+(``ngram``, ``suffix``; their settings are ``engine.ngram.*`` and ``engine.suffix.*``) or ``none``.
 
 ``serve``, ``collect-router-data``, ``spec-generate`` and ``spec-bench`` nest it as ``engine``,
 ``train-draft``'s held-out evaluation as ``eval.engine``: a setting has one name and one meaning
@@ -30,6 +33,50 @@ if TYPE_CHECKING:
 
 def doc(text: str) -> dict:
     return {"doc": text}
+
+
+@dataclass
+class NgramSettings:
+    """vLLM's ``ngram`` method (``prompt_lookup_min``/``prompt_lookup_max``), transformers' prompt lookup."""
+
+    min_n: int = field(default=1, metadata=doc("shortest n-gram of the request's last tokens to look up"))
+    max_n: int = field(default=4, metadata=doc("longest n-gram to look up (the longest match wins)"))
+    k: int | None = field(default=None, metadata=doc(
+        "tokens proposed per step (num_speculative_tokens); null: the engine's k"))
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_n <= self.max_n:
+            raise ValueError(f"ngram: need 1 <= min_n <= max_n, got min_n={self.min_n}, max_n={self.max_n}")
+        if self.k is not None and self.k < 1:
+            raise ValueError(f"ngram.k={self.k} must be >= 1 (or null for the engine's k)")
+
+
+@dataclass
+class SuffixSettings:
+    """vLLM's ``suffix`` method (Arctic Inference's suffix decoding), same option names."""
+
+    max_tree_depth: int = field(default=24, metadata=doc("longest context suffix matched"))
+    max_cached_requests: int = field(default=256, metadata=doc(
+        "finished requests whose outputs stay in the cross-request cache (0: each request's own context only)"))
+    max_spec_factor: float = field(default=1.0, metadata=doc(
+        "propose at most this many tokens per matched token"))
+    min_token_prob: float = field(default=0.1, metadata=doc(
+        "stop a proposal once its estimated probability (product of branch frequencies) drops below this"))
+    k: int | None = field(default=None, metadata=doc(
+        "tokens proposed per step at most (num_speculative_tokens); null: the engine's k"))
+
+    def __post_init__(self) -> None:
+        if self.max_tree_depth < 1 or self.max_cached_requests < 0 or self.max_spec_factor <= 0:
+            raise ValueError(f"suffix: max_tree_depth={self.max_tree_depth} must be >= 1, max_cached_requests="
+                             f"{self.max_cached_requests} >= 0 and max_spec_factor={self.max_spec_factor} > 0")
+        if not 0.0 <= self.min_token_prob <= 1.0:
+            raise ValueError(f"suffix.min_token_prob={self.min_token_prob} must be in [0, 1]")
+        if self.k is not None and self.k < 1:
+            raise ValueError(f"suffix.k={self.k} must be >= 1 (or null for the engine's k)")
+
+
+HOST_DRAFTERS = ("ngram", "suffix")  # built-in drafter references that need no model
+NONE = "none"
 
 
 @dataclass
@@ -67,6 +114,11 @@ class EngineSettings:
     threads: int | None = field(default=None, metadata=doc(
         "torch intra-op threads of the process; null: torch's default (one per core). On a CPU shared "
         "with other busy processes, 1 avoids threads waiting on each other"))
+    batch_buckets: tuple[int, ...] | None = field(default=None, metadata=doc(
+        "batch sizes a step can run at (compiled shapes); a step runs at the smallest holding its "
+        "rows. null: 1, 2, 4, ... up to max_batch_size"))
+    ngram: NgramSettings = field(default_factory=NgramSettings, metadata=doc("the ngram drafter"))
+    suffix: SuffixSettings = field(default_factory=SuffixSettings, metadata=doc("the suffix drafter"))
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -112,16 +164,76 @@ class EngineSettings:
             compile_backend=backend,
             draft_confidence=s.draft_confidence if draft else None,
             draft_stop=s.draft_stop,
+            batch_buckets=s.batch_buckets,
         )
+
+    def host_drafter(self, ref: str):
+        """A new model-free drafter for a built-in reference (``ngram`` or ``suffix``)."""
+        if ref == "ngram":
+            from serving.drafters.ngram import NgramDrafter
+
+            return NgramDrafter(k=self.ngram.k, min_n=self.ngram.min_n, max_n=self.ngram.max_n)
+        if ref == "suffix":
+            from serving.drafters.suffix import SuffixDrafter
+
+            x = self.suffix
+            return SuffixDrafter(k=x.k, max_depth=x.max_tree_depth, max_cached_requests=x.max_cached_requests,
+                                 max_spec_factor=x.max_spec_factor, min_token_prob=x.min_token_prob)  # fmt: skip
+        raise ValueError(f"{ref!r} is not a built-in drafter: use one of {', '.join(HOST_DRAFTERS)} or a model reference")
 
 
 @dataclass
-class LoadedEngines:
+class LoadedEngine:
     tokenizer: PreTrainedTokenizerBase
-    target: PreTrainedModel | None  # None when the engines verify on a remote target
-    drafts: dict[str, PreTrainedModel | None]  # per engine name; None: the target alone
-    engines: dict[str, SpeculativeEngine]
+    target: PreTrainedModel | None  # None when the engine verifies on a remote target
+    drafts: dict[str, PreTrainedModel]  # drafter name -> its draft model (model drafters only)
+    engine: SpeculativeEngine
     cpu_kernels: bool  # whether Choral's CPU kernels were installed
+
+
+def is_model_ref(ref: str | None) -> bool:
+    return ref is not None and ref != NONE and ref not in HOST_DRAFTERS
+
+
+def load_engine(
+    settings: EngineSettings,
+    target: str,
+    drafters: Mapping[str, str | None],
+    *,
+    default: str | None = None,
+    target_address: str | None = None,
+) -> LoadedEngine:
+    """One engine with every drafter of ``drafters`` (name -> a model reference, ``ngram``,
+    ``suffix``, or ``none``/None for the target alone), one target, one KV cache and one batch.
+    Each model reference loads once (two names may share it) and is prepared for the engine's step
+    widths. ``default``: the drafter of requests that name none (default: the first). With
+    ``target_address`` (HOST:PORT of ``serve --role target``) the engine verifies there and no
+    target loads here."""
+    from serving.devices import resolve_device
+    from serving.engine import SpeculativeEngine
+
+    device = resolve_device(settings.device)
+    drafting = any(ref is not None and ref != NONE for ref in drafters.values())
+    config = settings.engine_config(draft=drafting, device=device)
+    widths = config.step_widths if drafting else (1,)
+    if drafting and any(r in HOST_DRAFTERS for r in drafters.values()):  # short proposals round up to a K bucket
+        widths = tuple(sorted({*widths, *(k + 1 for k in config.k_buckets if k <= config.k_max)}))
+    refs = [r for r in drafters.values() if is_model_ref(r)]
+    tokenizer, target_model, by_ref = load_models(
+        settings, target, refs, load_target=target_address is None,
+        each_draft=lambda draft: prepare_kernels(settings, [], [draft], widths),
+    )  # fmt: skip
+    kernels = prepare_kernels(settings, [target_model] if target_model is not None else [], [], widths)
+    built = {name: (by_ref[ref] if is_model_ref(ref) else settings.host_drafter(ref) if ref in HOST_DRAFTERS else None)
+             for name, ref in drafters.items()}  # fmt: skip
+    if target_address is not None:
+        from serving.remote import RemoteSpeculativeEngine
+
+        engine = RemoteSpeculativeEngine(built, tokenizer, target_address, config, default_drafter=default)
+    else:
+        engine = SpeculativeEngine(target_model, tokenizer, config=config, drafters=built, default_drafter=default)
+    drafts = {name: by_ref[ref] for name, ref in drafters.items() if is_model_ref(ref)}
+    return LoadedEngine(tokenizer, target_model, drafts, engine, kernels)
 
 
 def load_models(
@@ -183,35 +295,3 @@ def prepare_kernels(
         device=device if device is not None else resolve_device(settings.device),
         dtype=dtype if dtype is not None else settings.dtype, widths=tuple(sorted(set(widths))), quantize=settings.quantize,
     )  # fmt: skip
-
-
-def load_engines(
-    settings: EngineSettings,
-    target: str,
-    drafts: Mapping[str, str | None],
-    *,
-    target_address: str | None = None,
-) -> LoadedEngines:
-    """One engine per name of ``drafts`` (name -> draft reference, or None for the target alone),
-    all sharing one loaded target (each with its own KV cache); drafts named twice load once.
-    With ``target_address`` (HOST:PORT of ``serve --role target``) the engines verify there and
-    no target loads here. Every model is prepared once for the step widths of all the engines."""
-    from serving.devices import resolve_device
-    from serving.engine import SpeculativeEngine
-
-    device = resolve_device(settings.device)
-    configs = {name: settings.engine_config(draft=ref is not None, device=device) for name, ref in drafts.items()}
-    widths = {w for c in configs.values() for w in c.step_widths}
-    tokenizer, target_model, by_ref = load_models(
-        settings, target, [r for r in drafts.values() if r is not None], load_target=target_address is None,
-        each_draft=lambda draft: prepare_kernels(settings, [], [draft], widths),
-    )  # fmt: skip
-    kernels = prepare_kernels(settings, [target_model] if target_model is not None else [], [], widths)
-    models = {name: by_ref[ref] if ref is not None else None for name, ref in drafts.items()}
-    if target_address is not None:
-        from serving.remote import RemoteSpeculativeEngine
-
-        engines = {name: RemoteSpeculativeEngine(models[name], tokenizer, target_address, configs[name]) for name in drafts}
-    else:
-        engines = {name: SpeculativeEngine(target_model, tokenizer, models[name], configs[name]) for name in drafts}
-    return LoadedEngines(tokenizer, target_model, models, engines, kernels)

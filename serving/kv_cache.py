@@ -33,7 +33,7 @@ class StaticKVCache:
         self.max_len = max_len
         self.positions: torch.Tensor | None = None  # [B, T] where this forward writes
 
-    def row(self, slot: int) -> "StaticKVCache":
+    def row(self, slot: int) -> StaticKVCache:
         """A view of one batch row (shared storage): prefill writes one request into its slot."""
         view = object.__new__(StaticKVCache)
         view.keys = [k[slot : slot + 1] for k in self.keys]
@@ -41,8 +41,16 @@ class StaticKVCache:
         view.max_len, view.positions = self.max_len, None
         return view
 
+    def first_rows(self, rows: int) -> StaticKVCache:
+        """A view of rows 0..rows-1 (shared storage): a step at a smaller batch bucket."""
+        view = object.__new__(StaticKVCache)
+        view.keys = [k[:rows] for k in self.keys]
+        view.values = [v[:rows] for v in self.values]
+        view.max_len, view.positions = self.max_len, None
+        return view
+
     @classmethod
-    def for_model(cls, config, batch_size: int, max_len: int, dtype: torch.dtype, device) -> "StaticKVCache":
+    def for_model(cls, config, batch_size: int, max_len: int, dtype: torch.dtype, device) -> StaticKVCache:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return cls(config.num_hidden_layers, batch_size, config.num_key_value_heads, max_len, head_dim, dtype, device)
 

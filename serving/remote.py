@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections import deque
+from collections.abc import Mapping
 
 import grpc
 import torch
@@ -28,7 +29,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from serving import verify_pb2, verify_pb2_grpc
 from serving.engine import EngineConfig, Request, SpeculativeEngine, StepOutput, _Slot
 from serving.sampling import SamplingTensors
-from serving.speculative import StepRandom, commit
+from serving.speculative import DecodeState, StepRandom, commit
 from serving.verify_service import MESSAGE_OPTIONS
 
 # The call never reached a working target (or its answer never came back): reconnect next time.
@@ -52,9 +53,12 @@ class RemoteSpeculativeEngine(SpeculativeEngine):
         target_address: str,
         config: EngineConfig | None = None,
         timeout_s: float = 30.0,
+        *,
+        default_drafter: str | None = None,
     ) -> None:
         """Connects to the target at ``target_address`` (HOST:PORT), waiting up to ``timeout_s``
-        for it to come up; ``timeout_s`` is also the deadline of every later call."""
+        for it to come up; ``timeout_s`` is also the deadline of every later call. ``draft``: one
+        draft model, or a mapping of named drafters as ``SpeculativeEngine``'s ``drafters``."""
         config = config or EngineConfig()
         self.address = target_address
         self.timeout_s = timeout_s
@@ -73,16 +77,20 @@ class RemoteSpeculativeEngine(SpeculativeEngine):
             config.max_len = info.max_len
         if config.max_len > info.max_len:  # the target's context per session is the limit
             raise ValueError(f"max_len={config.max_len} exceeds the target's max_len={info.max_len} at {target_address}")
-        if draft is not None and config.k != 0 and config.k_max > info.k_max:
+        drafters = draft if isinstance(draft, Mapping) else ({"draft": draft} if draft is not None else {})
+        if any(d is not None for d in drafters.values()) and config.k != 0 and config.k_max > info.k_max:
             raise ValueError(f"k up to {config.k_max} but the target at {target_address} verifies K <= {info.k_max}")
-        device = next(draft.parameters()).device if draft is not None else torch.device("cpu")
+        models = [d for d in drafters.values() if isinstance(d, torch.nn.Module)]
+        device = next(models[0].parameters()).device if models else torch.device("cpu")
         self.target = None  # the target lives behind self.address
         self._sessions: list[str | None] = [None] * config.max_batch_size
         self._carry: list[StepOutput] = []  # outputs of a step that raised, handed out next step
         self._lost: dict[int, str] = {}  # slot -> why the target dropped its session this step
         # (round trip, time the target spent on it) in seconds, of recent Verify calls.
         self.verify_times: deque[tuple[float, float]] = deque(maxlen=4096)
-        self._setup(tokenizer, draft, config, info.vocab_size, list(info.eos_ids), device)
+        # One batch bucket: the target's sessions are per slot, and its own batch is what it verifies.
+        config.batch_buckets = (config.max_batch_size,)
+        self._setup(tokenizer, drafters, config, info.vocab_size, list(info.eos_ids), device, default_drafter)
 
     # ---- public API: SpeculativeEngine's, plus failure handling -------------------------------
 
@@ -118,12 +126,6 @@ class RemoteSpeculativeEngine(SpeculativeEngine):
         # to be handed out, even when no slot is running any more.
         return bool(self._carry) or super().has_unfinished_requests()
 
-    def warmup(self) -> None:
-        """Only the draft runs here; the target warms itself up."""
-        if self.draft is None:
-            return
-        self.draft.warmup((1, 2), last_only=True)
-
     def close(self) -> None:
         """Abort everything and close the channel."""
         for b, slot in enumerate(self._slots):
@@ -147,7 +149,7 @@ class RemoteSpeculativeEngine(SpeculativeEngine):
         call = verify_pb2.OpenRequest(
             session_id=session_id, prompt_ids=request.prompt_ids, max_new_tokens=request.max_new_tokens,
             sampling=verify_pb2.Sampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p),
-            k_max=self.config.k_max if self.draft is not None else 0, u_first=float(u[0]),
+            k_max=self.config.k_max if self.drafting else 0, u_first=float(u[0]),
         )  # fmt: skip
         try:
             reply = self._call("Open", call)
@@ -162,6 +164,7 @@ class RemoteSpeculativeEngine(SpeculativeEngine):
     def _verify(
         self,
         slots: list[_Slot | None],
+        state: DecodeState,  # the whole batch: a remote engine runs one bucket, all its slots
         sampling: SamplingTensors,
         rand: StepRandom,
         draft_tokens: torch.Tensor,  # [B, K]

@@ -60,26 +60,38 @@ class ModelRunner:
                 kept_head.weight = torch.nn.Parameter(head.weight.detach().index_select(0, self.head_ids).contiguous(), requires_grad=False)
             self.kept_head = kept_head  # [N, H] rows of the output head
         self.cache = StaticKVCache.for_model(config, batch_size, max_len, self.dtype, self.device)
+        self._row_caches = {batch_size: self.cache}  # rows -> a view of the cache's first rows
         self._forward = self._eager_forward
 
-    def compile(self, backend: str) -> None:
-        """Compile ``forward`` with ``fullgraph=True, dynamic=False``: one graph per input width,
-        built on first use (``SpeculativeEngine.warmup`` pays that at load)."""
+    def compile(self, backend: str, shapes: int = 8) -> None:
+        """Compile ``forward`` with ``fullgraph=True, dynamic=False``: one graph per (rows, input
+        width), built on first use (``SpeculativeEngine.warmup`` pays that at load). ``shapes``:
+        how many graphs of this method the engine uses (all its runners together); torch's limit
+        of graphs per function is raised to it."""
+        limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+        setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), shapes))
         self._forward = torch.compile(self._eager_forward, backend=backend, fullgraph=True, dynamic=False)
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, last_only: bool = False) -> torch.Tensor:
-        """tokens, positions: [B, T] long. Writes their KV at ``positions`` and returns fp32 logits
-        [B, T, V] (or [B, 1, V] with ``last_only``: the draft's catch-up step needs only the last)."""
-        return self._forward(tokens, positions, last_only)
+        """tokens, positions: [B, T] long, B at most ``batch_size``: the cache's first B rows (a
+        batch bucket). Writes their KV at ``positions`` and returns fp32 logits [B, T, V] (or
+        [B, 1, V] with ``last_only``: the draft's catch-up step needs only the last)."""
+        return self._forward(tokens, positions, last_only, self._rows(tokens.shape[0]))
+
+    def _rows(self, rows: int) -> StaticKVCache:
+        if rows not in self._row_caches:
+            self._row_caches[rows] = self.cache.first_rows(rows)
+        return self._row_caches[rows]
 
     @torch.no_grad()
-    def warmup(self, widths, last_only: bool = False) -> None:
-        """Run ``forward`` once per input width so each compiled graph exists before the first
-        request. The inputs have the layout the step passes (contiguous [B, T] tokens and positions):
-        a compiled graph guards on strides too, so an ``expand``ed position tensor (stride 0)
-        would compile a graph the step never uses and leave the real one to compile mid-request."""
-        B, dev = self.batch_size, self.device
+    def warmup(self, widths, last_only: bool = False, rows: int | None = None) -> None:
+        """Run ``forward`` once per input width (at ``rows`` rows, default all) so each compiled
+        graph exists before the first request. The inputs have the layout the step passes
+        (contiguous [B, T] tokens and positions): a compiled graph guards on strides too, so an
+        ``expand``ed position tensor (stride 0) would compile a graph the step never uses and
+        leave the real one to compile mid-request."""
+        B, dev = rows or self.batch_size, self.device
         for width in widths:
             tokens = torch.zeros(B, width, dtype=torch.long, device=dev)  # [B, T]
             positions = torch.arange(width, device=dev).repeat(B, 1)  # [B, T] contiguous
@@ -98,8 +110,8 @@ class ModelRunner:
         hidden = self._hidden(tokens, positions, self.cache.row(slot))  # [1, L', H]
         return self._logits(hidden[:, L - 1 : L])
 
-    def _eager_forward(self, tokens: torch.Tensor, positions: torch.Tensor, last_only: bool) -> torch.Tensor:
-        hidden = self._hidden(tokens, positions, self.cache)
+    def _eager_forward(self, tokens: torch.Tensor, positions: torch.Tensor, last_only: bool, cache: StaticKVCache) -> torch.Tensor:
+        hidden = self._hidden(tokens, positions, cache)
         return self._logits(hidden[:, -1:] if last_only else hidden)
 
     def _hidden(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:

@@ -1,20 +1,21 @@
-"""Continuous batching over the engines: one thread owns them all and steps them in turn.
+"""Continuous batching over the engine: one thread owns it and steps it.
 
-    scheduler = Scheduler({"code": code_engine, "none": target_engine}, router, metrics)
+    scheduler = Scheduler({name: engine for name in engine.drafter_names}, router, metrics)
     scheduler.start()
     ticket = Ticket(request, route_text="def add(a, b):", loop=asyncio.get_running_loop())
     scheduler.submit(ticket)           # from any thread; events arrive on ticket.events
     await ticket.events.get()          # Routed(draft, choice) or Failed(error)
 
-There is one engine per draft, all sharing the one target model, so a batch's rows all use the
-same draft: routing a request to a draft *is* choosing its engine. Engines are not thread-safe,
-so everything that touches them happens on the scheduler's thread; asyncio handlers talk to it
-through a thread-safe inbox and get events back via ``loop.call_soon_threadsafe``.
+The scheduler maps drafter names to engines. Served, every name maps to the one engine (one
+target, one KV cache, one batch), whose rows each draft with their request's drafter: routing a
+request to a drafter sets its ``Request.drafter``. (Several engines, e.g. one per draft, also
+work: they take turns.) Engines are not thread-safe, so everything that touches them happens on
+the scheduler's thread; asyncio handlers talk to it through a thread-safe inbox and get events
+back via ``loop.call_soon_threadsafe``.
 
 Between steps the thread routes new requests (one ``choose_batch`` for all that arrived), checks
 the queue limit, aborts cancelled and timed-out requests, then runs one step of the next engine
-with work (round robin; the target is shared, so engines take turns anyway) and hands each
-request its new tokens.
+with work and hands each request its new tokens.
 """
 
 from __future__ import annotations
@@ -109,8 +110,9 @@ class Scheduler:
         queue_limit: int = 64,
         unavailable: tuple[type[BaseException], ...] = (),
     ) -> None:
-        """engines: draft name -> engine ("none": the target alone). router: a routing.Router
-        whose choices name engines (None: every request goes to the first engine unless forced).
+        """engines: drafter name -> engine ("none": the target alone); names may share an engine.
+        router: a routing.Router whose choices name drafters (None: every request goes to the
+        first name unless forced).
         unavailable: exceptions of ``step`` that mean the remote target is down (HTTP 503)."""
         if not engines:
             raise ValueError("the scheduler needs at least one engine")
@@ -121,8 +123,16 @@ class Scheduler:
         self.queue_limit = queue_limit
         self.unavailable = unavailable
         self._inbox: queue.SimpleQueue[tuple[str, Ticket | None]] = queue.SimpleQueue()
-        self._tickets: dict[tuple[str, int], Ticket] = {}
+        self._tickets: dict[tuple[int, int], Ticket] = {}  # (id of the engine, request id) -> ticket
         self._order = list(engines)
+        # The distinct engines, each labelled by its names, stepped in turn.
+        self._distinct: dict[int, tuple[str, Engine]] = {}
+        for name, engine in engines.items():
+            label, _ = self._distinct.get(id(engine), ("", engine))
+            self._distinct[id(engine)] = (f"{label},{name}" if label else name, engine)
+        if len(self._distinct) == 1:
+            self._distinct = {k: ("engine", e) for k, (_, e) in self._distinct.items()}
+        self._turns = list(self._distinct)
         self._next = 0
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -151,14 +161,15 @@ class Scheduler:
     def _run(self) -> None:
         while not self._stopping:
             try:
-                busy = any(e.has_unfinished_requests() for e in self.engines.values())
+                engines = [e for _, e in self._distinct.values()]
+                busy = any(e.has_unfinished_requests() for e in engines)
                 self._drain_inbox(block=not busy)
                 self._expire()
-                name = self._next_engine()
-                if name is not None:
-                    self._step(name)
-                self.metrics.queue_depth.set(sum(e.num_waiting for e in self.engines.values()))
-                self.metrics.running.set(sum(e.num_running for e in self.engines.values()))
+                key = self._next_engine()
+                if key is not None:
+                    self._step(key)
+                self.metrics.queue_depth.set(sum(e.num_waiting for e in engines))
+                self.metrics.running.set(sum(e.num_running for e in engines))
             except Exception as e:
                 # A dead scheduler thread would leave every request hanging: fail what is in
                 # flight with the cause and keep serving.
@@ -213,13 +224,15 @@ class Scheduler:
                     429, f"the server is full: {self.queue_limit} requests are already waiting for a slot "
                     "(queue_limit); retry later", code="queue_full"), "rejected")  # fmt: skip
                 continue
+            if draft in getattr(engine, "drafter_names", ()):
+                ticket.request.drafter = draft  # the row drafts with it inside the shared batch
             try:
                 ticket.request_id = engine.add_request(ticket.request)
             except ValueError as e:
                 self._fail(ticket, APIError(400, str(e), param="max_tokens"), "rejected")
                 continue
             ticket.draft = draft
-            self._tickets[(draft, ticket.request_id)] = ticket
+            self._tickets[(id(engine), ticket.request_id)] = ticket
             self.metrics.draft_choices.labels(draft, str(ticket.forced_draft is not None).lower()).inc()
             self.metrics.prompt_tokens.inc(len(ticket.request.prompt_ids))
             ticket.send(Routed(draft, choice))
@@ -232,18 +245,18 @@ class Scheduler:
 
         if engine.num_waiting < self.max_batch_size - engine.num_running:
             return True
-        return sum(beyond(e) for e in self.engines.values()) < self.queue_limit
+        return sum(beyond(e) for _, e in self._distinct.values()) < self.queue_limit
 
-    def _next_engine(self) -> str | None:
-        for i in range(len(self._order)):
-            name = self._order[(self._next + i) % len(self._order)]
-            if self.engines[name].has_unfinished_requests():
-                self._next = (self._next + i + 1) % len(self._order)
-                return name
+    def _next_engine(self) -> int | None:
+        for i in range(len(self._turns)):
+            key = self._turns[(self._next + i) % len(self._turns)]
+            if self._distinct[key][1].has_unfinished_requests():
+                self._next = (self._next + i + 1) % len(self._turns)
+                return key
         return None
 
-    def _step(self, name: str) -> None:
-        engine = self.engines[name]
+    def _step(self, key: int) -> None:
+        name, engine = self._distinct[key]
         started = time.perf_counter()
         try:
             outputs = engine.step()
@@ -251,17 +264,17 @@ class Scheduler:
             # The remote engine names the requests that failed (the others go on next step); a
             # failure that names none takes the whole engine's requests with it.
             error = APIError(503, f"the target is unavailable: {e}", code="target_unavailable")
-            self._fail_engine(name, error, getattr(e, "request_ids", None))
+            self._fail_engine(key, error, getattr(e, "request_ids", None))
             return
         except Exception as e:
             log.exception("engine %r failed a step", name)
-            self._fail_engine(name, APIError(500, f"engine {name!r} failed: {type(e).__name__}: {e}"))
+            self._fail_engine(key, APIError(500, f"engine {name!r} failed: {type(e).__name__}: {e}"))
             return
         now = time.perf_counter()
         self.metrics.engine_steps.labels(name).inc()
         self.metrics.step_time.labels(name).observe(now - started)
         for out in outputs:
-            ticket = self._tickets.get((name, out.request_id))
+            ticket = self._tickets.get((key, out.request_id))
             if ticket is None:
                 continue
             if out.new_token_ids:
@@ -284,12 +297,13 @@ class Scheduler:
         ticket.last_token = now
 
     def _finish(self, ticket: Ticket, completion: Completion, now: float) -> None:
-        self._tickets.pop((ticket.draft, ticket.request_id), None)
+        self._tickets.pop((id(self.engines[ticket.draft]), ticket.request_id), None)
         ticket.done = True
         s, m, draft = completion.stats, self.metrics, ticket.draft
         m.generated_tokens.labels(draft).inc(len(completion.token_ids))
         m.drafted_tokens.labels(draft).inc(s.get("drafted", 0))
         m.accepted_tokens.labels(draft).inc(s.get("accepted", 0))
+        m.drafts.labels(draft).inc(s.get("drafts", 0))
         m.target_calls.labels(draft).inc(s.get("target_calls", 0))
         if s.get("drafted"):
             m.acceptance.labels(draft).observe(s["acceptance_rate"])
@@ -301,23 +315,23 @@ class Scheduler:
         if ticket.done or ticket.request_id is None:
             return
         self.engines[ticket.draft].abort_request(ticket.request_id)
-        self._tickets.pop((ticket.draft, ticket.request_id), None)
+        self._tickets.pop((id(self.engines[ticket.draft]), ticket.request_id), None)
         ticket.done = True
         self.metrics.finished.labels("cancelled").inc()
 
     def _fail(self, ticket: Ticket, error: APIError, reason: str) -> None:
         if ticket.request_id is not None and not ticket.done:
             self.engines[ticket.draft].abort_request(ticket.request_id)
-            self._tickets.pop((ticket.draft, ticket.request_id), None)
+            self._tickets.pop((id(self.engines[ticket.draft]), ticket.request_id), None)
         ticket.done = True
         self.metrics.finished.labels(reason).inc()
         ticket.send(Failed(error))
 
-    def _fail_engine(self, name: str, error: APIError, request_ids: list[int] | None = None) -> None:
+    def _fail_engine(self, key: int, error: APIError, request_ids: list[int] | None = None) -> None:
         """The engine's requests (or only ``request_ids``) get the error; their slots are freed
         so the engine serves new requests once the cause (e.g. a restarting target) is gone."""
-        for (draft, rid), ticket in list(self._tickets.items()):
-            if draft == name and (request_ids is None or rid in request_ids):
+        for (engine, rid), ticket in list(self._tickets.items()):
+            if engine == key and (request_ids is None or rid in request_ids):
                 self._fail(ticket, error, "error")
 
     def _expire(self) -> None:

@@ -13,9 +13,9 @@ until the target, the drafts and the router are loaded and warmed up, then 200. 
   header forces a draft name or ``none`` (the target alone).
 * ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
 
-``build_engines`` turns a config into engines with ``serving.engine_settings.load_engines``, as
-every command does: ``SpeculativeEngine`` per draft in fused mode,
-``serving.remote.RemoteSpeculativeEngine`` per draft in the draft role.
+``build_engines`` turns a config into the engine with ``serving.engine_settings.load_engine``, as
+every command does: one ``SpeculativeEngine`` holding every drafter in fused mode, one
+``serving.remote.RemoteSpeculativeEngine`` in the draft role.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from starlette.requests import Request as HTTPRequest
 
 from serving.detokenize import IncrementalDetokenizer
 from serving.engine import Request
-from serving.engine_settings import load_engines
+from serving.engine import PREDICTION
+from serving.engine_settings import HOST_DRAFTERS, load_engine
 from serving.metrics import CONTENT_TYPE, ServerMetrics
 from serving.models import load_tokenizer
 from serving.openai_api import (
@@ -65,21 +66,25 @@ class Backend:
 
 
 def build_engines(cfg: ServeConfig, router: Any) -> tuple[Any, dict[str, Engine], tuple[type[BaseException], ...]]:
-    """The tokenizer, one engine per draft name of the router plus "none", and the exceptions
-    that mean the target is unreachable. Fused: the target loads once and every engine shares
-    it (each has its own KV cache); role=draft: engines verify on ``cfg.target_address``."""
-    names = list(dict.fromkeys([*router.draft_names, NONE]))
+    """The tokenizer, the drafter names mapped to their engine, and the exceptions that mean the
+    target is unreachable. One engine (one target, one KV cache, one batch) holds every drafter
+    the router names, the built-in model-free ones (``ngram``, ``suffix``, ``prediction``) and
+    ``none``; each request's row drafts with its own. role=draft: it verifies on ``cfg.target_address``."""
+    drafters = {name: router.draft_refs.get(name) for name in router.draft_names if name != NONE}
+    for builtin in HOST_DRAFTERS:
+        drafters.setdefault(builtin, builtin)
     remote = cfg.role == "draft"
-    loaded = load_engines(
-        cfg.engine, cfg.target_model or router.target_ref, {name: router.draft_refs.get(name) for name in names},
-        target_address=cfg.target_address if remote else None,
+    loaded = load_engine(
+        cfg.engine, cfg.target_model or router.target_ref, drafters | {NONE: None},
+        default=router.draft_names[0] if router.draft_names else NONE, target_address=cfg.target_address if remote else None,
     )  # fmt: skip
     unavailable: tuple[type[BaseException], ...] = ()
     if remote:
         from serving.remote import TargetUnavailable
 
         unavailable = (TargetUnavailable,)
-    return loaded.tokenizer, loaded.engines, unavailable
+    engine = loaded.engine
+    return loaded.tokenizer, {name: engine for name in engine.drafter_names}, unavailable
 
 
 def load_backend(cfg: ServeConfig) -> Backend:
@@ -93,12 +98,13 @@ def load_backend(cfg: ServeConfig) -> Backend:
     target_ref = cfg.target_model or router.target_ref
     configs = {name: getattr(e, "config", None) for name, e in engines.items()}
     max_len = next(c.max_len for c in configs.values() if c is not None and c.max_len)
-    reserve = {name: c.k_max + 1 for name, c in configs.items()}  # "none" has k=0
+    # Context kept free for speculation (K + 1): every row of the one engine may draft.
+    reserve = {name: c.k_max + 1 if c.k else 1 for name, c in configs.items()}
     if cfg.warmup:
         router.choose("warm up")
-        warm = Request(tokenizer.encode("def add(a, b):", add_special_tokens=False), max_new_tokens=4)
-        for name, engine in engines.items():
-            engine.add_request(warm)
+        ids = tokenizer.encode("def add(a, b):", add_special_tokens=False)
+        for name, engine in engines.items():  # every drafter once: its first-use costs are paid here
+            engine.add_request(Request(ids, max_new_tokens=4, drafter=name if name in getattr(engine, "drafter_names", ()) else None))
             while engine.has_unfinished_requests():
                 engine.step()
     return Backend(engines, router, load_tokenizer(target_ref), cfg.model_name or target_ref, max_len, reserve, unavailable)
@@ -231,6 +237,9 @@ class _Server:
         if forced is not None and forced not in b.engines:
             raise APIError(400, f"unknown draft {forced!r}; choose one of {', '.join(b.engines)}", param="draft",
                            code="unknown_draft")  # fmt: skip
+        prediction = self._prediction(body)
+        if prediction is not None and forced is None and PREDICTION in b.engines:
+            forced = PREDICTION  # OpenAI's Predicted Outputs: the client's expected text is the draft
         prompt_ids, route_text, param = self._encode(body, chat)
         reserve = b.reserve[forced] if forced is not None else max(b.reserve.values())
         room = b.max_len - len(prompt_ids) - reserve
@@ -247,9 +256,16 @@ class _Server:
                            f"+ {max_tokens} + {reserve} for speculation exceed max_len={b.max_len}; ask for at most "
                            f"{room}", param="max_tokens", code="context_length_exceeded")  # fmt: skip
         params = SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=body.seed)
-        request = Request(prompt_ids, params, max_tokens, body.stops)
+        request = Request(prompt_ids, params, max_tokens, body.stops, prediction=prediction)
         return Ticket(request, route_text, asyncio.get_running_loop(), forced_draft=forced, stream=body.stream,
                       timeout_s=self.cfg.request_timeout_s)  # fmt: skip
+
+    def _prediction(self, body: Any) -> list[int] | None:
+        """The token ids of a request's ``prediction`` (OpenAI's Predicted Outputs), or None."""
+        if body.prediction is None:
+            return None
+        text = body.prediction.text()
+        return self.backend.tokenizer.encode(text, add_special_tokens=False) if text else None
 
     def _encode(self, body: Any, chat: bool) -> tuple[list[int], str, str]:
         """Prompt token ids, the text the router reads, and the field to blame if it is too long."""

@@ -59,4 +59,5 @@ class RequestStats:
             "draft_target_cost_ratio": draft_step / target_step if target_step else 0.0,
             "tokens_per_second": self.new_tokens / self.total_time_s if self.total_time_s else 0.0,
             "mean_k": sum(self.k_used) / len(self.k_used) if self.k_used else 0.0,
+            "drafts": sum(1 for k in self.k_used if k),  # steps that verified a proposal (vLLM's num_drafts)
         }

@@ -125,3 +125,25 @@ def test_compare_drafts_measures_a_layer_cut_student_untrained_as_the_cut(model_
     assert layers == [1, 1]  # the untrained row is the cut student, not the whole one it was cut from
     assert results[0]["ref"].endswith("cut to 1 layers")
     assert results[0]["acceptance_rate"] == results[1]["acceptance_rate"]  # the same weights, greedy
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "suffix"])
+def test_spec_generate_with_a_model_free_drafter_matches_target_greedy(model_dirs, tiny_target, tokenizer, capsys, drafter):
+    prompt = "a b c a b c a b c a b"
+    args = ["--target", str(model_dirs["target"]), "--draft", drafter, "--prompt", prompt, "--max-new-tokens", "16",
+            "--k", "3", "--device", "cpu", "--json"]  # fmt: skip
+    assert cli_generate.main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    ids = tokenizer.encode(prompt)
+    ref = tiny_target.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=2, pad_token_id=0)
+    assert out["token_ids"] == ref[0, len(ids) :].tolist() and out["stats"]["drafter"] == "draft"
+
+
+def test_spec_bench_with_ngram_compares_with_transformers_prompt_lookup(model_dirs, tmp_path, capsys):
+    out = tmp_path / "bench"
+    args = ["--target", str(model_dirs["target"]), "--draft", "ngram", "--domains", "code", "--prompts-per-domain", "1",
+            "--max-new-tokens", "8", "--k", "3", "--k-sweep", "", "--out", str(out)]  # fmt: skip
+    assert bench.main(args) == 0
+    report = json.loads((out / "bench.json").read_text())
+    s = report["summary"]["all"]
+    assert s["choral_identical"] == 1 and s["hf_identical"] == 1 and report["config"]["draft"] == "ngram"

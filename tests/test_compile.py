@@ -87,6 +87,25 @@ def test_warmup_compiles_every_shape_the_engine_uses(tiny_target, tokenizer, k, 
     assert all(o.token_ids for o in outs), "nothing was decoded, so nothing was checked"
 
 
+def test_mixed_drafters_and_batch_buckets_compile_nothing_after_warmup(tiny_target, tokenizer):
+    """Rows of a draft model, ``ngram``, ``prediction`` and ``none`` share steps at batch buckets 1,
+    2 and 4 (a lone request, then four, then the last ones): after the warm-up, nothing compiles."""
+    from serving.drafters.ngram import NgramDrafter
+    from serving.engine import EngineConfig, Request, SpeculativeEngine
+
+    torch._dynamo.reset()
+    config = EngineConfig(max_batch_size=4, max_len=64, k=3, k_buckets=(1, 2, 3), compile_backend="aot_eager")
+    drafters = {"small": perturbed(tiny_target, 0.3, seed=6), "ngram": NgramDrafter(), "none": None}
+    engine = SpeculativeEngine(tiny_target, tokenizer, config=config, drafters=drafters)  # warms up at load
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10], [11, 12, 13], [14, 15, 16, 17]]
+    with no_recompile():
+        [alone] = engine.generate([Request(prompts[0], max_new_tokens=10, drafter="ngram")])
+        names = ["small", "ngram", "none", "prediction"]
+        outs = engine.generate([Request(p, max_new_tokens=6 + 3 * i, drafter=n, prediction=[20, 21, 22] if n == "prediction" else None)
+                                for i, (p, n) in enumerate(zip(prompts, names))])  # fmt: skip
+    assert alone.token_ids and all(o.token_ids for o in outs)
+
+
 def test_a_shape_not_warmed_up_fails_with_the_recompiles_reason(tiny_target):
     """The guard has teeth: a forward width that warm-up never compiled raises, and the message
     names the guard that failed (the tensor and its size), so the cause is found from the log."""

@@ -3,7 +3,8 @@ Theorem 1), checked with a chi-square test on the joint distribution of three to
 Markov-chain stubs, drawn with the engine's own per-row uniforms (``step_uniforms``), with and
 without early drafting stops and per-row K. The test has power: it fails an acceptor that
 resamples from p instead of the residual max(0, p - q), accept tests that reuse the draft's
-uniforms, and a drafting stop that drops an unlikely drawn token."""
+uniforms, and a drafting stop that drops an unlikely drawn token. Model-free proposals (point
+masses, q = one-hot) are checked the same way, with the same power check."""
 
 import itertools
 import sys
@@ -121,6 +122,32 @@ def test_early_stops_and_per_row_k_keep_the_target_distribution(stop):
     assert p_value(samples, exact_distribution(p_table, 1, params)) > 1e-3
 
 
+def point_mass_samples(p_table, params, K, seed, device="cpu"):
+    """As ``speculative_samples``, with a model-free drafter (``ngram``, ``suffix``, ``prediction``):
+    each row proposes K tokens that depend on its context (here: counting up from its last token,
+    so some proposals are likely and some are not), as point masses, q = one-hot."""
+    target = MarkovStub(p_table.to(device))
+    state = state_for([[0, 1]] * N, capacity=2 + M + K + 8, limit=M + K + 4, eos=[], device=device)
+    sampling = SamplingTensors.build([params] * N, device)
+    generators = [torch.Generator().manual_seed(seed * N + i) for i in range(N)]
+    k_rows = [1 + i % K for i in range(N)]  # per-row budgets, padded to K
+    n_draft = torch.tensor(k_rows, device=device)
+    while int(state.lengths.min()) < 2 + M:
+        rand = step_uniforms(generators, k_rows, K, device)
+        last = state.tokens.gather(1, (state.lengths - 1).unsqueeze(1))  # [N, 1]
+        proposal = (last + 1 + torch.arange(K, device=device)) % V  # [N, K]
+        q = torch.nn.functional.one_hot(proposal, V).float()  # [N, K, V]
+        speculative.verify_half(target, state, sampling, rand, proposal, q, n_draft=n_draft)
+    return state.tokens[:, 2 : 2 + M].cpu()
+
+
+@pytest.mark.parametrize("K, params", SETTINGS[:3])
+def test_point_mass_proposals_keep_the_target_distribution(K, params):
+    p_table, _ = tables(10 + K)
+    samples = point_mass_samples(p_table, params, K, seed=500 + K)
+    assert p_value(samples, exact_distribution(p_table, 1, params)) > 1e-3
+
+
 # ---- power: each known-bad change must fail the statistic ------------------------------------
 
 
@@ -178,4 +205,13 @@ def test_chi_square_catches_a_stop_that_drops_an_unlikely_draft_token(monkeypatc
     p_table, _ = tables(3)
     params = SamplingParams(temperature=1.0)
     samples = speculative_samples(p_table, sharp_draft_table(), params, 3, seed=9)
+    assert p_value(samples, exact_distribution(p_table, 1, params)) < 1e-6
+
+
+def test_chi_square_catches_a_wrong_acceptor_of_point_masses(monkeypatch):
+    """With a model-free drafter, resampling a rejected point mass from p (not p without it)."""
+    monkeypatch.setattr(speculative, "accept_reject", wrong_acceptor)
+    K, params = 2, SamplingParams(temperature=1.0)
+    p_table, _ = tables(10 + K)
+    samples = point_mass_samples(p_table, params, K, seed=9)
     assert p_value(samples, exact_distribution(p_table, 1, params)) < 1e-6

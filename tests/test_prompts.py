@@ -5,7 +5,22 @@ import random
 
 import pytest
 
-from serving.prompts import DOMAINS, Prompt, as_chat, load_mixed, load_prompts, read_prompt_file
+from serving.bundled import choral_home
+from serving.prompts import (
+    ALL_DOMAINS,
+    DOMAINS,
+    GROUNDED_DOMAINS,
+    GROUNDED_MAX_TOKENS,
+    Prompt,
+    as_chat,
+    encode_prompt,
+    estimate_tokens,
+    load_grounded,
+    load_mixed,
+    load_prompts,
+    read_prompt_file,
+    resolve_domains,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -92,3 +107,68 @@ def test_read_rejects_bad_files(tmp_path):
         read_prompt_file(no_text)
     with pytest.raises(ValueError, match="expected .txt or .jsonl"):
         read_prompt_file(tmp_path / "c.csv")
+
+
+# --- input-grounded domains -------------------------------------------------------------------
+
+GROUNDED_ROWS = 12
+MAX_PROMPT_TOKENS = 600  # with the chat template; spec-bench runs at max_len ~1024
+
+
+@pytest.mark.parametrize("domain", GROUNDED_DOMAINS)
+def test_grounded_family_gives_distinct_deterministic_prompts_within_budget(domain):
+    rows = load_prompts(domain, GROUNDED_ROWS)
+    assert rows == load_prompts(domain, GROUNDED_ROWS)
+    assert len(rows) == GROUNDED_ROWS
+    assert len({p.id for p in rows}) == len({p.text for p in rows}) == GROUNDED_ROWS
+    assert all(p.domain == domain and p.id.startswith(f"{domain}/") and p.use_chat_template for p in rows)
+    assert all(estimate_tokens(p.text) <= GROUNDED_MAX_TOKENS for p in rows)
+    assert load_prompts(domain, 4, offset=8) == rows[8:]
+
+
+@pytest.mark.parametrize("domain", GROUNDED_DOMAINS)
+def test_grounded_prompt_contains_its_source_and_quotes(domain):
+    rows = load_grounded(domain, GROUNDED_ROWS)
+    assert [g.prompt for g in rows] == load_prompts(domain, GROUNDED_ROWS)
+    for g in rows:
+        assert len(g.source) >= 100
+        assert g.source in g.prompt.text  # verbatim: what a prompt-lookup drafter can copy from
+        assert all(q and q in g.source for q in g.quotes)
+        assert g.quotes or domain == "summarize"
+
+
+def test_grounded_edit_names_the_variable_it_renames():
+    rename = [g for g in load_grounded("edit", GROUNDED_ROWS) if g.prompt.text.startswith("Rename")]
+    assert rename
+    for g in rename:
+        assert f"`{g.quotes[1]}`" in g.prompt.text and f"def {g.quotes[0]}(" in g.source
+
+
+def test_grounded_prompts_fit_the_qwen_tokenizer_budget():
+    # Checks the tokenizer-free estimate against the real count; the bundled target's folder holds
+    # the tokenizer once `resolve_bundled` has converted it (the bundled tier does).
+    folder = choral_home() / "models" / "qwen2.5-coder-1.5b-instruct"
+    if not (folder / "tokenizer.json").is_file():
+        pytest.skip(f"no converted bundled target at {folder}")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    for domain in GROUNDED_DOMAINS:
+        for p in load_prompts(domain, GROUNDED_ROWS):
+            assert len(encode_prompt(tokenizer, p)) <= MAX_PROMPT_TOKENS, p.id
+
+
+def test_grounded_group_expands_to_its_domains():
+    assert resolve_domains(["code", "grounded", "edit"]) == ["code", *GROUNDED_DOMAINS]
+    grouped = load_prompts("grounded", 2)
+    assert [p.domain for p in grouped] == [d for d in GROUNDED_DOMAINS for _ in range(2)]
+    assert grouped == [p for d in GROUNDED_DOMAINS for p in load_prompts(d, 2)]
+
+
+def test_unknown_domain_error_names_it_and_every_valid_name():
+    for call in (lambda: load_prompts("quotes", 3), lambda: resolve_domains(["code", "quotes"])):
+        with pytest.raises(ValueError, match="'quotes'") as error:
+            call()
+        assert all(name in str(error.value) for name in (*ALL_DOMAINS, "grounded"))
+    with pytest.raises(ValueError, match=r"'code'.*edit, extract, summarize, quoted"):
+        load_grounded("code", 3)

@@ -122,7 +122,7 @@ def test_health_is_503_until_loaded_then_models_lists_drafts(live, model_dirs):
     assert live.request("GET", "/health") == (200, '{"status":"ok"}')
     [model] = live.client.models.list().data
     assert model.id == str(model_dirs["target"])
-    assert model.model_extra["choral"]["drafts"] == ["code", "chat", "none"]
+    assert model.model_extra["choral"]["drafts"] == ["code", "chat", "ngram", "suffix", "prediction", "none"]
 
 
 @pytest.mark.e2e
@@ -357,6 +357,29 @@ def test_serve_cli_fails_fast_on_bad_config(router_file, tmp_path, capsys):
 
 
 @pytest.mark.e2e
+@pytest.mark.e2e
+def test_predicted_outputs_and_model_free_drafters_give_the_same_answer(live, reference):
+    """OpenAI's ``prediction`` drafts from the client's expected text; ``ngram`` and ``suffix``
+    are drafter names like any other. All share the one engine and give the target's answer."""
+    [ref] = reference.generate([Request(_chat_ids(reference, CHAT), max_new_tokens=20)])
+    before = live.metrics()
+    out = live.client.chat.completions.create(model=live.model, messages=CHAT, max_tokens=20, temperature=0,
+                                              prediction={"type": "content", "content": ref.text})  # fmt: skip
+    choral = out.model_extra["choral"]
+    assert out.choices[0].message.content == ref.text and choral["draft"] == "prediction"
+    # The tiny tokenizer splits the re-encoded text differently in places, so not all of it is accepted.
+    assert choral["acceptance_rate"] > 0.2 and choral["target_calls"] < out.usage.completion_tokens
+    for name in ("ngram", "suffix", "prediction"):  # prediction named without one: it proposes nothing
+        forced = live.client.chat.completions.create(model=live.model, messages=CHAT, max_tokens=20, temperature=0,
+                                                     extra_body={"draft": name})  # fmt: skip
+        assert forced.choices[0].message.content == ref.text and forced.model_extra["choral"]["draft"] == name
+    after = live.metrics()
+    drafts = ("choral_spec_decode_drafts_total", (("draft", "prediction"),))
+    assert after[drafts] - before.get(drafts, 0.0) >= 1
+    accepted = ("choral_accepted_tokens_total", (("draft", "prediction"),))
+    assert after[accepted] - before.get(accepted, 0.0) >= choral["acceptance_rate"] * 1
+
+
 def test_forced_requests_skip_the_router(live, monkeypatch):
     """A request that names its draft is not embedded (that would only delay the next step), so
     it is served even while the router fails; a routed request then gets a clean 500."""

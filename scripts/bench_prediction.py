@@ -1,0 +1,121 @@
+"""Predicted Outputs through the official ``openai`` client: code-edit requests with and without a
+``prediction`` (the original code), against a live ``serve`` on the bundled pair.
+
+    python scripts/bench_prediction.py --n 2 --max-tokens 96 --out runs/prediction
+
+Each request of the ``edit`` prompt family (serving.prompts) runs three ways, greedy: with
+``prediction={"type": "content", "content": <the code being edited>}``, without it (routed: the
+server's default drafter), and with the target alone (``draft: none``). Every path runs once
+untimed (8 tokens), then ``--rounds`` timed runs interleaved; the best of each is kept. Prints a
+markdown table and writes ``prediction.json`` (command, date, machine, every row).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from serving.launch import free_port, stop, wait_healthy
+from serving.prompts import load_grounded
+
+TARGET = "qwen2.5-coder-1.5b-instruct"
+DRAFT = "qwen2.5-coder-0.5b-instruct"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def ask(client, model: str, text: str, max_tokens: int, extra: dict) -> tuple[str, float, dict, int]:
+    started = time.perf_counter()
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": text}], max_tokens=max_tokens,
+                                       temperature=0, **extra)  # fmt: skip
+    return r.choices[0].message.content, time.perf_counter() - started, (r.model_extra or {}).get("choral", {}), r.usage.completion_tokens
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=2, help="edit prompts")
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--k", type=int, default=8, help="engine.k: the most tokens a step drafts")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default="runs/prediction")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    from openai import OpenAI
+
+    from routing.router import Router
+
+    router = out / "router.pt"  # untrained: this benchmark forces or predicts every drafter
+    Router.create({"base": DRAFT}, TARGET).save(router)
+    port = free_port()
+    cmd = ["serve", "--router", str(router), "--port", str(port), "engine.max_len=2048", "engine.max_batch_size=1",
+           f"engine.k={args.k}"]  # fmt: skip
+    print("$", " ".join(cmd), flush=True)
+    with open(out / "serve.log", "w") as log:
+        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    rows = []
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", server, timeout_s=900, poll_s=2.0)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=900)
+        model = client.models.list().data[0].id
+        for g in load_grounded("edit", args.n):
+            paths = {
+                "prediction": {"prediction": {"type": "content", "content": g.source}},
+                "routed": {},
+                "target alone": {"extra_body": {"draft": "none"}},
+            }
+            for extra in paths.values():
+                ask(client, model, g.prompt.text, 8, extra)
+            best: dict[str, tuple] = {}
+            for _ in range(args.rounds):
+                for name, extra in paths.items():
+                    answer, seconds, choral, tokens = ask(client, model, g.prompt.text, args.max_tokens, extra)
+                    if name not in best or seconds < best[name][1]:
+                        best[name] = (answer, seconds, choral, tokens)
+            row = {"id": g.prompt.id, "tokens": best["target alone"][3]}
+            for name, (answer, seconds, choral, tokens) in best.items():
+                row[name] = {"seconds": seconds, "tokens_per_s": tokens / seconds, "drafter": choral.get("draft"),
+                             "acceptance": choral.get("acceptance_rate"), "identical": answer == best["target alone"][0]}  # fmt: skip
+            row["speedup_vs_routed"] = best["routed"][1] / best["prediction"][1]
+            row["speedup_vs_target_alone"] = best["target alone"][1] / best["prediction"][1]
+            rows.append(row)
+            print(f"{row['id']}: prediction {row['speedup_vs_routed']:.2f}x over the same request without it "
+                  f"({row['routed']['drafter']}), {row['speedup_vs_target_alone']:.2f}x over the target alone; "
+                  f"identical: {row['prediction']['identical']}", flush=True)  # fmt: skip
+    finally:
+        stop([server])
+    command = " ".join(["python", "scripts/bench_prediction.py", *(argv if argv is not None else sys.argv[1:])])
+    record = {"command": command, "date": datetime.date.today().isoformat(), "machine": f"{cpu_model()}, {os.cpu_count()} cores",
+              "max_tokens": args.max_tokens, "k": args.k, "rows": rows}  # fmt: skip
+    (out / "prediction.json").write_text(json.dumps(record, indent=1))
+    lines = [f"`{command}` ({record['date']}, {record['machine']}); greedy, best of {args.rounds} per path.", "",
+             "| prompt | tokens | with prediction tok/s | without (routed) tok/s | target alone tok/s | vs without | vs target alone | acceptance | identical |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        p = r["prediction"]
+        lines.append(f"| {r['id']} | {r['tokens']} | {p['tokens_per_s']:.2f} | {r['routed']['tokens_per_s']:.2f} | "
+                     f"{r['target alone']['tokens_per_s']:.2f} | {r['speedup_vs_routed']:.2f}x | {r['speedup_vs_target_alone']:.2f}x | "
+                     f"{p['acceptance'] or 0:.2f} | {'yes' if p['identical'] and r['routed']['identical'] else 'NO'} |")  # fmt: skip
+    (out / "prediction.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,150 @@
+"""Tier 3: one engine, many drafters. Rows of one batch draft with different drafters (a draft
+model, ``ngram``, ``suffix``, ``prediction``, ``none``) and every row's greedy output is the
+target's own; seeded sampled output does not depend on the batch; a step runs at the smallest
+batch bucket that holds its rows."""
+
+import pytest
+import torch
+
+from serving.drafters.ngram import NgramDrafter
+from serving.drafters.suffix import SuffixDrafter
+from serving.engine import EngineConfig, Request, SpeculativeEngine, step_uniforms
+from serving.sampling import SamplingParams
+from tests.test_engine_tiny import hf_greedy, ragged_prompts
+
+pytestmark = pytest.mark.integration
+
+
+def engine_with_every_drafter(target, draft, tokenizer, batch, k=4):
+    drafters = {"small": draft, "ngram": NgramDrafter(), "suffix": SuffixDrafter(max_cached_requests=4), "none": None}
+    return SpeculativeEngine(target, tokenizer, config=EngineConfig(max_batch_size=batch, max_len=128, k=k), drafters=drafters)
+
+
+def mixed_requests(target, prompts, max_new=24):
+    """Every drafter kind in turn; the prediction requests carry the target's own answer (all
+    accepted) or a corrupted one (rejections mid-way)."""
+    names = ["small", "ngram", "suffix", "none", "prediction", "prediction"]
+    requests = []
+    for i, p in enumerate(prompts):
+        name = names[i % len(names)]
+        prediction = None
+        if name == "prediction":
+            prediction = hf_greedy(target, p, max_new)
+            if i % 2:
+                prediction[len(prediction) // 2] = (prediction[len(prediction) // 2] + 1) % 300 + 3
+        requests.append(Request(p, max_new_tokens=max_new, drafter=name, prediction=prediction))
+    return requests
+
+
+@pytest.mark.parametrize("k", [3, "auto"])
+def test_every_row_of_a_mixed_batch_is_the_targets_greedy_output(tiny_target, tiny_draft, tokenizer, k):
+    prompts = ragged_prompts(12, seed=31)
+    batched = engine_with_every_drafter(tiny_target, tiny_draft, tokenizer, batch=4, k=k)
+    outs = batched.generate(mixed_requests(tiny_target, prompts))
+    single = engine_with_every_drafter(tiny_target, tiny_draft, tokenizer, batch=1, k=k)
+    alone = [single.generate([r])[0] for r in mixed_requests(tiny_target, prompts)]
+    for prompt, out, one in zip(prompts, outs, alone):
+        assert out.token_ids == hf_greedy(tiny_target, prompt, 24) == one.token_ids
+    by_name = {}
+    for out in outs:
+        by_name.setdefault(out.stats["drafter"], []).append(out.stats)
+    assert set(by_name) == {"small", "ngram", "suffix", "none", "prediction"}
+    assert all(s["drafted"] == 0 for s in by_name["none"])
+    assert all(s["drafted"] > 0 for s in by_name["small"])
+    # The right prediction is accepted whole: far fewer target calls than tokens.
+    right = by_name["prediction"][0]
+    assert right["acceptance_rate"] > 0.9 and right["target_calls"] < right["new_tokens"] / 2
+
+
+def test_a_prediction_alone_picks_the_prediction_drafter(tiny_target, tiny_draft, tokenizer):
+    prompt = ragged_prompts(1, seed=3)[0]
+    expected = hf_greedy(tiny_target, prompt, 20)
+    engine = engine_with_every_drafter(tiny_target, tiny_draft, tokenizer, batch=2)
+    [out] = engine.generate([Request(prompt, max_new_tokens=20, prediction=expected)])
+    assert out.token_ids == expected and out.stats["drafter"] == "prediction"
+    [plain] = engine.generate([Request(prompt, max_new_tokens=20)])
+    assert plain.stats["drafter"] == "small"  # the engine's default: the first drafter given
+
+
+@pytest.mark.parametrize("name", ["ngram", "suffix", "prediction", "small"])
+def test_seeded_sampling_does_not_depend_on_the_batch_for_any_drafter(tiny_target, tiny_draft, tokenizer, name):
+    prompts = ragged_prompts(4, seed=41)
+    seeded = SamplingParams(temperature=0.9, seed=123)
+
+    def request(p, params, drafter):
+        prediction = hf_greedy(tiny_target, p, 16) if drafter == "prediction" else None
+        return Request(p, params=params, max_new_tokens=16, drafter=drafter, prediction=prediction)
+
+    engine = engine_with_every_drafter(tiny_target, tiny_draft, tokenizer, batch=4, k="auto")
+    [alone] = engine.generate([request(prompts[0], seeded, name)])
+    others = [request(p, SamplingParams(temperature=1.5), d) for p, d in zip(prompts[1:], ["small", "ngram", "none"])]
+    mixed = engine.generate([*others[:1], request(prompts[0], seeded, name), *others[1:]])
+    assert mixed[1].token_ids == alone.token_ids
+
+
+def test_a_lone_request_runs_at_the_smallest_batch_bucket(tiny_target, tiny_draft, tokenizer):
+    engine = engine_with_every_drafter(tiny_target, tiny_draft, tokenizer, batch=8)
+    assert engine.config.batch_buckets == (1, 2, 4, 8)
+    seen = []
+    forward = engine.target.forward
+    engine.target.forward = lambda tokens, positions, last_only=False: seen.append(tokens.shape[0]) or forward(tokens, positions, last_only)
+    prompts = ragged_prompts(3, seed=5)
+    engine.generate([Request(prompts[0], max_new_tokens=8)])
+    assert set(seen) == {1}
+    seen.clear()
+    engine.generate([Request(p, max_new_tokens=8) for p in prompts])  # slots 0-2: the bucket of 4, then fewer
+    assert max(seen) == 4 and set(seen) <= {1, 2, 4}
+
+
+def test_an_unknown_drafter_is_a_clear_error(tiny_target, tiny_draft, tokenizer):
+    engine = engine_with_every_drafter(tiny_target, tiny_draft, tokenizer, batch=1)
+    with pytest.raises(ValueError, match=r"unknown drafter 'eagle'; this engine has small, ngram, suffix, prediction, none"):
+        engine.add_request(Request([5, 6, 7], drafter="eagle"))
+
+
+def test_host_drafters_see_every_committed_token(tiny_target, tokenizer):
+    """A host drafter's view of a row (its start, then every step's new tokens) is the row's
+    whole output, so its proposals are built from the same tokens the target committed."""
+
+    class Recorder(NgramDrafter):
+        def __init__(self):
+            super().__init__()
+            self.seen = {}
+
+        def start(self, row, ctx):
+            super().start(row, ctx)
+            self.seen[ctx.request_id] = []
+            self._row_request = getattr(self, "_row_request", {}) | {row: ctx.request_id}
+
+        def observe(self, row, new_tokens):
+            super().observe(row, new_tokens)
+            self.seen[self._row_request[row]] += list(new_tokens)
+
+    recorder = Recorder()
+    engine = SpeculativeEngine(tiny_target, tokenizer, config=EngineConfig(max_batch_size=2, max_len=96, k=3),
+                               drafters={"rec": recorder})  # fmt: skip
+    prompts = ragged_prompts(3, seed=8)
+    outs = engine.generate([Request(p, max_new_tokens=12) for p in prompts])
+    assert [recorder.seen[i] for i in range(3)] == [o.token_ids for o in outs]
+
+
+def test_point_masses_enter_the_acceptance_rule_as_one_hot_q(tiny_target, tokenizer):
+    """A host drafter's proposal reaches accept/reject as q = one-hot at each token (with padding
+    masked by n_draft), so min(1, p/q) = p(x) and the residual is p without x."""
+    engine = SpeculativeEngine(tiny_target, tokenizer, config=EngineConfig(max_batch_size=2, max_len=96, k=4),
+                               drafters={"ngram": NgramDrafter()})  # fmt: skip
+
+    class Fixed(NgramDrafter):
+        def propose(self, row, tokens, k):
+            return [7, 8][:k]
+
+    engine.host_drafters["ngram"] = Fixed()
+    for b, request in enumerate([Request([5, 6, 7, 8, 5], max_new_tokens=8), Request([9, 9, 9], max_new_tokens=8, drafter="none")]):
+        engine._slots[b], _ = engine._admit(b, b, request)
+    slots = engine._slots[:2]
+    state = engine._state_rows(2)
+    k_rows = [engine._row_k(s) for s in slots]
+    rand = step_uniforms([s.generator for s in slots], k_rows, max(k_rows), "cpu")
+    tokens, q, n_draft = engine._draft(slots, state, engine._batch_sampling(slots), rand, k_rows)
+    assert tokens[0, :2].tolist() == [7, 8] and n_draft.tolist() == [2, 0] and tokens.shape[1] == 2
+    assert torch.equal(q[0], torch.nn.functional.one_hot(torch.tensor([7, 8]), q.shape[-1]).float())
