@@ -37,11 +37,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 PROFILES = {
     # The quick draft config is a short-budget copy of configs/distill_code.yaml.
-    # A smoke run of every stage in about a quarter of an hour on 2 cores: 6 prompts x 3 drafters of
-    # router data (its evaluation says it is a smoke run); --profile full is the real thing.
+    # A smoke run of every stage in about a quarter of an hour on 2 cores: 9 prompts x 3 drafters of
+    # router data, 20 tokens each (3 per domain: the fewest that leave one per domain to test on; its
+    # evaluation says it is a smoke run); --profile full is the real thing.
     "quick": {"draft_config": "configs/distill_code_quick.yaml", "collect": [
-        "sources=[{domain: code, n: 2, offset: 100}, {domain: chat, n: 2, offset: 100}, {domain: math, n: 2, offset: 100}]",
-        "decode.max_new_tokens=32",
+        "sources=[{domain: code, n: 3, offset: 100}, {domain: chat, n: 3, offset: 100}, {domain: math, n: 3, offset: 100}]",
+        "decode.max_new_tokens=20",
     ]},
     "full": {"draft_config": "configs/distill_code.yaml", "collect": []},
 }
