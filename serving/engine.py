@@ -303,7 +303,6 @@ class SpeculativeEngine:
         )
         self._eos = set(self.state.eos_ids.tolist())
         self._sampling: SamplingTensors | None = None  # rebuilt when a slot's request or the bucket changes
-        self._bucket_states: dict[int, DecodeState] = {B: self.state}  # views of the first rows
         # Where each request's K starts; with "auto" every request then moves its own K, so its
         # output never depends on what else shares the batch.
         self._k_start = float(config.k_buckets[len(config.k_buckets) // 2] if config.k == "auto" else config.k)
@@ -610,11 +609,12 @@ class SpeculativeEngine:
         return next(n for n in self.config.batch_buckets if n > last)
 
     def _state_rows(self, rows: int) -> DecodeState:
-        """The decode state of the first ``rows`` slots: views, so every write lands in the whole."""
-        if rows not in self._bucket_states:
-            s = self.state
-            self._bucket_states[rows] = DecodeState(s.tokens[:rows], s.lengths[:rows], s.limits[:rows], s.done[:rows], s.eos_ids)
-        return self._bucket_states[rows]
+        """The decode state of the first ``rows`` slots: views, so every write lands in the whole
+        (made per step, so they always view the state's current tensors)."""
+        s = self.state
+        if rows == s.lengths.shape[0]:
+            return s
+        return DecodeState(s.tokens[:rows], s.lengths[:rows], s.limits[:rows], s.done[:rows], s.eos_ids)
 
     def _row_k(self, slot: _Slot | None) -> int:
         """The request's draft budget this step: 0 for ``none``; a host drafter's own k if it has
