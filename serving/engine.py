@@ -717,10 +717,10 @@ class SpeculativeEngine:
                 slot.k_value = min(hi, slot.k_value + 2) if accepted == drafted else max(lo, slot.k_value - 1)
             # Stop strings first: a step that also reaches the length limit must still cut at the stop.
             stopped = self._hit_stop(slot, before)
-            if slot.drafter in self.host_drafters and len(slot.generated) > before:
-                self.host_drafters[slot.drafter].observe(b, slot.generated[before:])
             if done or stopped:
                 finished.append(b)
+            if slot.drafter in self.host_drafters and len(slot.generated) > before:  # what the row kept
+                self.host_drafters[slot.drafter].observe(b, slot.generated[before:])
         return finished
 
 
