@@ -694,7 +694,10 @@ class SpeculativeEngine:
         # 1. draft (every drafter, its own rows), 2-4. verify, accept/reject, commit: split so that
         # the verify half can run elsewhere.
         sampling = self._batch_sampling(slots)
-        rand = step_uniforms([slot.generator if slot else None for slot in slots], k_rows, k, self.device)
+        # Padded to the widest K a step can verify (a short proposal rounds up to a K bucket); what
+        # each row draws still depends on its own budget only.
+        width = max(k, self.config.k_max if self.drafting else 0)
+        rand = step_uniforms([slot.generator if slot else None for slot in slots], k_rows, width, self.device)
         draft_tokens, q, n_draft = self._draft(slots, s, sampling, rand, k_rows)
         clock("draft")
         n_acc, n_new = self._verify(slots, s, sampling, rand, draft_tokens, q, n_draft, clock)

@@ -148,3 +148,16 @@ def test_point_masses_enter_the_acceptance_rule_as_one_hot_q(tiny_target, tokeni
     tokens, q, n_draft = engine._draft(slots, state, engine._batch_sampling(slots), rand, k_rows)
     assert tokens[0, :2].tolist() == [7, 8] and n_draft.tolist() == [2, 0] and tokens.shape[1] == 2
     assert torch.equal(q[0], torch.nn.functional.one_hot(torch.tensor([7, 8]), q.shape[-1]).float())
+
+
+def test_a_host_drafters_own_k_between_buckets_rounds_up_to_a_bucket(tiny_target, tokenizer):
+    """A drafter's own k (3) that is not a K bucket (2, 4): its proposals verify at the next bucket,
+    padded and masked, with uniforms wide enough for that bucket."""
+    from serving.drafters.prediction import PredictionDrafter
+
+    prompt = ragged_prompts(1, seed=12)[0]
+    expected = hf_greedy(tiny_target, prompt, 12)
+    config = EngineConfig(max_batch_size=2, max_len=96, k=4, k_buckets=(2, 4))
+    engine = SpeculativeEngine(tiny_target, tokenizer, config=config, drafters={"prediction": PredictionDrafter(k=3)})
+    outs = engine.generate([Request(prompt, max_new_tokens=12, prediction=expected), Request([9, 9, 9], max_new_tokens=12, drafter="none")])
+    assert outs[0].token_ids == expected and outs[0].stats["drafted"] > 0 and outs[0].stats["mean_k"] <= 3
