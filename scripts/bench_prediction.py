@@ -15,28 +15,17 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from serving.devices import describe_machine
 from serving.launch import free_port, stop, wait_healthy
 from serving.prompts import load_grounded
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFT = "qwen2.5-coder-0.5b-instruct"
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def ask(client, model: str, text: str, max_tokens: int, extra: dict) -> tuple[str, float, dict, int]:
@@ -101,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop([server])
     command = " ".join(["python", "scripts/bench_prediction.py", *(argv if argv is not None else sys.argv[1:])])
-    record = {"command": command, "date": datetime.date.today().isoformat(), "machine": f"{cpu_model()}, {os.cpu_count()} cores",
+    record = {"command": command, "date": datetime.date.today().isoformat(), "machine": describe_machine(),
               "max_tokens": args.max_tokens, "k": args.k, "rows": rows}  # fmt: skip
     (out / "prediction.json").write_text(json.dumps(record, indent=1))
     lines = [f"`{command}` ({record['date']}, {record['machine']}); greedy, best of {args.rounds} per path.", "",

@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from routing import Router
 from serving.bench import bench_prompt, run_engine, summarize
+from serving.devices import describe_machine
 from serving.engine import EngineConfig, SpeculativeEngine, use_cpu_kernels
 from serving.models import check_same_tokenizer, load_model, load_tokenizer
 from serving.prompts import DOMAINS, encode_prompt, load_prompts
@@ -203,19 +204,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def machine() -> str:
-    """The CPU model, its vector extensions that change the kernels' speed, cores and torch."""
-    name, flags = platform.processor() or "unknown CPU", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    isa = ", ".join(f for f in ("avx2", "avx512f", "avx512_vnni", "amx_tile") if f in flags) or "no AVX2"
-    return f"{name} ({isa}), {os.cpu_count()} cores, torch {torch.__version__}"
+    return describe_machine()
 
 
 def write_page(page: Path, body: str, argv: list[str], out: Path) -> None:

@@ -76,3 +76,24 @@ def release_host_memory() -> None:
             libc.malloc_trim(0)
     except OSError:
         pass
+
+
+def describe_machine() -> str:
+    """The CPU model, its vector extensions that change the kernels' speed, cores and torch: what
+    a benchmark record names as its machine."""
+    import os
+    import platform
+    from pathlib import Path
+
+    name, flags = platform.processor() or "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    isa = ", ".join(f for f in ("avx2", "avx512f", "avx512_vnni", "amx_tile") if f in flags) or "no AVX2"
+    return f"{name} ({isa}), {os.cpu_count()} cores, torch {torch.__version__}"
