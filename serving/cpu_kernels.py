@@ -418,6 +418,7 @@ def prepare_for_cpu(
     max_rows: int = 16,
     attention: bool = True,
     weights: str = "fp32",
+    own_tensors: bool = True,
 ) -> nn.Module:
     """Make the forward of `model` batch-invariant and cheap for small token counts, in place.
 
@@ -429,6 +430,9 @@ def prepare_for_cpu(
     weights: "fp32" keeps the model's numerics (for the target); "int8" stores every Linear as
       W8A8 int8 (`Int8Linear`, needs the C++ kernel): ~2.4x cheaper steps, different numerics,
       so for drafts only, whose numerics never change the speculative output.
+    own_tensors: with int8, give the tensors kept in fp32 storage of their own (``_own_tensors``);
+      False for a copy that shares them with a model that keeps its mapping anyway (train-draft's
+      evaluation of the student it is training: a clone would be 0.5 GB for nothing).
     """
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
@@ -463,7 +467,7 @@ def prepare_for_cpu(
                     log.warning("choral: %s kernel not batch-invariant for Linear%s; using F.linear", kernel, key)
             if checked[key]:
                 setattr(parent, name, new)
-    if weights == "int8":
+    if weights == "int8" and own_tensors:
         _own_tensors(model)
     if attention and hasattr(model, "set_attn_implementation"):
         _rowwise_sdpa.max_rows = max_rows

@@ -139,13 +139,15 @@ def use_cpu_kernels(
     quantize: str | None = None,
     drafts: list[PreTrainedModel] = (),
     draft_weights: str = "fp32",
+    own_draft_tensors: bool = True,
 ) -> bool:
     """Swap in ``serving.cpu_kernels`` where they apply (CPU, fp32, not quantized), so that
     verifying any of ``widths`` tokens costs about one token and rows are bitwise identical.
     ``models`` keep their fp32 numerics (targets); ``drafts`` get ``draft_weights``: "int8" stores
     them as W8A8 int8 (~2.5x cheaper steps; a draft's numerics never change the output, only how
     much of it is accepted), "auto" does so wherever the kernels apply and the C++ kernel builds,
-    "fp32" keeps them as they are. Returns whether the kernels were applied."""
+    "fp32" keeps them as they are (``own_draft_tensors``: see ``prepare_for_cpu``'s
+    ``own_tensors``). Returns whether the kernels were applied."""
     if draft_weights not in DRAFT_WEIGHTS:
         raise ValueError(f"draft_weights={draft_weights!r} must be one of {DRAFT_WEIGHTS}")
     applies = torch.device(device).type == "cpu" and resolve_dtype(dtype) == torch.float32 and quantize is None
@@ -159,7 +161,7 @@ def use_cpu_kernels(
     for model in models:
         prepare_for_cpu(model, token_counts=widths)
     for model in drafts:
-        prepare_for_cpu(model, token_counts=widths, weights=draft_weights)
+        prepare_for_cpu(model, token_counts=widths, weights=draft_weights, own_tensors=own_draft_tensors)
     return True
 
 

@@ -279,12 +279,14 @@ def prepare_kernels(
     *,
     device: torch.device | None = None,
     dtype: str | torch.dtype | None = None,
+    own_draft_tensors: bool = True,
 ) -> bool:
     """Install Choral's CPU kernels for every step width in ``widths`` where the settings ask for
     them and they apply (CPU, fp32, no quantize), drafts in ``draft_weights``; returns whether
     they were installed. Models are changed in place: prepare each once, for all its widths.
     ``device`` and ``dtype``: where the models are, when they were not loaded by these settings
-    (train-draft's evaluation runs the models training holds)."""
+    (train-draft's evaluation runs the models training holds; it also passes
+    ``own_draft_tensors=False``, see ``serving.cpu_kernels.prepare_for_cpu``)."""
     from serving.devices import resolve_device
     from serving.engine import use_cpu_kernels
 
@@ -294,4 +296,5 @@ def prepare_kernels(
         list(targets), drafts=list(drafts), draft_weights=settings.draft_weights,
         device=device if device is not None else resolve_device(settings.device),
         dtype=dtype if dtype is not None else settings.dtype, widths=tuple(sorted(set(widths))), quantize=settings.quantize,
+        own_draft_tensors=own_draft_tensors,
     )  # fmt: skip

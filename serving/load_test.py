@@ -78,7 +78,8 @@ async def one_request(client: openai.AsyncOpenAI, model: str, prompt: Prompt, in
     if args.seed is not None:
         common["seed"] = args.seed + index
     if args.draft:
-        common["extra_body"] = {"draft": args.draft}
+        drafters = args.draft.split(",")  # a mixed load: request i gets the (i mod n)-th
+        common["extra_body"] = {"draft": drafters[index % len(drafters)].strip()}
     chat = prompt.use_chat_template
     start = time.perf_counter()
     first = last = None
@@ -236,7 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=None, help="seed of request i is seed + i")
-    ap.add_argument("--draft", default=None, help="force this draft (or none) on every request")
+    ap.add_argument("--draft", default=None,
+                    help="force this drafter (or none) on every request; a comma list (base,ngram,none) gives request i "
+                         "the (i mod n)-th: a mixed load, the same requests on every server")
     ap.add_argument("--prompt-file", help=".txt or .jsonl prompts (see serving.prompts.read_prompt_file)")
     ap.add_argument("--domains", default=",".join(DOMAINS), help=f"built-in prompt domains ({', '.join(DOMAINS)})")
     ap.add_argument("--n-prompts", type=int, default=16, help="prompts per built-in domain")

@@ -48,12 +48,19 @@ class ModelRunner:
         kept = getattr(config, "draft_vocab", None)
         if kept:
             self.head_ids = torch.tensor(kept, dtype=torch.long, device=self.device)  # [N]
+            head = model.get_output_embeddings()
+            # A compact head holds only the kept rows, in draft_vocab order (train-draft evaluates
+            # its student so, without a full-vocabulary copy of the head).
+            compact = self.model_vocab == len(kept) and vocab_size is not None and vocab_size > len(kept)
+            if compact:
+                self.model_vocab = self.vocab_size
             top, limit = int(self.head_ids.max()), min(self.vocab_size, self.model_vocab)
             if top >= limit:  # an id must be a row of the draft's head and a column of the logits
                 raise ValueError(f"draft_vocab names token id {top}, but the draft's head has {self.model_vocab} rows "
                                  f"and the logits {self.vocab_size} columns")  # fmt: skip
-            head = model.get_output_embeddings()
-            if hasattr(head, "select_rows"):  # Choral's CPU kernels (fp32 or int8): keep using them
+            if compact:
+                kept_head = head
+            elif hasattr(head, "select_rows"):  # Choral's CPU kernels (fp32 or int8): keep using them
                 kept_head = head.select_rows(self.head_ids)
             else:
                 kept_head = torch.nn.Linear(head.weight.shape[1], len(kept), bias=False, device=self.device, dtype=self.dtype)

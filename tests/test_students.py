@@ -159,3 +159,25 @@ def test_reduced_vocab_draft_stays_lossless_and_reloads(tiny_target, tiny_draft,
     assert outs[0].stats["drafted"] > 0
     with pytest.raises(ValueError, match="outside the vocabulary"):
         reduce_vocab(copy.deepcopy(tiny_draft), [0, 384])
+
+
+@pytest.mark.integration
+def test_kept_head_evaluates_as_a_compact_head_with_the_trained_rows(tiny_draft):
+    """train-draft evaluates a KeptHead student through ``eval_model``: its compact head (the
+    kept rows only, shared with training, no copy) must give the logits the saved, merged draft
+    gives, so evaluation measures the draft that is saved."""
+    from serving.runner import ModelRunner
+    from training.students import eval_model, keep_head_rows, plain_model
+
+    student = reduce_vocab(copy.deepcopy(tiny_draft), list(range(1, 384, 5)))
+    head = keep_head_rows(student)
+    with torch.no_grad():
+        head.weight.add_(0.25)  # "trained": the kept rows now differ from the full head's
+    compact = eval_model(student)
+    assert compact.get_output_embeddings().weight is head.weight  # shared, not copied
+    assert student.get_output_embeddings() is head  # the trained model keeps its KeptHead
+    tokens, positions = torch.tensor([[4, 5, 6]]), torch.tensor([[0, 1, 2]])
+    got = ModelRunner(compact, batch_size=1, max_len=16, vocab_size=384).forward(tokens, positions)  # [1, 3, V]
+    want = ModelRunner(plain_model(student), batch_size=1, max_len=16, vocab_size=384).forward(tokens, positions)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert torch.isfinite(got[..., 1::5]).all() and torch.isinf(got[..., 0::5]).all()

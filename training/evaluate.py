@@ -45,7 +45,9 @@ def measure(
         if draft is not None:
             draft = shared_copy(draft)  # the kernels swap modules in place: never the trained model's
         widths = settings.engine_config(draft=True, device=target.device).step_widths  # what a draft's steps use
-        prepare_kernels(settings, [target], [draft] if draft is not None else [], widths, device=target.device, dtype=target.dtype)
+        # The copy shares the trained model's fp32 tensors, whose file mapping training keeps anyway.
+        prepare_kernels(settings, [target], [draft] if draft is not None else [], widths, device=target.device,
+                        dtype=target.dtype, own_draft_tensors=False)  # fmt: skip
         for p, flag in flags:  # the kernels freeze parameters; the shared ones are still being trained
             p.requires_grad_(flag)
     engine = SpeculativeEngine(target, tokenizer, draft, config)

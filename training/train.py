@@ -55,6 +55,7 @@ from training.students import (
     add_lora,
     count_parameters,
     derive_student,
+    eval_model,
     frequent_tokens,
     keep_head_rows,
     plain_model,
@@ -342,7 +343,7 @@ class TrainDraftRecipe:
         """Held-out acceptance and speed of the student as a draft, with Choral's engine, plus
         ``validate()``."""
         cfg = self.cfg
-        result = measure(self.teacher, plain_model(self.accelerator.unwrap_model(self.student)), self.tokenizer, self.eval_prompts,
+        result = measure(self.teacher, eval_model(self.accelerator.unwrap_model(self.student)), self.tokenizer, self.eval_prompts,
                          cfg.eval.engine, max_new_tokens=cfg.eval.max_new_tokens)  # fmt: skip
         result.pop("token_ids")
         return result | {"label": label} | self.validate()

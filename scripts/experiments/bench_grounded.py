@@ -1,0 +1,144 @@
+"""Model-free drafters on input-grounded prompts: the target alone, transformers' prompt lookup
+decoding, and Choral's ``ngram`` and ``suffix`` drafters, on the same prompts, pair and precision.
+
+    python scripts/experiments/bench_grounded.py --prompts-per-domain 10 --max-new-tokens 48 --k 4 \\
+        --out runs/grounded
+
+Per prompt of each grounded family (serving.prompts: edit, extract, summarize, quoted) the four
+decoders run one after the other, greedy, their order rotating from prompt to prompt so machine
+drift hits all alike. ``ngram`` and ``suffix`` each run in an engine of their own, so the suffix
+drafter's cross-request cache holds only earlier prompts' answers (as a server's would), never
+another decoder's answer to the same prompt. Every path first decodes an untimed warm-up prompt
+from the code domain. Reports per family tokens/s, speedup over the target alone and over prompt
+lookup, acceptance, and whether every output equals the target's own greedy output; writes
+``grounded.json`` (command, date, machine, every row) and ``grounded.md`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from serving.bench import hf_assisted, run_engine
+from serving.devices import describe_machine
+from serving.engine import SpeculativeEngine
+from serving.engine_settings import EngineSettings, load_models, prepare_kernels
+from serving.prompts import GROUNDED_DOMAINS, encode_prompt, load_prompts
+
+TARGET = "qwen2.5-coder-1.5b-instruct"
+PATHS = ("target", "ngram", "suffix", "prompt lookup")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts-per-domain", type=int, default=10)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--k", type=int, default=4, help="tokens a drafter proposes per step (prompt lookup's num tokens too)")
+    ap.add_argument("--domains", default=",".join(GROUNDED_DOMAINS))
+    ap.add_argument("--out", default="runs/grounded")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    settings = EngineSettings(device="cpu", k=args.k, max_batch_size=1)
+    tokenizer, target, _ = load_models(settings, TARGET, [])
+    spec = settings.engine_config(draft=True, device=target.device)
+    prepare_kernels(settings, [target], [], spec.step_widths)
+    engines = {
+        "target": SpeculativeEngine(target, tokenizer, config=dataclasses.replace(settings, k=1, k_buckets=(1,)).engine_config(
+            draft=False, device=target.device)),
+        **{name: SpeculativeEngine(target, tokenizer, config=spec, drafters={name: settings.host_drafter(name)})
+           for name in ("ngram", "suffix")},
+    }  # fmt: skip
+    eos = sorted(engines["target"]._eos)
+
+    def decode(path: str, ids: list[int], max_new: int) -> tuple[list[int], float, dict]:
+        if path == "prompt lookup":
+            out_ids, seconds = hf_assisted(target, args.k, ids, max_new, eos, True)
+            return out_ids, seconds, {}
+        out_ids, stats = run_engine(engines[path], ids, max_new)
+        return out_ids, stats["total_time_s"], stats
+
+    warm = encode_prompt(tokenizer, load_prompts("code", 1)[0])
+    for path in PATHS:
+        decode(path, warm, 8)
+
+    domains = [d.strip() for d in args.domains.split(",")]
+    prompts = {d: load_prompts(d, args.prompts_per_domain) for d in domains}
+    rows: dict[str, list[dict]] = {}
+    with tqdm(total=sum(len(p) for p in prompts.values()), desc="grounded", unit="prompt") as bar:
+        for d in domains:
+            rows[d] = []
+            for i, prompt in enumerate(prompts[d]):
+                ids = encode_prompt(tokenizer, prompt)
+                row: dict = {"id": prompt.id, "prompt_tokens": len(ids)}
+                for path in PATHS[i % len(PATHS) :] + PATHS[: i % len(PATHS)]:
+                    out_ids, seconds, stats = decode(path, ids, args.max_new_tokens)
+                    row[path] = {"tokens": len(out_ids), "seconds": seconds, "ids": out_ids,
+                                 "drafted": stats.get("drafted", 0), "accepted": stats.get("accepted", 0)}  # fmt: skip
+                for path in PATHS[1:]:
+                    row[path]["identical"] = row[path]["ids"] == row["target"]["ids"]
+                rows[d].append(row)
+                bar.update(1)
+    summary = {d: summarize(r) for d, r in rows.items()} | {"all": summarize([x for r in rows.values() for x in r])}
+    record = {
+        "command": " ".join(["python", "scripts/experiments/bench_grounded.py", *(argv if argv is not None else sys.argv[1:])]),
+        "date": datetime.date.today().isoformat(),
+        "machine": describe_machine(),
+        "settings": {"target": TARGET, "k": args.k, "max_new_tokens": args.max_new_tokens, "dtype": "float32",
+                     "choral_cpu_kernels": settings.cpu_kernels, "prompts_per_domain": args.prompts_per_domain},
+        "summary": summary,
+        "rows": rows,
+    }  # fmt: skip
+    (out / "grounded.json").write_text(json.dumps(record, indent=1))
+    md = markdown(record)
+    (out / "grounded.md").write_text(md)
+    print(md)
+    return 0
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Tokens/s per path over all rows (total tokens / total seconds), speedups, acceptance."""
+    rate = {p: sum(r[p]["tokens"] for r in rows) / sum(r[p]["seconds"] for r in rows) for p in PATHS}
+    out: dict = {"prompts": len(rows), "tokens_per_s": rate}
+    for p in ("ngram", "suffix"):
+        drafted = sum(r[p]["drafted"] for r in rows)
+        out[p] = {
+            "speedup_vs_target": rate[p] / rate["target"],
+            "vs_prompt_lookup": rate[p] / rate["prompt lookup"],
+            "acceptance": sum(r[p]["accepted"] for r in rows) / drafted if drafted else 0.0,
+            "identical": sum(r[p]["identical"] for r in rows),
+        }
+    out["prompt lookup"] = {"speedup_vs_target": rate["prompt lookup"] / rate["target"],
+                            "identical": sum(r["prompt lookup"]["identical"] for r in rows)}  # fmt: skip
+    return out
+
+
+def markdown(record: dict) -> str:
+    s = record["settings"]
+    lines = [
+        f"`{record['command']}` ({record['date']}, {record['machine']}); {s['target']} {s['dtype']}, greedy, "
+        f"{s['max_new_tokens']} new tokens, K={s['k']} (prompt lookup: prompt_lookup_num_tokens={s['k']}).",
+        "",
+        "| family | prompts | target tok/s | prompt lookup tok/s | ngram tok/s | suffix tok/s | ngram vs target | suffix vs target "
+        "| ngram vs prompt lookup | suffix vs prompt lookup | acceptance ngram / suffix | identical ngram / suffix / prompt lookup |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for d, v in record["summary"].items():
+        t, n, x = v["tokens_per_s"], v["ngram"], v["suffix"]
+        lines.append(
+            f"| {d} | {v['prompts']} | {t['target']:.2f} | {t['prompt lookup']:.2f} | {t['ngram']:.2f} | {t['suffix']:.2f} "
+            f"| {n['speedup_vs_target']:.2f}x | {x['speedup_vs_target']:.2f}x | {n['vs_prompt_lookup']:.2f}x | {x['vs_prompt_lookup']:.2f}x "
+            f"| {n['acceptance']:.2f} / {x['acceptance']:.2f} | {n['identical']} / {x['identical']} / {v['prompt lookup']['identical']} of {v['prompts']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
