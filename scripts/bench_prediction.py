@@ -37,9 +37,11 @@ def ask(client, model: str, text: str, max_tokens: int, extra: dict) -> tuple[st
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--n", type=int, default=2, help="edit prompts")
+    ap.add_argument("--n", type=int, default=4, help="edit prompts (the first n of the family: one per kind of edit for n=4)")
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--k", type=int, default=8, help="engine.k: the most tokens a step drafts")
+    ap.add_argument("--k", default="8", help="engine.k: the most tokens a step drafts, or auto (per request, "
+                                             "Hugging Face's heuristic over --k-buckets)")
+    ap.add_argument("--k-buckets", default=None, help="engine.k_buckets, a comma list (default: the server's)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default="runs/prediction")
     args = ap.parse_args(argv)
@@ -55,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     cmd = ["serve", "--router", str(router), "--port", str(port), "engine.max_len=2048", "engine.max_batch_size=1",
            f"engine.k={args.k}"]  # fmt: skip
+    if args.k_buckets:
+        cmd.append(f"engine.k_buckets=[{args.k_buckets}]")
     print("$", " ".join(cmd), flush=True)
     with open(out / "serve.log", "w") as log:
         server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -80,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
             row = {"id": g.prompt.id, "tokens": best["target alone"][3]}
             for name, (answer, seconds, choral, tokens) in best.items():
                 row[name] = {"seconds": seconds, "tokens_per_s": tokens / seconds, "drafter": choral.get("draft"),
-                             "acceptance": choral.get("acceptance_rate"), "identical": answer == best["target alone"][0]}  # fmt: skip
+                             "acceptance": choral.get("acceptance_rate"), "identical": answer == best["target alone"][0],
+                             "tokens_per_target_call": choral.get("tokens_per_target_call")}  # fmt: skip
+            row["answer"] = best["target alone"][0]
             row["speedup_vs_routed"] = best["routed"][1] / best["prediction"][1]
             row["speedup_vs_target_alone"] = best["target alone"][1] / best["prediction"][1]
             rows.append(row)
@@ -91,16 +97,18 @@ def main(argv: list[str] | None = None) -> int:
         stop([server])
     command = " ".join(["python", "scripts/bench_prediction.py", *(argv if argv is not None else sys.argv[1:])])
     record = {"command": command, "date": datetime.date.today().isoformat(), "machine": describe_machine(),
-              "max_tokens": args.max_tokens, "k": args.k, "rows": rows}  # fmt: skip
+              "max_tokens": args.max_tokens, "k": args.k, "k_buckets": args.k_buckets, "rows": rows}  # fmt: skip
     (out / "prediction.json").write_text(json.dumps(record, indent=1))
     lines = [f"`{command}` ({record['date']}, {record['machine']}); greedy, best of {args.rounds} per path.", "",
-             "| prompt | tokens | with prediction tok/s | without (routed) tok/s | target alone tok/s | vs without | vs target alone | acceptance | identical |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| prompt | tokens | with prediction tok/s | without (routed) tok/s | target alone tok/s | vs without | vs target alone "
+             "| acceptance | tokens/target call | identical |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         p = r["prediction"]
         lines.append(f"| {r['id']} | {r['tokens']} | {p['tokens_per_s']:.2f} | {r['routed']['tokens_per_s']:.2f} | "
                      f"{r['target alone']['tokens_per_s']:.2f} | {r['speedup_vs_routed']:.2f}x | {r['speedup_vs_target_alone']:.2f}x | "
-                     f"{p['acceptance'] or 0:.2f} | {'yes' if p['identical'] and r['routed']['identical'] else 'NO'} |")  # fmt: skip
+                     f"{p['acceptance'] or 0:.2f} | {p['tokens_per_target_call'] or 0:.2f} "
+                     f"| {'yes' if p['identical'] and r['routed']['identical'] else 'NO'} |")  # fmt: skip
     (out / "prediction.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

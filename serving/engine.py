@@ -31,6 +31,7 @@ everything else (slots, seeds, stop strings, stats, retirement) from here.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import time
@@ -212,6 +213,7 @@ class _Slot:
     drafter: str  # the name of the drafter the request drafts with ("none": the target alone)
     k_value: float = 0.0  # this request's own K ("auto" moves it by the request's own acceptance)
     emitted: int = 0  # tokens of ``generated`` already handed out by step()
+    draft_row: int | None = None  # a model drafter's row of its own KV cache (``_draft_rows``)
 
 
 NONE = "none"  # the drafter name of the target alone
@@ -284,6 +286,11 @@ class SpeculativeEngine:
                 if id(d) not in runners:
                     runners[id(d)] = ModelRunner(d, batch_size=B, max_len=config.max_len, vocab_size=vocab_size)
                 self.model_drafters[name] = runners[id(d)]
+        # Each draft model's rows: its cache row r serves the engine slot _draft_rows[id][r]. A
+        # draft model runs over its own requests only, at the smallest batch bucket holding its
+        # highest row, so three drafters with two requests each cost three 2-row drafts, not three
+        # 8-row ones.
+        self._draft_rows: dict[int, list[int | None]] = {id(r): [None] * B for r in runners.values()}
         if self.model_drafters or self.host_drafters:  # an engine that drafts also takes predictions
             self.host_drafters.setdefault(PREDICTION, PredictionDrafter())
         self.drafter_names = [*[n for n in drafters if n in self.model_drafters or n in self.host_drafters],
@@ -502,8 +509,12 @@ class SpeculativeEngine:
         if first_id is None:
             return None
         drafter = self._drafter_of(request)
+        draft_row = None
         if drafter in self.model_drafters:
-            self.model_drafters[drafter].prefill(ids, b)
+            rows = self._draft_rows[id(self.model_drafters[drafter])]
+            draft_row = rows.index(None)  # the lowest free row: keeps the draft's bucket small
+            rows[draft_row] = b
+            self.model_drafters[drafter].prefill(ids, draft_row)
         elif drafter in self.host_drafters:
             private = request.params.seed is not None and not request.params.greedy
             self.host_drafters[drafter].start(b, RowContext(index, request.prompt_ids, request.prediction, private))
@@ -511,7 +522,8 @@ class SpeculativeEngine:
         self._sampling = None
         stats = RequestStats(new_tokens=1)
         stats.prefill_time_s = time.perf_counter() - started
-        slot = _Slot(index, request, ids.shape[1], generator, [first_id], stats, started, drafter, k_value=self._k_start)
+        slot = _Slot(index, request, ids.shape[1], generator, [first_id], stats, started, drafter, k_value=self._k_start,
+                     draft_row=draft_row)  # fmt: skip
         stopped = self._hit_stop(slot, 0)
         if drafter in self.host_drafters:
             self.host_drafters[drafter].observe(b, slot.generated)
@@ -529,6 +541,8 @@ class SpeculativeEngine:
     def _stop_drafter(self, b: int, slot: _Slot, finished: bool) -> None:
         if slot.drafter in self.host_drafters:
             self.host_drafters[slot.drafter].stop(b, finished)
+        if slot.draft_row is not None:
+            self._draft_rows[id(self.model_drafters[slot.drafter])][slot.draft_row] = None
 
     def _retire(self, b: int, slots: list[_Slot | None]) -> Completion:
         slot = slots[b]
@@ -647,13 +661,30 @@ class SpeculativeEngine:
                 host_tokens[b] = self.host_drafters[slot.drafter].propose(b, context, k_rows[b])[: k_rows[b]]
         width = max(map(len, host_tokens))
         from_models = []
-        for name, runner in self.model_drafters.items():
-            budget = [k_rows[b] if slot is not None and slot.drafter == name else 0 for b, slot in enumerate(slots)]
-            if max(budget) == 0:
+        for runner in {id(r): r for r in self.model_drafters.values()}.values():
+            # This draft's own rows: its cache row r drafts for engine slot owner[r].
+            owner = [b if b is not None and k_rows[b] > 0 else None for b in self._draft_rows[id(runner)]]
+            own = [r for r, b in enumerate(owner) if b is not None]
+            if not own:
                 continue
-            tokens, q, n = draft_half(runner, state, sampling, rand, max(budget), V, self.config.draft_confidence,
-                                      self.config.draft_stop, torch.tensor(budget, device=self.device))  # fmt: skip
-            mine = torch.tensor([x > 0 for x in budget], device=self.device)  # [B]
+            n_rows = next(n for n in self.config.batch_buckets if n > own[-1])
+            fill = owner[own[0]]  # rows of the bucket without a request read any real row, draft nothing
+            index = torch.tensor([b if b is not None else fill for b in owner[:n_rows]], device=self.device)  # [n]
+            budget = torch.tensor([k_rows[b] if b is not None else 0 for b in owner[:n_rows]], device=self.device)  # [n]
+            sub_state = DecodeState(state.tokens[index], state.lengths[index], state.limits[index], state.done[index] | (budget == 0),
+                                    state.eos_ids)  # fmt: skip
+            sub_sampling = dataclasses.replace(sampling, temperature=sampling.temperature[index], top_k=sampling.top_k[index],
+                                               top_p=sampling.top_p[index])  # fmt: skip
+            sub_rand = StepRandom(rand.draft[index], rand.accept[index], rand.next[index])
+            tokens, q, n = draft_half(runner, sub_state, sub_sampling, sub_rand, int(max(k_rows[owner[r]] for r in own)), V,
+                                      self.config.draft_confidence, self.config.draft_stop, budget)  # fmt: skip
+            # Back to the engine's rows: [n, K] -> [B, K] (rows not this draft's stay zero, masked).
+            at = torch.tensor([owner[r] for r in own], device=self.device)  # [m] engine slots
+            mine_rows = torch.tensor(own, device=self.device)  # [m] this draft's rows
+            tokens = tokens.new_zeros(B, tokens.shape[1]).index_copy_(0, at, tokens[mine_rows])  # [B, K]
+            q = q.new_zeros(B, *q.shape[1:]).index_copy_(0, at, q[mine_rows])  # [B, K, V]
+            n = n.new_zeros(B).index_copy_(0, at, n[mine_rows])  # [B]
+            mine = torch.zeros(B, dtype=torch.bool, device=self.device).index_fill_(0, at, True)  # [B]
             from_models.append((tokens, q, n, mine))
             width = max(width, tokens.shape[1])
         # The step's K: the smallest bucket that holds every proposal (a compiled verify width).

@@ -234,6 +234,7 @@ class RemoteSpeculativeEngine(SpeculativeEngine):
             if slot is None:
                 continue
             ids.append(slot.index)
+            self._stop_drafter(b, slot, finished=False)  # the drafter's row (and a model draft's cache row) is free again
             self._slots[b] = None
             self.state.done[b] = True
             self._sessions[b] = None  # lost with the target, or evicted there

@@ -161,3 +161,30 @@ def test_a_host_drafters_own_k_between_buckets_rounds_up_to_a_bucket(tiny_target
     engine = SpeculativeEngine(tiny_target, tokenizer, config=config, drafters={"prediction": PredictionDrafter(k=3)})
     outs = engine.generate([Request(prompt, max_new_tokens=12, prediction=expected), Request([9, 9, 9], max_new_tokens=12, drafter="none")])
     assert outs[0].token_ids == expected and outs[0].stats["drafted"] > 0 and outs[0].stats["mean_k"] <= 3
+
+
+def test_each_draft_model_drafts_over_its_own_rows_only(tiny_target, tiny_draft, tokenizer):
+    """Two draft models in one batch of 4: each runs at the smallest batch bucket holding its own
+    requests (one row each here), not over the engine's whole batch; outputs stay the target's."""
+    import copy
+
+    other = copy.deepcopy(tiny_draft)
+    engine = SpeculativeEngine(tiny_target, tokenizer, config=EngineConfig(max_batch_size=4, max_len=128, k=3),
+                               drafters={"a": tiny_draft, "b": other, "ngram": NgramDrafter()})  # fmt: skip
+    rows_seen = {"a": set(), "b": set()}
+    for name in rows_seen:
+        runner = engine.model_drafters[name]
+        forward = runner.forward
+
+        def spy(tokens, positions, last_only=False, _forward=forward, _name=name):
+            rows_seen[_name].add(tokens.shape[0])
+            return _forward(tokens, positions, last_only)
+
+        runner.forward = spy
+    prompts = ragged_prompts(4, seed=7)
+    requests = [Request(p, max_new_tokens=12, drafter=d) for p, d in zip(prompts, ["a", "ngram", "b", "none"])]
+    outs = engine.generate(requests)
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(tiny_target, prompt, 12)
+    assert rows_seen == {"a": {1}, "b": {1}}  # the engine's batch bucket was 4 throughout
+    assert all(rows == [None] * 4 for rows in engine._draft_rows.values())  # every draft row freed

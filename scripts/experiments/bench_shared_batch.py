@@ -66,7 +66,8 @@ def make_router(python: str, path: Path, drafts: dict[str, str]) -> None:
 def start(bin_dir: Path, router: Path, batch: int, max_len: int, log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [str(bin_dir / "serve"), "--router", str(router), "--port", str(port), f"engine.max_batch_size={batch}",
-           "engine.k=4", "engine.draft_weights=int8", f"engine.max_len={max_len}"]  # fmt: skip
+           "engine.k=4", "engine.draft_weights=int8", f"engine.max_len={max_len}",
+           "request_timeout_s=3600"]  # fmt: skip  # every request finishes: the same work on both servers
     print("$", " ".join(cmd), flush=True)
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd="/tmp")
     url = f"http://127.0.0.1:{port}"
