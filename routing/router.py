@@ -23,7 +23,10 @@ draft references alone, for tests and for wiring a server up before any data is 
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +37,9 @@ from routing.features import BUNDLED_EMBEDDER, Featurizer
 
 FORMAT = "choral-router"
 FORMAT_VERSION = 1
+# router.pt is this header line, then torch.save's bytes; the header's sha256 covers every byte
+# after it, so a flipped byte anywhere is caught (torch.load checks no zip CRC and ignores some bytes).
+MAGIC = b"CHORAL-ROUTER sha256="
 NONE = "none"
 OBJECTIVES = ("acceptance", "speedup")
 DEFAULT_K_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8)
@@ -256,8 +262,12 @@ class Router:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        buffer = io.BytesIO()
+        torch.save(self.to_dict(), buffer)
+        payload = buffer.getvalue()
         with open(tmp, "wb") as f:
-            torch.save(self.to_dict(), f)
+            f.write(MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n")
+            f.write(payload)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -267,25 +277,7 @@ class Router:
         """Load and validate router.pt (format, version, keys, shapes) and load its embedder, so
         the first ``choose`` is as fast as the rest."""
         path = Path(path)
-        if not path.is_file():
-            raise RouterError(f"router file {path} does not exist; build one with `train-router --config ...`")
-        try:
-            data = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise RouterError(
-                f"{path} is not a readable router file (truncated or corrupt?): {type(e).__name__}: {e}. "
-                "Re-run train-router to write it again"
-            ) from None
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise RouterError(f"{path} is not a Choral router file (no format={FORMAT!r} marker)")
-        if data.get("format_version") != FORMAT_VERSION:
-            raise RouterError(
-                f"{path} has router format version {data.get('format_version')!r}; this Choral reads version "
-                f"{FORMAT_VERSION}: retrain it with this version's train-router"
-            )
-        missing = [k for k in _KEYS if k not in data]
-        if missing:
-            raise RouterError(f"{path} lacks the keys {missing}: the file is incomplete, retrain it")
+        data = read_router_file(path)
         try:
             router = cls(
                 draft_names=data["draft_names"],
@@ -362,3 +354,45 @@ class Router:
         if isinstance(prompts, str):
             raise TypeError("choose_batch takes a list of prompts; use choose() for one")
         return self.decide(self.predict_acceptance(list(prompts)))
+
+
+def read_router_file(path: str | Path) -> dict:
+    """router.pt's checked contents (``Router.to_dict``'s dict), without loading its embedder: the
+    one reading path of every role (``serve --role target`` needs only ``target_ref``). Refuses,
+    naming the file, one that is missing, empty, truncated, altered anywhere (the header's sha256),
+    of another format or version, or without every key."""
+    path = Path(path)
+    if not path.is_file():
+        raise RouterError(f"router file {path} does not exist; build one with `train-router --config ...`")
+    raw = path.read_bytes()
+    retrain = "re-run train-router (or copy the file again) to write it whole"
+    if raw.startswith(MAGIC):
+        header, _, payload = raw.partition(b"\n")
+        if hashlib.sha256(payload).hexdigest().encode() != header[len(MAGIC) :]:
+            raise RouterError(f"{path} fails its sha256 check: the file was altered or cut short; {retrain}")
+    elif raw.startswith(b"PK\x03\x04"):  # written before the header existed: the zip's own CRCs only
+        payload = raw
+        try:
+            bad = zipfile.ZipFile(io.BytesIO(raw)).testzip()
+        except (zipfile.BadZipFile, OSError, ValueError) as e:
+            raise RouterError(f"{path} is not a readable router file (truncated or corrupt?): {e}; {retrain}") from None
+        if bad is not None:
+            raise RouterError(f"{path} fails the CRC check of its member {bad!r}: the file is corrupt; {retrain}")
+    else:
+        what = "empty" if not raw else "not a Choral router file (no router header)"
+        raise RouterError(f"{path} is {what}; pass the router.pt that train-router wrote")
+    try:
+        data = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise RouterError(f"{path} is not a readable router file (truncated or corrupt?): {type(e).__name__}: {e}; {retrain}") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise RouterError(f"{path} is not a Choral router file (no format={FORMAT!r} marker)")
+    if data.get("format_version") != FORMAT_VERSION:
+        raise RouterError(
+            f"{path} has router format version {data.get('format_version')!r}; this Choral reads version "
+            f"{FORMAT_VERSION}: retrain it with this version's train-router"
+        )
+    missing = [k for k in _KEYS if k not in data]
+    if missing:
+        raise RouterError(f"{path} lacks the keys {missing}: the file is incomplete, retrain it")
+    return data

@@ -50,11 +50,11 @@ def _serve_target(cfg: ServeConfig) -> int:
 
     target_ref = cfg.target_model
     if target_ref is None:
-        # Only the target's name is needed here: read it from router.pt without loading the
-        # router's embedder (router.pt is a plain dict; see routing.router.Router.to_dict).
-        import torch
+        # Only the target's name is needed here: router.pt read and checked as every role reads
+        # it, without loading the router's embedder.
+        from routing.router import read_router_file
 
-        target_ref = torch.load(cfg.router, map_location="cpu", weights_only=True)["target_ref"]
+        target_ref = read_router_file(cfg.router)["target_ref"]
     e = cfg.engine
     serve_target(
         target_ref, host=cfg.host, port=cfg.port, device=e.device, dtype=e.dtype,
@@ -73,6 +73,13 @@ def _check(cfg: ServeConfig) -> None:
         raise ConfigError(f"role={cfg.role} needs a router: pass --router router.pt")
     if cfg.router is not None and not Path(cfg.router).is_file():
         raise ConfigError(f"router file {cfg.router} does not exist; build one with train-router")
+    if cfg.router is not None:
+        from routing.router import RouterError, read_router_file
+
+        try:  # every role: the same checks and messages, before any model loads
+            read_router_file(cfg.router)
+        except RouterError as e:
+            raise ConfigError(str(e)) from None
     if cfg.role == "draft" and not cfg.target_address:
         raise ConfigError("role=draft needs the target service's address: pass --target HOST:PORT")
     if cfg.role == "target" and cfg.router is None and cfg.target_model is None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from routing import Choice, Router, RouterError
+from routing.router import read_router_file
 from routing.router import calibrated_verify_cost, expected_tokens, per_token_acceptance, speedup_model
 
 REFS = {"code": "models/code", "math": "models/math", "none": None}
@@ -71,20 +72,55 @@ def test_missing_truncated_and_foreign_files_are_clear_errors(saved, tmp_path):
         Router.load(tmp_path / "nope.pt")
     cut = tmp_path / "cut.pt"
     cut.write_bytes(saved.read_bytes()[: saved.stat().st_size // 2])
-    with pytest.raises(RouterError, match="truncated or corrupt"):
+    with pytest.raises(RouterError, match="cut.pt fails its sha256 check"):
         Router.load(cut)
     junk = tmp_path / "junk.pt"
     junk.write_bytes(b"not a torch file at all")
-    with pytest.raises(RouterError, match="truncated or corrupt"):
+    with pytest.raises(RouterError, match="junk.pt is not a Choral router file"):
         Router.load(junk)
+    empty = tmp_path / "empty.pt"
+    empty.write_bytes(b"")
+    with pytest.raises(RouterError, match="empty.pt is empty"):
+        Router.load(empty)
     foreign = tmp_path / "foreign.pt"
     torch.save({"weights": torch.zeros(3)}, foreign)
     with pytest.raises(RouterError, match="not a Choral router file"):
         Router.load(foreign)
 
 
+@pytest.mark.integration
+def test_a_flipped_byte_anywhere_is_refused_with_the_files_name(saved, tmp_path):
+    """The header's sha256 covers every byte (torch.load itself checks no zip CRC: a flip in a
+    tensor's bytes loaded silently before). Every 97th byte, the header's included."""
+    raw = saved.read_bytes()
+    bad = tmp_path / "flipped.pt"
+    for at in [*range(0, 40), *range(40, len(raw), 97), len(raw) - 1]:
+        bad.write_bytes(raw[:at] + bytes([raw[at] ^ 0x10]) + raw[at + 1 :])
+        with pytest.raises(RouterError, match="flipped.pt"):
+            read_router_file(bad)
+
+
+@pytest.mark.integration
+def test_a_router_file_without_the_header_is_checked_by_its_zip_crcs(saved, tmp_path):
+    """router.pt files written before the header (a plain torch.save zip) still load, and a
+    flipped byte in a member's data is caught by that member's CRC."""
+    legacy = tmp_path / "legacy.pt"
+    torch.save(read_router_file(saved), legacy)
+    assert Router.load(legacy).draft_names == ["code", "math", "none"]
+    import zipfile
+
+    raw = legacy.read_bytes()
+    member = next(i for i in zipfile.ZipFile(legacy).infolist() if i.filename.endswith("data/0"))
+    name_len, extra_len = int.from_bytes(raw[member.header_offset + 26 : member.header_offset + 28], "little"), \
+        int.from_bytes(raw[member.header_offset + 28 : member.header_offset + 30], "little")  # fmt: skip
+    at = member.header_offset + 30 + name_len + extra_len + 2  # inside the first tensor's bytes
+    legacy.write_bytes(raw[:at] + bytes([raw[at] ^ 0x01]) + raw[at + 1 :])
+    with pytest.raises(RouterError, match="legacy.pt fails the CRC check"):
+        Router.load(legacy)
+
+
 def _edited(saved, tmp_path, edit) -> str:
-    data = torch.load(saved, weights_only=True)
+    data = read_router_file(saved)
     edit(data)
     path = tmp_path / "edited.pt"
     torch.save(data, path)
@@ -165,3 +201,17 @@ def test_evaluation_reports_each_lead_over_the_best_single_draft_with_its_paired
     vs = pol["always math"]["vs_best_single"]
     assert vs["mean"] == pytest.approx(0.1) and vs["se"] == pytest.approx(math.sqrt(0.1 / 3) / 2)
     assert pol["oracle"]["vs_best_single"]["mean"] == pytest.approx(0.125)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("role", ["fused", "target", "draft"])
+def test_serve_refuses_a_corrupt_router_in_every_role_before_loading_models(saved, tmp_path, role, capsys):
+    from serving import cli_serve
+
+    raw = saved.read_bytes()
+    bad = tmp_path / "router.pt"
+    bad.write_bytes(raw[: len(raw) // 2] + bytes([raw[len(raw) // 2] ^ 0xFF]) + raw[len(raw) // 2 + 1 :])
+    extra = ["--target", "127.0.0.1:1"] if role == "draft" else []
+    assert cli_serve.main(["--role", role, "--router", str(bad), *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("serve: error: ") and f"{bad} fails its sha256 check" in err and "Traceback" not in err
