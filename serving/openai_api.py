@@ -13,6 +13,7 @@ tools, ...) are ignored like unknown keys, except those whose silent loss would 
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from typing import Any, Literal
@@ -43,6 +44,28 @@ _DEFAULT_TYPES = {
 }
 
 
+INT64_MAX = 2**63 - 1
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+MAX_TOKENS_LIMIT = 2**31 - 1
+
+
+def _encodable(value: Any, field: str) -> None:
+    """Every string inside ``value`` must encode as UTF-8: JSON may carry a lone surrogate
+    (``"\\ud800"``), which Python keeps in a str that no tokenizer can encode."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{field} holds a lone surrogate ({value[e.start:e.end]!r} at character {e.start}), which is "
+                             "not text; send valid UTF-8 (pair the surrogate or drop it)") from None  # fmt: skip
+    elif isinstance(value, list):
+        for item in value:
+            _encodable(item, field)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _encodable(item, field)
+
+
 class Prediction(BaseModel):
     """OpenAI's Predicted Outputs: ``{"type": "content", "content": "..."}`` (or content parts)."""
 
@@ -50,6 +73,12 @@ class Prediction(BaseModel):
 
     type: Literal["content"]
     content: str | list[dict[str, Any]]
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, v: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+        _encodable(v, "prediction.content")
+        return v
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -73,11 +102,25 @@ class _Sampling(BaseModel):
     draft: str | None = None  # Choral: force a drafter name, or "none" for the target alone
     prediction: Prediction | None = None  # the text the client expects the answer to repeat
 
+    @field_validator("model", "draft")
+    @classmethod
+    def _text(cls, v: str | None, info) -> str | None:
+        _encodable(v, info.field_name)
+        return v
+
     @field_validator("temperature")
     @classmethod
     def _temperature(cls, v: float) -> float:
-        if not v >= 0:
-            raise ValueError(f"temperature={v} must be >= 0 (0 = greedy)")
+        if not (v >= 0 and math.isfinite(v)):
+            raise ValueError(f"temperature={v} must be a finite number >= 0 (0 = greedy)")
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v: int | None) -> int | None:
+        lo, hi = SEED_RANGE
+        if v is not None and not lo <= v <= hi:
+            raise ValueError(f"seed={v} is outside [{lo}, {hi}] (a 64-bit seed); send a smaller one")
         return v
 
     @field_validator("top_p")
@@ -90,15 +133,15 @@ class _Sampling(BaseModel):
     @field_validator("top_k")
     @classmethod
     def _top_k(cls, v: int) -> int:
-        if v < 0:
-            raise ValueError(f"top_k={v} must be >= 0 (0 = off)")
+        if not 0 <= v <= INT64_MAX:
+            raise ValueError(f"top_k={v} must be in [0, {INT64_MAX}] (0 = off; any k above the vocabulary keeps every token)")
         return v
 
     @field_validator("max_tokens")
     @classmethod
     def _max_tokens(cls, v: int | None) -> int | None:
-        if v is not None and v < 1:
-            raise ValueError(f"max_tokens={v} must be >= 1")
+        if v is not None and not 1 <= v <= MAX_TOKENS_LIMIT:
+            raise ValueError(f"max_tokens={v} must be in [1, {MAX_TOKENS_LIMIT}]")
         return v
 
     @field_validator("n")
@@ -114,6 +157,7 @@ class _Sampling(BaseModel):
         stops = [v] if isinstance(v, str) else v
         if stops is not None and (len(stops) > 4 or any(not s for s in stops)):
             raise ValueError(f"stop={v!r} must be up to 4 non-empty strings")
+        _encodable(stops, "stop")
         return stops
 
     @property
@@ -139,6 +183,9 @@ class CompletionRequest(_Sampling):
             v = v[0]
         if not v:
             raise ValueError("prompt is empty")
+        if isinstance(v, list) and any(not 0 <= i <= INT64_MAX for i in v):
+            raise ValueError("prompt token ids must be in [0, vocabulary size)")
+        _encodable(v, "prompt")
         return v
 
     @field_validator("echo")
@@ -161,6 +208,12 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, v: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        _encodable(v, "the content of one of messages")
+        return v
 
     def text(self) -> str:
         """The content as one string; a list of parts keeps its text parts."""
@@ -204,6 +257,9 @@ def parse_request(raw: bytes, cls: type[_Sampling]) -> _Sampling:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply to parse; no field of this API nests more than a few "
+                       "levels", code="invalid_json") from None  # fmt: skip
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, not {type(data).__name__}", code="invalid_json")
     try:

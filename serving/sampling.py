@@ -34,10 +34,12 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature={self.temperature!r} must be >= 0 (0 means greedy)")
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            raise ValueError(f"top_k={self.top_k!r} must be an integer >= 0 (0 disables top-k)")
+        if not 0.0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0 (0 means greedy)")
+        if not (isinstance(self.top_k, int) and 0 <= self.top_k < 2**63):
+            raise ValueError(f"top_k={self.top_k!r} must be an integer in [0, 2**63) (0 disables top-k)")
+        if self.seed is not None and not (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64):
+            raise ValueError(f"seed={self.seed!r} must be a 64-bit integer, in [-2**63, 2**64)")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1] (1 disables top-p)")
 

@@ -200,6 +200,13 @@ BAD = [
     ("completions", {"extra_body": {"draft": "nonexistent"}}, 400, "draft"),
     ("chat", {"extra_headers": {"X-Choral-Draft": "nonexistent"}}, 400, "draft"),
     ("completions", {"n": 2}, 400, "n"),
+    # Values that once passed validation and failed inside the engine step, taking the batch down:
+    ("completions", {"seed": 2**64}, 400, "seed"),
+    ("completions", {"temperature": 1.0, "extra_body": {"top_k": 2**63}}, 400, "top_k"),
+    ("completions", b'{"model": "MODEL", "prompt": "x", "max_tokens": 4, "temperature": 1e999}', 400, "temperature"),
+    ("completions", b'{"model": "MODEL", "prompt": "a\\ud800b", "max_tokens": 4}', 400, "prompt"),
+    ("chat", b'{"model": "MODEL", "messages": [{"role": "user", "content": "a\\ud800b"}]}', 400, "messages[0].content"),
+    ("completions", b'{"model": "MODEL", "prompt": "x", "deep": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, None),
 ]
 
 
