@@ -16,7 +16,7 @@ import torch
 import torch._dynamo
 
 from serving.engine import EngineConfig, Request, SpeculativeEngine
-from serving.sampling import SamplingParams
+from serving.engine.sampling import SamplingParams
 from tests.conftest import perturbed, tiny_qwen2
 from tests.test_compile import compiled_steps
 from tests.test_distribution import exact_distribution, p_value, speculative_samples, tables

@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
+from serving.distributed.remote import RemoteSpeculativeEngine, TargetUnavailable
+from serving.distributed.verify_service import VerifyServer
 from serving.engine import EngineConfig, Request, SpeculativeEngine
-from serving.remote import RemoteSpeculativeEngine, TargetUnavailable
-from serving.sampling import SamplingParams
-from serving.verify_service import VerifyServer
+from serving.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.e2e
 

@@ -6,10 +6,10 @@ batch bucket that holds its rows."""
 import pytest
 import torch
 
-from serving.drafters.ngram import NgramDrafter
-from serving.drafters.suffix import SuffixDrafter
-from serving.engine import EngineConfig, Request, SpeculativeEngine, step_uniforms
-from serving.sampling import SamplingParams
+from serving.engine.core import EngineConfig, Request, SpeculativeEngine, step_uniforms
+from serving.engine.drafters.ngram import NgramDrafter
+from serving.engine.drafters.suffix import SuffixDrafter
+from serving.engine.sampling import SamplingParams
 from tests.test_engine_tiny import hf_greedy, ragged_prompts
 
 pytestmark = pytest.mark.integration
@@ -153,7 +153,7 @@ def test_point_masses_enter_the_acceptance_rule_as_one_hot_q(tiny_target, tokeni
 def test_a_host_drafters_own_k_between_buckets_rounds_up_to_a_bucket(tiny_target, tokenizer):
     """A drafter's own k (3) that is not a K bucket (2, 4): its proposals verify at the next bucket,
     padded and masked, with uniforms wide enough for that bucket."""
-    from serving.drafters.prediction import PredictionDrafter
+    from serving.engine.drafters.prediction import PredictionDrafter
 
     prompt = ragged_prompts(1, seed=12)[0]
     expected = hf_greedy(tiny_target, prompt, 12)

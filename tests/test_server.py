@@ -18,18 +18,19 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from routing.router import Router
-from serving import cli_generate, cli_serve
 from serving.config import load_config
 from serving.engine import EngineConfig, Request, SpeculativeEngine
-from serving.serve_config import ServeConfig
-from serving.server import create_app, load_backend
+from serving.server import cli_serve
+from serving.server.serve_config import ServeConfig
+from serving.server.server import create_app, load_backend
+from serving.tools import cli_generate
 
 MAX_LEN = 128
 CHAT = [{"role": "user", "content": "What is 12 + 30?"}]
 
 
 class LiveServer:
-    """``serving.server.create_app`` under a real uvicorn on a free loopback port."""
+    """``serving.server.server.create_app`` under a real uvicorn on a free loopback port."""
 
     def __init__(self, overrides: list[str], load=load_backend) -> None:
         self.cfg = load_config(ServeConfig, None, ["engine.device=cpu", "log_level=warning", *overrides])
@@ -270,7 +271,7 @@ def test_metrics_parse_as_prometheus_text(live):
 
 @pytest.mark.e2e
 def test_load_test_script_has_no_lost_or_malformed_responses(live, tmp_path):
-    from serving import load_test
+    from serving.tools import load_test
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"text": "def add(a, b):", "domain": "code"}\n{"text": "What is 12 + 30?"}\n'
@@ -279,7 +280,7 @@ def test_load_test_script_has_no_lost_or_malformed_responses(live, tmp_path):
             str(prompts), "--out", str(tmp_path / "load"), "--quiet", "--compare-sequential",
             "--profile", str(tmp_path / "p.yaml"), "--profile-base", str(Path(__file__).parents[1] / "configs/profiles/cpu_bundled.yaml")]  # fmt: skip
     assert load_test.main(args) == 0
-    from serving.profile import load_profile
+    from serving.fleet.profile import load_profile
 
     assert set(load_profile(tmp_path / "p.yaml").domains) == {"prompts"}  # ids of a prompt file: <stem>/<i>
     report = json.loads((tmp_path / "load" / "load_test.json").read_text())
@@ -406,9 +407,9 @@ def test_cancelled_handler_aborts_its_ticket():
     import asyncio
 
     from serving.engine import Request
-    from serving.scheduler import Ticket
-    from serving.serve_config import ServeConfig
-    from serving.server import _Server
+    from serving.server.scheduler import Ticket
+    from serving.server.serve_config import ServeConfig
+    from serving.server.server import _Server
 
     class Scheduler:
         aborted: list = []

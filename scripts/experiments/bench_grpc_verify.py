@@ -27,10 +27,10 @@ import torch
 from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from serving.distributed.remote import RemoteSpeculativeEngine
+from serving.distributed.verify_service import VerifyServer
 from serving.engine import EngineConfig, Request, SpeculativeEngine
-from serving.remote import RemoteSpeculativeEngine
-from serving.sampling import SamplingParams
-from serving.verify_service import VerifyServer
+from serving.engine.sampling import SamplingParams
 
 
 def tiny_pair(vocab: int, hidden: int, layers: int) -> tuple[Qwen2ForCausalLM, Qwen2ForCausalLM, PreTrainedTokenizerFast]:
