@@ -86,8 +86,8 @@ def test_a_lone_request_runs_at_the_smallest_batch_bucket(tiny_target, tiny_draf
     engine = engine_with_every_drafter(tiny_target, tiny_draft, tokenizer, batch=8)
     assert engine.config.batch_buckets == (1, 2, 4, 8)
     seen = []
-    forward = engine.target.forward
-    engine.target.forward = lambda tokens, positions, last_only=False: seen.append(tokens.shape[0]) or forward(tokens, positions, last_only)
+    forward = engine.verifier.runner.forward
+    engine.verifier.runner.forward = lambda tokens, positions, last_only=False: seen.append(tokens.shape[0]) or forward(tokens, positions, last_only)
     prompts = ragged_prompts(3, seed=5)
     engine.generate([Request(prompts[0], max_new_tokens=8)])
     assert set(seen) == {1}

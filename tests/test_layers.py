@@ -11,6 +11,8 @@ included), so a lazy import that breaks a layer fails here as well as one at the
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -131,3 +133,11 @@ def test_no_import_cycle_at_module_level():
     for name in sorted(graph):
         if name not in done:
             visit(name, [])
+
+
+def test_importing_the_packages_has_no_side_effects():
+    """The packages' ``__init__`` import nothing heavy: ``serving.engine`` re-exports its main names
+    on first use, so a command can parse its settings (``engine_settings``) before torch loads."""
+    code = ("import sys, serving, serving.engine, serving.server, serving.distributed, serving.fleet, serving.tools, "
+            "serving.engine.engine_settings; assert 'torch' not in sys.modules, 'torch imported'")  # fmt: skip
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

@@ -185,7 +185,7 @@ def measure_profile(target: Path, draft: Path, load: dict, a: argparse.Namespace
     test's rows."""
     import torch
 
-    from serving.distributed.remote import RemoteSpeculativeEngine
+    from serving.distributed.remote import RemoteVerifier
     from serving.engine.core import EngineConfig, Request, SpeculativeEngine, use_cpu_kernels
     from serving.engine.models import load_model, load_tokenizer
     from serving.fleet.profile import CostModel, CostPoint, DomainProfile, DraftProfile, Profile, from_load_test
@@ -197,7 +197,7 @@ def measure_profile(target: Path, draft: Path, load: dict, a: argparse.Namespace
     cfg = EngineConfig(max_batch_size=a.batch, k=a.k)
     if grpc_address:
         use_cpu_kernels([d_model], device=cpu, dtype="float32", widths=cfg.step_widths)
-        engine = RemoteSpeculativeEngine(d_model, tok, grpc_address, cfg)
+        engine = SpeculativeEngine(RemoteVerifier(grpc_address), tok, d_model, cfg)
     else:
         t_model = load_model(str(target), dtype="float32", device=cpu)
         use_cpu_kernels([t_model, d_model], device=cpu, dtype="float32", widths=cfg.step_widths)

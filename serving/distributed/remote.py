@@ -1,18 +1,18 @@
-"""The draft side of distributed serving: ``SpeculativeEngine`` with the target behind gRPC.
+"""The draft side of distributed serving: a ``Verifier`` whose target is a gRPC service.
 
-    engine = RemoteSpeculativeEngine(draft, tokenizer, "10.0.0.5:50051", EngineConfig(max_batch_size=8, k=4))
+    engine = SpeculativeEngine(RemoteVerifier("10.0.0.5:50051"), tokenizer, draft, EngineConfig(max_batch_size=8, k=4))
     [out] = engine.generate([Request(tokenizer.encode("def add(a, b):"), max_new_tokens=32)])
 
-Same incremental API as ``SpeculativeEngine`` (it is one: only the model-facing hooks differ).
-Each request is a session on the target (serving/distributed/verify.proto): admission opens it (the target
-prefills and draws the first token), every step drafts locally with ``draft_half`` and sends one
-Verify call for all running rows; the answer (accepted count + correction or bonus token per row)
-is applied to the local state with the same ``commit`` the target ran. Uniforms come from each
+The engine is the fused one (``serving.engine.SpeculativeEngine``): only its target is elsewhere.
+Each request is a session on the target (serving/distributed/verify.proto): admission opens it
+(the target prefills and draws the first token), every step drafts locally and sends one Verify
+call for all running rows; the answer (accepted count + correction or bonus token per row) is
+applied to the local state with the same ``commit`` the target ran. Uniforms come from each
 request's seeded generator on this node, so output equals the fused engine's.
 
-If the target cannot be reached, or lost sessions (restart, idle eviction), ``step`` raises
-``TargetUnavailable`` naming the failed request ids; they are gone from the engine, the other
-requests keep going, and later calls reconnect by themselves.
+If the target cannot be reached, or lost sessions (restart, idle eviction), the engine's ``step``
+raises ``TargetUnavailable`` naming the failed request ids; they are gone from the engine, the
+other requests keep going, and later calls reconnect by themselves.
 """
 
 from __future__ import annotations
@@ -20,172 +20,98 @@ from __future__ import annotations
 import time
 import uuid
 from collections import deque
-from collections.abc import Mapping
 
 import grpc
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from serving.distributed import verify_pb2, verify_pb2_grpc
 from serving.distributed.verify_service import MESSAGE_OPTIONS
-from serving.engine.core import EngineConfig, Request, SpeculativeEngine, StepOutput, _Slot
-from serving.engine.sampling import SamplingTensors
-from serving.engine.speculative import DecodeState, StepRandom, commit
+from serving.engine.core import EngineConfig
+from serving.engine.sampling import SamplingParams
+from serving.engine.verifier import Verdict, Verifier, VerifierError, VerifyBatch
 
 # The call never reached a working target (or its answer never came back): reconnect next time.
 _CONNECTION_LOST = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
-class TargetUnavailable(RuntimeError):
-    """The target service could not serve some requests; ``request_ids`` are finished (failed)."""
+class TargetUnavailable(VerifierError):
+    """The target service could not serve some requests; the engine's ``step`` raises it with
+    ``request_ids`` naming them (they are finished: failed)."""
 
-    def __init__(self, message: str, address: str, request_ids: list[int] | None = None) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, address: str, rows: list[int] | None = None) -> None:
+        super().__init__(message, rows)
         self.address = address
-        self.request_ids = list(request_ids or [])
 
 
-class RemoteSpeculativeEngine(SpeculativeEngine):
-    def __init__(
-        self,
-        draft: PreTrainedModel | None,
-        tokenizer: PreTrainedTokenizerBase,
-        target_address: str,
-        config: EngineConfig | None = None,
-        timeout_s: float = 30.0,
-        *,
-        default_drafter: str | None = None,
-    ) -> None:
-        """Connects to the target at ``target_address`` (HOST:PORT), waiting up to ``timeout_s``
-        for it to come up; ``timeout_s`` is also the deadline of every later call. ``draft``: one
-        draft model, or a mapping of named drafters as ``SpeculativeEngine``'s ``drafters``."""
-        config = config or EngineConfig()
+class RemoteVerifier(Verifier):
+    def __init__(self, target_address: str, timeout_s: float = 30.0) -> None:
+        """The target at ``target_address`` (HOST:PORT of ``serve --role target``). It connects when
+        the engine binds it, waiting up to ``timeout_s`` for the target to come up; ``timeout_s``
+        is also the deadline of every later call."""
         self.address = target_address
+        self.name = f"the target at {target_address}"
         self.timeout_s = timeout_s
         self._channel: grpc.Channel | None = None
         self._stub: verify_pb2_grpc.VerifierStub | None = None
         self._closing: list[grpc.Future] = []
+        self._sessions: list[str | None] = []  # per row of the engine's batch: its session on the target
+        self._ended: set[int] = set()  # rows the target said ended: verifying one again is a broken peer
+        self.target_info: verify_pb2.InfoReply | None = None
+        self.instance_id = ""  # the target process that answered last
+        # (round trip, time the target spent on it) in seconds, of recent Verify calls.
+        self.verify_times: deque[tuple[float, float]] = deque(maxlen=4096)
+
+    # ---- Verifier --------------------------------------------------------------------------------
+
+    def bind(self, config: EngineConfig) -> None:
         try:
             info = self._call("Info", verify_pb2.InfoRequest(), wait_for_ready=True)
         except TargetUnavailable as e:
             raise TargetUnavailable(
                 f"{e} Start it first (`serve --role target`) or fix the address (--target HOST:PORT).", self.address
             ) from e.__cause__
-        self.target_info = info
-        self._instance = info.instance_id
+        self.target_info, self.instance_id = info, info.instance_id
         if config.max_len is None:
             config.max_len = info.max_len
         if config.max_len > info.max_len:  # the target's context per session is the limit
-            raise ValueError(f"max_len={config.max_len} exceeds the target's max_len={info.max_len} at {target_address}")
-        drafters = draft if isinstance(draft, Mapping) else ({"draft": draft} if draft is not None else {})
-        if any(d is not None for d in drafters.values()) and config.k != 0 and config.k_max > info.k_max:
-            raise ValueError(f"k up to {config.k_max} but the target at {target_address} verifies K <= {info.k_max}")
-        models = [d for d in drafters.values() if isinstance(d, torch.nn.Module)]
-        device = next(models[0].parameters()).device if models else torch.device("cpu")
-        self.target = None  # the target lives behind self.address
-        self._sessions: list[str | None] = [None] * config.max_batch_size
-        self._carry: list[StepOutput] = []  # outputs of a step that raised, handed out next step
-        self._lost: dict[int, str] = {}  # slot -> why the target dropped its session this step
-        # (round trip, time the target spent on it) in seconds, of recent Verify calls.
-        self.verify_times: deque[tuple[float, float]] = deque(maxlen=4096)
-        # One batch bucket: the target's sessions are per slot, and its own batch is what it verifies.
-        config.batch_buckets = (config.max_batch_size,)
-        self._setup(tokenizer, drafters, config, info.vocab_size, list(info.eos_ids), device, default_drafter)
+            raise ValueError(f"max_len={config.max_len} exceeds the target's max_len={info.max_len} at {self.address}")
+        self.vocab_size, self.eos_ids, self.max_len, self.k_max = info.vocab_size, list(info.eos_ids), info.max_len, info.k_max
+        self._sessions = [None] * config.max_batch_size
 
-    # ---- public API: SpeculativeEngine's, plus failure handling -------------------------------
-
-    def step(self) -> list[StepOutput]:
-        outputs, self._carry = self._carry, []
-        try:
-            self._advance(outputs)
-        except TargetUnavailable as e:
-            # The target is gone: every running request on it failed with this one.
-            failed = e.request_ids + self._fail([b for b, s in enumerate(self._slots) if s is not None])
-            self._carry = [o for o in outputs if o.request_id not in failed]
-            raise TargetUnavailable(
-                f"{e} {len(failed)} request(s) failed; start the target with `serve --role target` or check "
-                f"--target {self.address}. This node reconnects by itself: new requests succeed once it is back.",
-                self.address,
-                failed,
-            ) from e.__cause__
-        if self._lost:
-            lost, self._lost = self._lost, {}
-            reasons = sorted(set(lost.values()))
-            failed = self._fail(list(lost))
-            self._carry = [o for o in outputs if o.request_id not in failed]
-            raise TargetUnavailable(
-                f"target {self.address} no longer holds the session of {len(failed)} request(s), which failed: "
-                f"{'; '.join(reasons)}. New requests open fresh sessions.",
-                self.address,
-                failed,
-            )
-        return outputs
-
-    def has_unfinished_requests(self) -> bool:
-        # Outputs carried over from a step that raised (possibly a Finished one) still need a step
-        # to be handed out, even when no slot is running any more.
-        return bool(self._carry) or super().has_unfinished_requests()
-
-    def close(self) -> None:
-        """Abort everything and close the channel."""
-        for b, slot in enumerate(self._slots):
-            if slot is not None:
-                self.abort_request(slot.index)
-        self._waiting.clear()
-        self._reset_channel()
-
-    # ---- hooks ---------------------------------------------------------------------------------
-
-    def _admit(self, b: int, index: int, request: Request) -> tuple[_Slot, bool] | None:
-        try:
-            return super()._admit(b, index, request)
-        except TargetUnavailable as e:
-            e.request_ids.append(index)
-            raise
-
-    def _prefill_target(self, b: int, request: Request, prompt: torch.Tensor, u: torch.Tensor) -> int | None:
-        p = request.params
+    def prefill(
+        self, row: int, prompt: torch.Tensor, params: SamplingParams, u: torch.Tensor, *, max_new_tokens: int, k_max: int
+    ) -> int | None:
         session_id = uuid.uuid4().hex
         call = verify_pb2.OpenRequest(
-            session_id=session_id, prompt_ids=request.prompt_ids, max_new_tokens=request.max_new_tokens,
-            sampling=verify_pb2.Sampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p),
-            k_max=self.config.k_max if self.drafting else 0, u_first=float(u[0]),
+            session_id=session_id, prompt_ids=prompt[0].tolist(), max_new_tokens=max_new_tokens,
+            sampling=verify_pb2.Sampling(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p),
+            k_max=k_max, u_first=float(u[0]),
         )  # fmt: skip
         try:
-            reply = self._call("Open", call)
+            reply = self._call("Open", call, failing=1)
         except TargetUnavailable as e:
             if e.__cause__ is not None and e.__cause__.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 return None  # every target slot is taken (other draft nodes): wait for one
             raise
-        self._sessions[b] = session_id
-        self._instance = reply.instance_id
+        self._sessions[row] = session_id
+        self.instance_id = reply.instance_id
         return reply.first_token
 
-    def _verify(
-        self,
-        slots: list[_Slot | None],
-        state: DecodeState,  # the whole batch: a remote engine runs one bucket, all its slots
-        sampling: SamplingTensors,
-        rand: StepRandom,
-        draft_tokens: torch.Tensor,  # [B, K]
-        q: torch.Tensor,  # [B, K, V]
-        n_draft: torch.Tensor,  # [B]
-        clock,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        s = self.state
-        B, k = draft_tokens.shape
-        live = [b for b, slot in enumerate(slots) if slot is not None]
+    def verify(self, batch: VerifyBatch) -> Verdict:
+        s = batch.state
+        B, k = batch.draft_tokens.shape
+        live = [b for b, p in enumerate(batch.params) if p is not None]
         n = s.lengths.cpu()  # [B]
         last = s.tokens.gather(1, (s.lengths - 1).unsqueeze(1)).squeeze(1).tolist()  # [B] x_{n-1}
-        drafts, u_accept, u_next = draft_tokens.tolist(), rand.accept[:, :k].tolist(), rand.next.tolist()
-        counts = n_draft.tolist()  # [B]
-        q = q.to("cpu", torch.float32).contiguous()  # [B, K, V]
+        drafts, u_accept, u_next = batch.draft_tokens.tolist(), batch.rand.accept[:, :k].tolist(), batch.rand.next.tolist()
+        counts = batch.n_draft.tolist()  # [B]
+        q = batch.q.to("cpu", torch.float32).contiguous()  # [B, K, V]
         # Each item carries only its row's real draft tokens; the target pads the rest of K.
         items = [
             verify_pb2.VerifyItem(
                 session_id=self._sessions[b], length=int(n[b]), pending=[last[b]], draft_tokens=drafts[b][: counts[b]],
                 # Greedy q is one-hot at the draft token: the target rebuilds it, nothing to send.
-                q=b"" if counts[b] == 0 or slots[b].request.params.greedy else q[b, : counts[b]].numpy().tobytes(),
+                q=b"" if counts[b] == 0 or batch.params[b].greedy else q[b, : counts[b]].numpy().tobytes(),
                 u_accept=u_accept[b][: counts[b]], u_next=u_next[b],
             )  # fmt: skip
             for b in live
@@ -193,29 +119,35 @@ class RemoteSpeculativeEngine(SpeculativeEngine):
         sent = time.perf_counter()
         reply = self._call("Verify", verify_pb2.VerifyRequest(k=k, items=items))
         self.verify_times.append((time.perf_counter() - sent, reply.target_ms / 1e3))
-        clock("target")
         n_acc = torch.zeros(B, dtype=torch.long)
         next_token = torch.zeros(B, dtype=torch.long)
-        target_done = {}
+        lost: dict[int, str] = {}
         for b, r in zip(live, reply.results):
             if r.error:
-                self._lost[b] = r.error
+                lost[b] = r.error
+            elif b in self._ended:  # both run the same commit: the row had ended there
+                lost[b] = "target and draft node disagree on whether the request ended (target: True)"
             else:
-                n_acc[b], next_token[b], target_done[b] = r.n_accepted, r.next_token, r.done
-        frozen = s.done.clone()
-        for b in self._lost:  # a lost row commits nothing; step() fails its request
-            s.done[b] = True
-        n_new = commit(s, draft_tokens, n_acc.to(s.done.device), next_token.to(s.done.device))
-        for b in self._lost:
-            s.done[b] = frozen[b]
-        done = s.done.tolist()
-        for b, d in target_done.items():
-            if d != done[b]:  # both ran the same commit: a mismatch means a broken protocol peer
-                self._lost[b] = f"target and draft node disagree on whether the request ended (target: {d})"
-        return n_acc, n_new
+                n_acc[b], next_token[b] = r.n_accepted, r.next_token
+                if r.done:
+                    self._ended.add(b)
+        failed = None
+        if lost:
+            for b in lost:  # gone on the target (or never to be trusted again)
+                self._sessions[b] = None
+            reasons = sorted(set(lost.values()))
+            failed = TargetUnavailable(
+                f"target {self.address} no longer holds the session of {len(lost)} request(s), which failed: "
+                f"{'; '.join(reasons)}. New requests open fresh sessions.",
+                self.address,
+                sorted(lost),
+            )
+        device = batch.draft_tokens.device
+        return Verdict(n_acc.to(device), next_token.to(device), failed)
 
-    def _release(self, b: int) -> None:
-        session_id, self._sessions[b] = self._sessions[b], None
+    def release(self, row: int) -> None:
+        self._ended.discard(row)
+        session_id, self._sessions[row] = self._sessions[row], None
         if session_id is None or self._stub is None:
             return
         self._closing = [f for f in self._closing if not f.done()]
@@ -224,23 +156,13 @@ class RemoteSpeculativeEngine(SpeculativeEngine):
             self._stub.Close.future(verify_pb2.CloseRequest(session_ids=[session_id]), timeout=self.timeout_s)
         )
 
+    def close(self) -> None:
+        self._reset_channel()
+
     # ---- connection ----------------------------------------------------------------------------
 
-    def _fail(self, rows: list[int]) -> list[int]:
-        """Drop the requests in ``rows`` without finishing them; returns their ids."""
-        ids = []
-        for b in rows:
-            slot = self._slots[b]
-            if slot is None:
-                continue
-            ids.append(slot.index)
-            self._slots[b] = None
-            self.state.done[b] = True
-            self._sessions[b] = None  # lost with the target, or evicted there
-        self._sampling = None
-        return ids
-
-    def _call(self, method: str, request, wait_for_ready: bool = False):
+    def _call(self, method: str, request, wait_for_ready: bool = False, failing: int = 0):
+        """``failing``: requests besides the open sessions that fail with this call (an Open's)."""
         if self._stub is None:
             self._channel = grpc.insecure_channel(self.address, options=MESSAGE_OPTIONS)
             self._stub = verify_pb2_grpc.VerifierStub(self._channel)
@@ -255,7 +177,13 @@ class RemoteSpeculativeEngine(SpeculativeEngine):
                 what = f"cannot be reached ({code.name} after {time.perf_counter() - started:.1f} s: {e.details()})"
             else:
                 what = f"refused {method} ({code.name}: {e.details()})"
-            raise TargetUnavailable(f"target {self.address} {what}.", self.address) from e
+            message = f"target {self.address} {what}."
+            if method != "Info" and code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                # Every open session fails with the call: the engine drops them all.
+                failed = failing + sum(s is not None for s in self._sessions)
+                message += (f" {failed} request(s) failed; start the target with `serve --role target` or check "
+                            f"--target {self.address}. This node reconnects by itself: new requests succeed once it is back.")  # fmt: skip
+            raise TargetUnavailable(message, self.address) from e
 
     def _reset_channel(self) -> None:
         if self._channel is not None:

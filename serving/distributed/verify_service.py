@@ -1,7 +1,7 @@
 """The target side of distributed serving: a gRPC service that verifies draft tokens.
 
     server = VerifyServer(target_model, tokenizer, max_batch_size=8)
-    port = server.start()          # then draft nodes connect to HOST:port (serving.distributed.remote)
+    port = server.start()          # then draft nodes connect to HOST:port (serving.distributed.remote.RemoteVerifier)
     server.stop()
 
 or, blocking, as ``serve --role target`` runs it: ``serve_target("path/or/hub-id", port=50051)``.

@@ -5,15 +5,19 @@
     [out] = engine.generate([Request(tokenizer.encode("def add(a, b):"), max_new_tokens=32, drafter="ngram")])
     out.text, out.token_ids, out.stats["acceptance_rate"]
 
-One engine holds the target, one target KV cache, one static batch and a set of named drafters
-(``serving.engine.drafters``): draft models, model-free drafters (``ngram``, ``suffix``, ``prediction``)
-and ``none``, the target alone. Each row carries the drafter its request was given. A step:
+One engine holds a verifier (``serving.engine.verifier``: the target and its KV cache, in this
+process or behind gRPC), one static batch and a set of named drafters (``serving.engine.drafters``):
+draft models, model-free drafters (``ngram``, ``suffix``, ``prediction``) and ``none``, the target
+alone. Each row carries the drafter its request was given. A step (``_step``):
 
 1. draft: every drafter proposes for its own rows (a draft model over the batch on the device, a
    host drafter on the host), padded to the step's K bucket with masked slots;
-2. verify: one target forward over every row (a ``none`` row verifies a single token);
-3. accept or reject each row's proposal (``serving.engine.acceptance``), drawing the correction or bonus;
-4. commit, then read back one small tensor: the step's single host sync.
+2. verify: the verifier runs one target forward over every row (a ``none`` row verifies a single
+   token) and
+3. accepts or rejects each row's proposal (``serving.engine.acceptance``), drawing the correction
+   or bonus token;
+4. commit the answer into the decode state (``commit``), then read back one small tensor: the
+   step's single host sync.
 
 The host then applies stop strings, retires finished requests and admits waiting ones into free
 slots, so ``generate`` already batches continuously. A step runs at the smallest batch bucket that
@@ -24,9 +28,12 @@ A server drives the same loop itself, as with vLLM's ``LLMEngine``: ``add_reques
 ``step`` admits and advances everyone by one speculative step and returns each request's new
 tokens, ``abort_request`` frees a slot. The engine is not thread-safe: call it from one thread.
 
-The target-facing parts are three hooks, ``_prefill_target``, ``_verify`` and ``_release``;
-``serving.distributed.remote.RemoteSpeculativeEngine`` overrides them to run the target over gRPC and keeps
-everything else (slots, seeds, stop strings, stats, retirement) from here.
+Everything the engine needs from the target goes through its ``Verifier``: ``prefill`` a row,
+``verify`` a step's rows, ``release`` a row. A target model given to the engine is wrapped in a
+``LocalVerifier``; ``serving.distributed.remote.RemoteVerifier`` verifies on a target service, and
+the engine stays the same (slots, seeds, drafting, stop strings, stats, retirement). When the
+verifier fails rows (``VerifierError``: a remote target went away), ``step`` drops their requests,
+raises the error naming them, and hands out the other requests' tokens on the next step.
 """
 
 from __future__ import annotations
@@ -47,18 +54,11 @@ from serving.engine.cpu_kernels import prepare_for_cpu, rowdot_available
 from serving.engine.devices import compile_backend, resolve_dtype, synchronize
 from serving.engine.drafters.base import HostDrafter, RowContext
 from serving.engine.drafters.prediction import PredictionDrafter
-from serving.engine.models import eos_token_ids
 from serving.engine.runner import ModelRunner
 from serving.engine.sampling import SamplingParams, SamplingTensors
-from serving.engine.speculative import (
-    DecodeState,
-    StepRandom,
-    draft_half,
-    prefill_first_token,
-    start_row,
-    verify_half,
-)
+from serving.engine.speculative import DecodeState, StepRandom, commit, draft_half, start_row
 from serving.engine.stats import RequestStats
+from serving.engine.verifier import LocalVerifier, Verifier, VerifierError, VerifyBatch
 
 DRAFT_STOPS = ("token", "cumulative")  # what EngineConfig.draft_stop compares with draft_confidence
 
@@ -163,16 +163,6 @@ def use_cpu_kernels(
     return True
 
 
-def resolve_max_len(config: EngineConfig, max_position_embeddings: int) -> None:
-    """Fill in ``config.max_len`` (None: min(2048, the target's context)) and check it fits."""
-    if config.max_len is None:
-        config.max_len = min(2048, max_position_embeddings)
-    if config.max_len > max_position_embeddings:
-        raise ValueError(
-            f"max_len={config.max_len} exceeds the target's max_position_embeddings={max_position_embeddings}"
-        )
-
-
 @dataclass
 class Request:
     prompt_ids: list[int]
@@ -229,7 +219,7 @@ def _drafters(draft: PreTrainedModel | None, drafters: Drafters | None) -> Draft
 class SpeculativeEngine:
     def __init__(
         self,
-        target: PreTrainedModel,
+        target: PreTrainedModel | Verifier,
         tokenizer: PreTrainedTokenizerBase,
         draft: PreTrainedModel | None = None,
         config: EngineConfig | None = None,
@@ -237,36 +227,23 @@ class SpeculativeEngine:
         drafters: Drafters | None = None,
         default_drafter: str | None = None,
     ) -> None:
-        """``drafters``: name -> a draft model (on the target's tokenizer), a ``HostDrafter``, or
+        """``target``: the target model (run here, in a ``LocalVerifier``) or a ``Verifier``.
+        ``drafters``: name -> a draft model (on the target's tokenizer), a ``HostDrafter``, or
         None (another name for the target alone). ``draft`` is shorthand for ``{"draft": draft}``.
-        ``none`` always exists, ``prediction`` wherever there is another drafter. ``default_drafter``: for requests that name none
-        (default: the first of ``drafters``, else ``none``)."""
+        ``none`` always exists, ``prediction`` wherever there is another drafter.
+        ``default_drafter``: for requests that name none (default: the first of ``drafters``, else
+        ``none``)."""
         config = config or EngineConfig()
-        max_pos = getattr(target.config, "max_position_embeddings", None) or 2048
-        resolve_max_len(config, max_pos)
-        self.target = ModelRunner(target, batch_size=config.max_batch_size, max_len=config.max_len)
-        self._setup(
-            tokenizer, _drafters(draft, drafters), config, self.target.vocab_size, eos_token_ids(target, tokenizer),
-            self.target.device, default_drafter,
-        )  # fmt: skip
-
-    def _setup(
-        self,
-        tokenizer: PreTrainedTokenizerBase,
-        drafters: Drafters,
-        config: EngineConfig,
-        vocab_size: int,
-        eos_ids: list[int],
-        device: torch.device,
-        default_drafter: str | None = None,
-    ) -> None:
-        """Everything but the target: drafters, decode state and host bookkeeping. ``vocab_size``
-        and ``eos_ids`` are the target's (a remote engine learns them from the target service)."""
+        drafters = _drafters(draft, drafters)
+        self.verifier = target if isinstance(target, Verifier) else LocalVerifier(target, tokenizer)
+        self.verifier.bind(config)  # fills in config.max_len
         self.config = config
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
+        self.vocab_size = vocab_size = self.verifier.vocab_size
+        models = [d for d in drafters.values() if isinstance(d, torch.nn.Module)]
+        # The decode state lives where the target reads it, else with the drafts (a remote target).
+        self.device = self.verifier.device or (next(models[0].parameters()).device if models else torch.device("cpu"))
         B = config.max_batch_size
-        self.device = device
         # Model drafters run as ModelRunners with their own (small) KV caches, one per distinct
         # model: two names for one model share it, since a row drafts with one name only.
         self.model_drafters: dict[str, ModelRunner] = {}
@@ -293,13 +270,15 @@ class SpeculativeEngine:
         # The first draft model: the draft of an engine built with one (tests and tools read it).
         self.draft = next(iter(self.model_drafters.values()), None)
         k_max = config.k_max if self.drafting else 0
+        if self.verifier.k_max is not None and k_max > self.verifier.k_max:
+            raise ValueError(f"k up to {k_max} but {self.verifier.name} verifies K <= {self.verifier.k_max}")
         self.state = DecodeState(
             tokens=torch.zeros(B, config.max_len + k_max + 1, dtype=torch.long, device=self.device),
             # Empty slots look like finished two-token rows, so every gather stays in range.
             lengths=torch.full((B,), 2, dtype=torch.long, device=self.device),
             limits=torch.full((B,), 2, dtype=torch.long, device=self.device),
             done=torch.ones(B, dtype=torch.bool, device=self.device),
-            eos_ids=torch.tensor(eos_ids, dtype=torch.long, device=self.device),
+            eos_ids=torch.tensor(self.verifier.eos_ids, dtype=torch.long, device=self.device),
         )
         self._eos = set(self.state.eos_ids.tolist())
         self._sampling: SamplingTensors | None = None  # rebuilt when a slot's request or the bucket changes
@@ -308,6 +287,7 @@ class SpeculativeEngine:
         self._k_start = float(config.k_buckets[len(config.k_buckets) // 2] if config.k == "auto" else config.k)
         self._slots: list[_Slot | None] = [None] * B
         self._waiting: deque[tuple[int, Request]] = deque()
+        self._carry: list[StepOutput] = []  # outputs of a step that raised, handed out by the next one
         self._next_id = 0
         if config.compile_backend is not None:
             self.enable_compile(config.compile_backend)
@@ -388,12 +368,14 @@ class SpeculativeEngine:
                 self.state.done[b] = True
                 self._sampling = None
                 self._stop_drafter(b, slot, finished=False)
-                self._release(b)
+                self.verifier.release(b)
                 return True
         return False
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._waiting) or any(s is not None for s in self._slots)
+        # Outputs carried over from a step that raised (possibly a finished one) still need a step
+        # to be handed out, even when no slot is running any more.
+        return bool(self._carry) or bool(self._waiting) or any(s is not None for s in self._slots)
 
     @property
     def num_running(self) -> int:
@@ -406,14 +388,29 @@ class SpeculativeEngine:
     def step(self) -> list[StepOutput]:
         """Admit waiting requests into free slots (prefill + first token), then run one
         speculative step over all slots. Returns, per request that advanced, its new tokens and,
-        on the step it finished, its ``Completion``."""
-        outputs: list[StepOutput] = []
-        self._advance(outputs)
+        on the step it finished, its ``Completion``. If the verifier fails requests
+        (``VerifierError``), they are dropped and the error is raised with their ids in
+        ``request_ids``; the other requests' outputs of this step come with the next one."""
+        outputs, self._carry = self._carry, []
+        try:
+            self._advance(outputs)
+        except VerifierError as e:
+            rows = [b for b, s in enumerate(self._slots) if s is not None] if e.rows is None else e.rows
+            e.request_ids += self._fail(rows)
+            self._carry = [o for o in outputs if o.request_id not in e.request_ids]
+            raise
         return outputs
 
+    def close(self) -> None:
+        """Abort every request and close the verifier (a remote one's connection)."""
+        for slot in [s for s in self._slots if s is not None]:
+            self.abort_request(slot.index)
+        self._waiting.clear()
+        self.verifier.close()
+
     def _advance(self, outputs: list[StepOutput]) -> None:
-        """The body of ``step``, appending to ``outputs`` as it goes so that a caller that catches
-        an exception (a remote target gone) still has what was produced before it."""
+        """The body of ``step``, appending to ``outputs`` as it goes so that what was produced
+        before a ``VerifierError`` is still handed out."""
         slots = self._slots
         for b in range(len(slots)):
             while slots[b] is None and self._waiting:
@@ -425,10 +422,13 @@ class SpeculativeEngine:
                 slots[b], finished = admitted
                 outputs.append(self._emit(b, finished))
         if any(s is not None for s in slots):
-            finished = set(self._step(slots))
+            finished, failed = self._step(slots)
+            lost = failed.rows if failed is not None else ()
             for b, slot in enumerate(slots):
-                if slot is not None:
+                if slot is not None and b not in lost:
                     outputs.append(self._emit(b, b in finished))
+            if failed is not None:  # the target lost these rows: step() fails their requests
+                raise failed
 
     def enable_compile(self, backend: str | None = None) -> None:
         """Compile the draft and verify forwards (the device's backend unless named) and warm
@@ -444,7 +444,8 @@ class SpeculativeEngine:
         # Every runner compiles the same method, so its graphs count together against torch's limit:
         # per batch bucket, the target's verify widths and each draft's two widths.
         shapes = len(self.config.batch_buckets) * (len(self._verify_widths()) + 2 * len(runners))
-        for runner in [self.target, *runners] if self.target is not None else runners:
+        self.verifier.compile(backend, shapes)  # a remote target compiles on its own side
+        for runner in runners:
             runner.compile(backend, shapes=shapes)
         self.warmup()
 
@@ -453,8 +454,7 @@ class SpeculativeEngine:
         per K bucket) so the compile cost is paid at load; with the on-disk compile cache later
         loads are quick."""
         for rows in self.config.batch_buckets:
-            if self.target is not None:  # a remote engine's target warms itself up
-                self.target.warmup(self._verify_widths(), rows=rows)
+            self.verifier.warmup(self._verify_widths(), rows)  # a remote target warms itself up
             for runner in {id(r): r for r in self.model_drafters.values()}.values():
                 runner.warmup((1, 2), last_only=True, rows=rows)  # draft_half's two forward shapes
         synchronize(self.device)
@@ -496,10 +496,16 @@ class SpeculativeEngine:
         seed = request.params.seed if request.params.seed is not None else secrets.randbits(63)
         generator = torch.Generator().manual_seed(seed)
         ids = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)  # [1, L]
-        first_id = self._prefill_target(b, request, ids, torch.rand(1, generator=generator))
+        drafter = self._drafter_of(request)
+        k_max = self.config.k_max if self.drafting else 0
+        try:
+            first_id = self.verifier.prefill(b, ids, request.params, torch.rand(1, generator=generator),
+                                             max_new_tokens=request.max_new_tokens, k_max=k_max)  # fmt: skip
+        except VerifierError as e:
+            e.request_ids.append(index)  # this request fails with the others
+            raise
         if first_id is None:
             return None
-        drafter = self._drafter_of(request)
         if drafter in self.model_drafters:
             self.model_drafters[drafter].prefill(ids, b)
         elif drafter in self.host_drafters:
@@ -534,7 +540,7 @@ class SpeculativeEngine:
         self.state.done[b] = True
         self._sampling = None
         self._stop_drafter(b, slot, finished=True)
-        self._release(b)
+        self.verifier.release(b)
         tokens = slot.generated
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         stop_at = min((i for i in (text.find(s) for s in slot.request.stop) if i >= 0), default=-1)
@@ -568,32 +574,20 @@ class SpeculativeEngine:
                 return True
         return False
 
-    # ---- model-facing hooks (overridden by serving.distributed.remote) -------------------------------------
-
-    def _prefill_target(self, b: int, request: Request, prompt: torch.Tensor, u: torch.Tensor) -> int | None:
-        """Prefill ``prompt`` ([1, L]) into the target's slot b and return the first token, drawn
-        with uniform ``u`` ([1]); None if the target has no room for it now."""
-        return prefill_first_token(self.target, prompt, b, request.params, u)
-
-    def _verify(
-        self,
-        slots: list[_Slot | None],
-        state: DecodeState,
-        sampling: SamplingTensors,
-        rand: StepRandom,
-        draft_tokens: torch.Tensor,  # [B, K]
-        q: torch.Tensor,  # [B, K, V]
-        n_draft: torch.Tensor,  # [B] real draft tokens per row; the rest of K is padding
-        clock,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The verify half of the step for ``slots`` (the step's batch bucket, whose rows ``state``
-        holds): returns (n_accepted [B], n_new [B]) and leaves ``state`` committed. Calls
-        ``clock("target")`` once the target has answered."""
-        n_accepted, _, n_new = verify_half(self.target, state, sampling, rand, draft_tokens, q, clock, n_draft)
-        return n_accepted, n_new
-
-    def _release(self, b: int) -> None:
-        """Slot b was freed (finished or aborted): the target may drop what it holds for it."""
+    def _fail(self, rows: list[int]) -> list[int]:
+        """Drop the requests in ``rows`` without finishing them (the verifier failed them); returns their ids."""
+        ids = []
+        for b in rows:
+            slot = self._slots[b]
+            if slot is None:
+                continue
+            ids.append(slot.index)
+            self._slots[b] = None
+            self.state.done[b] = True
+            self._stop_drafter(b, slot, finished=False)
+            self.verifier.release(b)
+        self._sampling = None
+        return ids
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -674,9 +668,10 @@ class SpeculativeEngine:
             q = torch.zeros(B, k, V, device=self.device)  # [B, K, V] nothing drafted
         return draft_tokens, q, n_draft
 
-    def _step(self, all_slots: list[_Slot | None]) -> list[int]:
+    def _step(self, all_slots: list[_Slot | None]) -> tuple[list[int], VerifierError | None]:
         """One speculative step over the occupied slots, at the smallest batch bucket that holds
-        them; returns the slots whose request finished."""
+        them; returns the slots whose request finished, and the verifier's error for rows it could
+        not verify (they committed nothing; their requests fail)."""
         B = self._bucket()
         slots, s = all_slots[:B], self._state_rows(B)
         k_rows = [self._row_k(slot) for slot in slots]
@@ -691,16 +686,23 @@ class SpeculativeEngine:
             times[phase] = now - last[0]
             last[0] = now
 
-        # 1. draft (every drafter, its own rows), 2-4. verify, accept/reject, commit: split so that
-        # the verify half can run elsewhere.
         sampling = self._batch_sampling(slots)
         # Padded to the widest K a step can verify (a short proposal rounds up to a K bucket); what
         # each row draws still depends on its own budget only.
         width = max(k, self.config.k_max if self.drafting else 0)
         rand = step_uniforms([slot.generator if slot else None for slot in slots], k_rows, width, self.device)
+        # 1. Draft: every drafter proposes for its own rows, padded to the step's K bucket.
         draft_tokens, q, n_draft = self._draft(slots, s, sampling, rand, k_rows)
         clock("draft")
-        n_acc, n_new = self._verify(slots, s, sampling, rand, draft_tokens, q, n_draft, clock)
+        # 2-3. Verify once and accept/reject: the target's accepted count and next token per row.
+        params = [slot.request.params if slot else None for slot in slots]
+        verdict = self.verifier.verify(VerifyBatch(s, params, sampling, rand, draft_tokens, q, n_draft))
+        clock("target")
+        # 4. Commit the accepted tokens and the next one (a row the verifier failed commits nothing).
+        lost = verdict.failed.rows if verdict.failed is not None else []
+        for b in lost:
+            s.done[b] = True
+        n_acc, n_new = verdict.n_accepted, commit(s, draft_tokens, verdict.n_accepted, verdict.next_token)
         k = draft_tokens.shape[1]
         committed = s.tokens.gather(1, n_before.unsqueeze(1) + torch.arange(k + 1, device=self.device))
         # 5. The single host sync of the step.
@@ -710,7 +712,7 @@ class SpeculativeEngine:
         finished = []
         lo, hi = self.config.k_buckets[0], self.config.k_buckets[-1]
         for b, slot in enumerate(slots):
-            if slot is None:
+            if slot is None or b in lost:
                 continue
             accepted, new, done, drafted, tokens = rows[b][0], rows[b][1], bool(rows[b][2]), rows[b][3], rows[b][4:]
             before = len(slot.generated)
@@ -724,7 +726,7 @@ class SpeculativeEngine:
                 finished.append(b)
             if slot.drafter in self.host_drafters and len(slot.generated) > before:  # what the row kept
                 self.host_drafters[slot.drafter].observe(b, slot.generated[before:])
-        return finished
+        return finished, verdict.failed
 
 
 def step_uniforms(generators: list[torch.Generator | None], k_rows: list[int], k: int, device) -> StepRandom:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from serving.engine import EngineConfig, SpeculativeEngine
+    from serving.engine.verifier import Verifier
 
 
 def doc(text: str) -> dict:
@@ -201,14 +202,14 @@ def load_engine(
     drafters: Mapping[str, str | None],
     *,
     default: str | None = None,
-    remote: Callable[..., SpeculativeEngine] | None = None,
+    verifier: Verifier | None = None,
 ) -> LoadedEngine:
     """One engine with every drafter of ``drafters`` (name -> a model reference, ``ngram``,
     ``suffix``, or ``none``/None for the target alone), one target, one KV cache and one batch.
     Each model reference loads once (two names may share it) and is prepared for the engine's step
-    widths. ``default``: the drafter of requests that name none (default: the first). With
-    ``remote`` (``remote(drafters, tokenizer, config, default)`` builds an engine whose target is
-    elsewhere: the server's draft role) no target loads here."""
+    widths. ``default``: the drafter of requests that name none (default: the first). With a
+    ``verifier`` (the target side when it is not a model of this process: a
+    ``serving.distributed.remote.RemoteVerifier`` in the server's draft role) no target loads here."""
     from serving.engine import SpeculativeEngine
     from serving.engine.devices import resolve_device
 
@@ -220,16 +221,13 @@ def load_engine(
         widths = tuple(sorted({*widths, *(k + 1 for k in config.k_buckets if k <= config.k_max)}))
     refs = [r for r in drafters.values() if is_model_ref(r)]
     tokenizer, target_model, by_ref = load_models(
-        settings, target, refs, load_target=remote is None,
+        settings, target, refs, load_target=verifier is None,
         each_draft=lambda draft: prepare_kernels(settings, [], [draft], widths),
     )  # fmt: skip
     kernels = prepare_kernels(settings, [target_model] if target_model is not None else [], [], widths)
     built = {name: (by_ref[ref] if is_model_ref(ref) else settings.host_drafter(ref) if ref in HOST_DRAFTERS else None)
              for name, ref in drafters.items()}  # fmt: skip
-    if remote is not None:
-        engine = remote(built, tokenizer, config, default)
-    else:
-        engine = SpeculativeEngine(target_model, tokenizer, config=config, drafters=built, default_drafter=default)
+    engine = SpeculativeEngine(verifier or target_model, tokenizer, config=config, drafters=built, default_drafter=default)
     drafts = {name: by_ref[ref] for name, ref in drafters.items() if is_model_ref(ref)}
     return LoadedEngine(tokenizer, target_model, drafts, engine, kernels)
 

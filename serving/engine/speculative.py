@@ -6,10 +6,11 @@ tokens, finish on their own, and keep running (frozen) once done, so no shape ev
 K = 0 (or no draft) is the target-only decoder: the same step, one token per target call.
 
 The step has two halves that run on different machines in distributed serving: ``draft_half``
-(the draft node: K tokens and their q) and ``verify_half`` (the target: one forward over
-[x_{n-1}, drafts], accept/reject, ``commit``). A draft node applies the target's answer to its
-own copy of the state with the same ``commit``, so both sides hold the same tokens.
-``prefill_first_token`` and ``start_row`` admit a request into a slot, again on either side.
+(the draft node: K tokens and their q) and ``verify_half`` (the target: ``verify_tokens``, one
+forward over [x_{n-1}, drafts] and accept/reject, then ``commit``). The engine, whatever verifies
+for it (``serving.engine.verifier``), applies the answer (accepted count, next token) to its own
+state with the same ``commit``, so both sides hold the same tokens. ``prefill_first_token`` and
+``start_row`` admit a request into a slot, again on either side.
 """
 
 from __future__ import annotations
@@ -132,19 +133,19 @@ def draft_half(
     return draft_tokens, q_all, n_draft  # n_draft <= K: it grows once per loop pass at most
 
 
-def verify_half(
+def verify_tokens(
     target: ModelRunner,
     state: DecodeState,
     sampling: SamplingTensors,
     rand: StepRandom,
     draft_tokens: torch.Tensor,  # [B, K] long
     q: torch.Tensor,  # [B, K, V] the distributions the draft tokens were sampled from
-    clock: Callable[[str], None] | None = None,
     n_draft: torch.Tensor | None = None,  # [B] long: real draft tokens per row (None: all K)
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Steps 2-4: one target forward over [x_{n-1}, drafts], accept/reject, commit. Mutates
-    ``state``; returns (n_accepted [B], next_token [B], n_new [B]): a draft node that holds its own
-    copy of the state commits (n_accepted, next_token) to it. ``clock("target")`` after the forward."""
+    clock: Callable[[str], None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 2-3: one target forward over [x_{n-1}, drafts], then accept/reject. Reads ``state``
+    (writes only the target's cache); returns (n_accepted [B], next_token [B]), the correction or
+    bonus token, for ``commit``. ``clock("target")`` after the forward."""
     k = draft_tokens.shape[1]
     n = state.lengths  # [B]
     current = state.tokens.gather(1, (n - 1).unsqueeze(1))  # [B, 1] x_{n-1}
@@ -161,7 +162,23 @@ def verify_half(
         clock("target")
 
     # 3. Accept/reject (Leviathan et al. 2023); the residual or bonus token comes with it.
-    n_accepted, next_token = accept_reject(p, q, draft_tokens, rand.accept[:, :k], rand.next, n_draft)
+    return accept_reject(p, q, draft_tokens, rand.accept[:, :k], rand.next, n_draft)
+
+
+def verify_half(
+    target: ModelRunner,
+    state: DecodeState,
+    sampling: SamplingTensors,
+    rand: StepRandom,
+    draft_tokens: torch.Tensor,  # [B, K] long
+    q: torch.Tensor,  # [B, K, V] the distributions the draft tokens were sampled from
+    clock: Callable[[str], None] | None = None,
+    n_draft: torch.Tensor | None = None,  # [B] long: real draft tokens per row (None: all K)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Steps 2-4: ``verify_tokens``, then ``commit``. Mutates ``state``; returns (n_accepted [B],
+    next_token [B], n_new [B]): a draft node that holds its own copy of the state commits
+    (n_accepted, next_token) to it."""
+    n_accepted, next_token = verify_tokens(target, state, sampling, rand, draft_tokens, q, n_draft, clock)
     return n_accepted, next_token, commit(state, draft_tokens, n_accepted, next_token)
 
 

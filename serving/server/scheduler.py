@@ -36,7 +36,7 @@ log = logging.getLogger("choral.scheduler")
 
 
 class Engine(Protocol):
-    """The incremental API shared by SpeculativeEngine and the distributed RemoteSpeculativeEngine."""
+    """The incremental API of ``SpeculativeEngine`` (fused, or with its target behind gRPC) that the scheduler uses."""
 
     def add_request(self, request: Request) -> int: ...
     def step(self) -> list[StepOutput]: ...
@@ -261,7 +261,7 @@ class Scheduler:
         try:
             outputs = engine.step()
         except self.unavailable as e:
-            # The remote engine names the requests that failed (the others go on next step); a
+            # The engine names the requests its remote target failed (the others go on next step); a
             # failure that names none takes the whole engine's requests with it.
             error = APIError(503, f"the target is unavailable: {e}", code="target_unavailable")
             self._fail_engine(key, error, getattr(e, "request_ids", None))

@@ -13,9 +13,9 @@ until the target, the drafts and the router are loaded and warmed up, then 200. 
   header forces a draft name or ``none`` (the target alone).
 * ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
 
-``build_engines`` turns a config into the engine with ``serving.engine.engine_settings.load_engine``, as
-every command does: one ``SpeculativeEngine`` holding every drafter in fused mode, one
-``serving.distributed.remote.RemoteSpeculativeEngine`` in the draft role.
+``build_engines`` turns a config into the engine with ``serving.engine.engine_settings.load_engine``,
+as every command does: one ``SpeculativeEngine`` holding every drafter, on the target model in
+fused mode, on a ``serving.distributed.remote.RemoteVerifier`` in the draft role.
 """
 
 from __future__ import annotations
@@ -73,17 +73,14 @@ def build_engines(cfg: ServeConfig, router: Any) -> tuple[Any, dict[str, Engine]
     drafters = {name: router.draft_refs.get(name) for name in router.draft_names if name != NONE}
     for builtin in HOST_DRAFTERS:
         drafters.setdefault(builtin, builtin)
-    remote, unavailable = None, ()
-    if cfg.role == "draft":
-        from serving.distributed.remote import RemoteSpeculativeEngine, TargetUnavailable
+    verifier, unavailable = None, ()
+    if cfg.role == "draft":  # the same engine, verifying on the target service
+        from serving.distributed.remote import RemoteVerifier, TargetUnavailable
 
-        def remote(built, tokenizer, config, default):
-            return RemoteSpeculativeEngine(built, tokenizer, cfg.target_address, config, default_drafter=default)
-
-        unavailable = (TargetUnavailable,)
+        verifier, unavailable = RemoteVerifier(cfg.target_address), (TargetUnavailable,)
     loaded = load_engine(
         cfg.engine, cfg.target_model or router.target_ref, drafters | {NONE: None},
-        default=router.draft_names[0] if router.draft_names else NONE, remote=remote,
+        default=router.draft_names[0] if router.draft_names else NONE, verifier=verifier,
     )  # fmt: skip
     engine = loaded.engine
     return loaded.tokenizer, {name: engine for name in engine.drafter_names}, unavailable
