@@ -22,7 +22,7 @@ COLLECT = Command(
 )  # fmt: skip
 COLLECT.parser.add_argument("--shard", help="i/n: take prompts i, i+n, ... (0 <= i < n) into <output>.shard<i>of<n>.jsonl")
 COLLECT.parser.add_argument("--merge", nargs="+", metavar=("OUT", "SHARD"), help="join shard files into OUT and exit")
-COLLECT.parser.add_argument("--profile", metavar="PATH", help="also write a simulator profile (YAML/JSON) of the rows (serving/profile.py)")
+COLLECT.parser.add_argument("--profile", metavar="PATH", help="also write a simulator profile (YAML/JSON) of the rows (serving/fleet/profile.py)")
 
 TRAIN = Command("train-router", RouterTrainConfig, "Train and evaluate the draft router on collected rows.\n\n" + __doc__,
                 errors=(ValueError, FileNotFoundError))  # fmt: skip
@@ -65,7 +65,7 @@ def _write_profile(rows: str | Path, out: str | None) -> int:
     """The simulator's profile of collected rows (costs, acceptance per draft and domain, lengths)."""
     if not out:
         return 0
-    from serving.profile import from_router_data
+    from serving.fleet.profile import from_router_data
 
     try:
         from_router_data(rows).save(out)

@@ -21,12 +21,12 @@ from tqdm import tqdm
 from routing.config import CollectConfig
 from routing.router import NONE
 from routing.rows import RowStore
-from serving.devices import resolve_device
 from serving.engine import Request, SpeculativeEngine
-from serving.engine_settings import EngineSettings, load_engine
-from serving.models import load_tokenizer
+from serving.engine.devices import resolve_device
+from serving.engine.engine_settings import EngineSettings, load_engine
+from serving.engine.models import load_tokenizer
+from serving.engine.sampling import SamplingParams
 from serving.prompts import Prompt, encode_prompt, load_prompts, read_prompt_file
-from serving.sampling import SamplingParams
 
 
 def parse_shard(text: str) -> tuple[int, int]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 from typing import ClassVar, Literal
 
 from routing.router import NONE
-from serving.engine_settings import EngineSettings
+from serving.engine.engine_settings import EngineSettings
 
 
 def doc(text: str) -> dict:

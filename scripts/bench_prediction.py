@@ -20,9 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-from serving.devices import describe_machine
-from serving.launch import free_port, stop, wait_healthy
+from serving.engine.devices import describe_machine
 from serving.prompts import load_grounded
+from serving.server.launch import free_port, stop, wait_healthy
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFT = "qwen2.5-coder-0.5b-instruct"

@@ -20,7 +20,7 @@ import os
 import shlex
 from pathlib import Path
 
-from serving.models import check_same_tokenizer, load_tokenizer, resolve_model_ref
+from serving.engine.models import check_same_tokenizer, load_tokenizer, resolve_model_ref
 
 
 def main(argv: list[str] | None = None) -> int:

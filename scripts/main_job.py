@@ -30,8 +30,8 @@ import sys
 import time
 from pathlib import Path
 
-from serving.launch import free_port, stop, wait_healthy
 from serving.prompts import load_prompts
+from serving.server.launch import free_port, stop, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     draft_dir, data, router_dir = out / "draft-code", out / "router-data" / "rows.jsonl", out / "router"
 
     def models() -> None:
-        from serving.bundled import resolve_bundled
+        from serving.engine.bundled import resolve_bundled
 
         for name in ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"):
             print(f"[models] {name}: {resolve_bundled(name)}", flush=True)

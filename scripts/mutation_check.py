@@ -42,49 +42,49 @@ ACCEPTANCE = ("tests/test_acceptance.py", "tests/test_distribution.py", "-k", "n
 
 MUTANTS = [
     Mutant("stop-kept", "tokens generated after a stop string are kept instead of cut",
-           "serving/engine.py", "                del slot.generated[end:]\n", "                pass\n", STOP_TESTS),
+           "serving/engine/core.py", "                del slot.generated[end:]\n", "                pass\n", STOP_TESTS),
     Mutant("stop-after-limit", "the length limit is checked before the stop strings (a step that reaches "
-           "both keeps the tokens past the stop)", "serving/engine.py",
+           "both keeps the tokens past the stop)", "serving/engine/core.py",
            "            stopped = self._hit_stop(slot, before)\n            if done or stopped:",
            "            if done or self._hit_stop(slot, before):", STOP_TESTS),
     Mutant("accept-reuses-draft-uniforms", "accept tests reuse the uniforms that drew the draft tokens",
-           "serving/engine.py", "draft[b, :kb], accept[b, :kb], nxt[b] = u[:kb], u[kb : 2 * kb], u[2 * kb]",
+           "serving/engine/core.py", "draft[b, :kb], accept[b, :kb], nxt[b] = u[:kb], u[kb : 2 * kb], u[2 * kb]",
            "draft[b, :kb], accept[b, :kb], nxt[b] = u[:kb], u[:kb], u[2 * kb]", DISTRIBUTION),
     Mutant("draft-stop-looks-at-token", "drafting stops before a drawn token the draft found unlikely "
-           "(a token-dependent stop)", "serving/speculative.py",
+           "(a token-dependent stop)", "serving/engine/speculative.py",
            "            n_draft = n_draft + drafting.long()\n            drafting = drafting & (budget > i + 1)\n",
            "            likely = q_i.gather(-1, drafted[-1].unsqueeze(-1)).squeeze(-1) >= (draft_confidence or 0.0)\n"
            "            drafting = drafting & likely\n"
            "            n_draft = n_draft + drafting.long()\n            drafting = drafting & (budget > i + 1)\n",
            ("tests/test_distribution.py", "-k", "early_stops")),
     Mutant("k-per-batch", "every row drafts the batch's K (seeded output then depends on the batch)",
-           "serving/engine.py", "        k_rows = [self._row_k(slot) for slot in slots]\n",
+           "serving/engine/core.py", "        k_rows = [self._row_k(slot) for slot in slots]\n",
            "        k_rows = [max(self._row_k(slot) for slot in slots)] * len(slots)\n",
            ("tests/test_engine_tiny.py", "-k", "k_auto")),
     Mutant("frozen-row-past-cache", "a frozen row runs at positions past its cache (mixed K on a shared target)",
-           "serving/speculative.py",
+           "serving/engine/speculative.py",
            "    verify_pos = torch.where(state.done.unsqueeze(1), verify_pos.clamp(max=target.max_len - 1), verify_pos)\n",
            "", ("tests/test_distributed.py", "-k", "context_end")),
     Mutant("padding-accepted", "padding slots after a row's last draft token can be accepted",
-           "serving/acceptance.py", "    if n_draft is not None:\n        accepted &= real\n", "",
+           "serving/engine/acceptance.py", "    if n_draft is not None:\n        accepted &= real\n", "",
            ("tests/test_distribution.py", "-k", "mixed")),
     Mutant("residual-is-p", "on rejection the token is drawn from p instead of the residual max(0, p - q)",
-           "serving/acceptance.py", "    residual = (p_at - q_pad.gather(1, at).squeeze(1)).clamp(min=0.0)  # [B, V]",
+           "serving/engine/acceptance.py", "    residual = (p_at - q_pad.gather(1, at).squeeze(1)).clamp(min=0.0)  # [B, V]",
            "    residual = p_at  # [B, V]", ACCEPTANCE),
     Mutant("q-off-by-one", "the residual subtracts the draft distribution of the next position",
-           "serving/acceptance.py", "q_pad.gather(1, at).squeeze(1)).clamp(min=0.0)",
+           "serving/engine/acceptance.py", "q_pad.gather(1, at).squeeze(1)).clamp(min=0.0)",
            "q_pad.gather(1, (at + 1).clamp(max=K)).squeeze(1)).clamp(min=0.0)", ACCEPTANCE),
     Mutant("bonus-misplaced", "the bonus token is drawn from the last draft position's p",
-           "serving/acceptance.py", "    p_at = p.gather(1, at).squeeze(1)  # [B, V]",
+           "serving/engine/acceptance.py", "    p_at = p.gather(1, at).squeeze(1)  # [B, V]",
            "    p_at = p.gather(1, at.clamp(max=max(K - 1, 0))).squeeze(1)  # [B, V]", ACCEPTANCE),
     # Dropping top-p from q everywhere would still be lossless (any q is, if the tokens are drawn
     # from it); the bug is a q that is not the distribution the draft tokens were drawn from.
     Mutant("top-p-missing-on-draws", "draft tokens are drawn without top-p while q, used to accept them, has it",
-           "serving/speculative.py", "            drafted.append(sample(q_i, rand.draft[:, i]))  # [B]",
+           "serving/engine/speculative.py", "            drafted.append(sample(q_i, rand.draft[:, i]))  # [B]",
            "            drafted.append(sample(probs_from_logits(logits, type(sampling)(sampling.temperature, "
            "sampling.top_k, torch.ones_like(sampling.top_p), sampling.filters, sampling.all_greedy))[:, 0], "
            "rand.draft[:, i]))  # [B]", DISTRIBUTION),
-    Mutant("top-p-missing-on-p", "the target's p ignores top-p", "serving/speculative.py",
+    Mutant("top-p-missing-on-p", "the target's p ignores top-p", "serving/engine/speculative.py",
            "    p = probs_from_logits(target.forward(verify_in, verify_pos), sampling)  # [B, K+1, V]",
            "    p = probs_from_logits(target.forward(verify_in, verify_pos), type(sampling)(sampling.temperature, "
            "sampling.top_k, torch.ones_like(sampling.top_p), sampling.filters, sampling.all_greedy))  # [B, K+1, V]",

@@ -18,7 +18,7 @@ import json
 
 import torch
 
-from serving.models import eos_token_ids, load_model, load_tokenizer
+from serving.engine.models import eos_token_ids, load_model, load_tokenizer
 from training.checkpoint import atomic_dir
 from training.data import load_domain_texts, tokenize_and_pack
 from training.students import frequent_tokens, reduce_vocab

@@ -30,11 +30,11 @@ import torch
 from tqdm import tqdm
 
 from routing import Router
-from serving.bench import bench_prompt, run_engine, summarize
-from serving.devices import describe_machine
-from serving.engine import EngineConfig, SpeculativeEngine, use_cpu_kernels
-from serving.models import check_same_tokenizer, load_model, load_tokenizer
+from serving.engine.core import EngineConfig, SpeculativeEngine, use_cpu_kernels
+from serving.engine.devices import describe_machine
+from serving.engine.models import check_same_tokenizer, load_model, load_tokenizer
 from serving.prompts import DOMAINS, encode_prompt, load_prompts
+from serving.tools.bench import bench_prompt, run_engine, summarize
 
 GENERIC = "qwen2.5-coder-0.5b-instruct"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from serving.speculative import DecodeState
+from serving.engine.speculative import DecodeState
 
 
 class PositionStub:

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from serving.acceptance import accept_reject
-from serving.sampling import SamplingParams, SamplingTensors, probs_from_logits, sample
+from serving.engine.acceptance import accept_reject
+from serving.engine.sampling import SamplingParams, SamplingTensors, probs_from_logits, sample
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""Fast tests of serving.bundled with fake part files: no real weights, no GGUF parsing."""
+"""Fast tests of serving.engine.bundled with fake part files: no real weights, no GGUF parsing."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from serving import bundled
-from serving.bundled import BundledModelError, BundledSpec
+from serving.engine import bundled
+from serving.engine.bundled import BundledModelError, BundledSpec
 
 pytestmark = pytest.mark.unit
 

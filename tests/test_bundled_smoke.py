@@ -5,7 +5,7 @@ not skip: a missing ``choral[bundled]`` install fails here with the install hint
 import pytest
 
 from serving.engine import EngineConfig, Request, SpeculativeEngine
-from serving.models import load_model, load_tokenizer
+from serving.engine.models import load_model, load_tokenizer
 
 pytestmark = pytest.mark.bundled
 

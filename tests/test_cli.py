@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from serving import bench, cli_generate
+from serving.tools import bench, cli_generate
 
 pytestmark = pytest.mark.e2e
 
@@ -76,7 +76,7 @@ def test_spec_bench_gives_hf_its_own_dynamic_int8_draft(model_dirs, tmp_path, ca
 
 
 def test_tune_draft_stop_compares_stops_losslessly(model_dirs, tmp_path):
-    from serving import stop_tuning as tune
+    from serving.tools import stop_tuning as tune
 
     out = tmp_path / "tune"
     args = ["--target", str(model_dirs["target"]), "--draft", str(model_dirs["draft"]), "--prompts-per-domain", "1",
@@ -108,7 +108,7 @@ def test_agreement_probe_scores_the_target_as_a_perfect_draft(model_dirs, tmp_pa
 
 def test_compare_drafts_measures_a_layer_cut_student_untrained_as_the_cut(model_dirs, tmp_path, monkeypatch):
     import training.evaluate
-    from serving.models import load_model
+    from serving.engine.models import load_model
     from training import compare_runs as compare
     from training.students import derive_student
 

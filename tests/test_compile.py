@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch._dynamo
 
-from serving.runner import ModelRunner
-from serving.sampling import SamplingParams, SamplingTensors
-from serving.speculative import DecodeState, StepRandom, speculative_step
+from serving.engine.runner import ModelRunner
+from serving.engine.sampling import SamplingParams, SamplingTensors
+from serving.engine.speculative import DecodeState, StepRandom, speculative_step
 from tests.conftest import no_recompile, perturbed
 
 pytestmark = pytest.mark.integration
@@ -73,7 +73,7 @@ def test_warmup_compiles_every_shape_the_engine_uses(tiny_target, tokenizer, k, 
     """After load (which warms up), decoding ragged prompts with greedy and sampled rows compiles
     nothing. Each drafting path is forced, so the shapes seen never depend on the CPU's rounding."""
     from serving.engine import EngineConfig, Request, SpeculativeEngine
-    from serving.sampling import SamplingParams
+    from serving.engine.sampling import SamplingParams
 
     torch._dynamo.reset()
     draft = perturbed(tiny_target, 0.3, seed=5)
@@ -90,8 +90,8 @@ def test_warmup_compiles_every_shape_the_engine_uses(tiny_target, tokenizer, k, 
 def test_mixed_drafters_and_batch_buckets_compile_nothing_after_warmup(tiny_target, tokenizer):
     """Rows of a draft model, ``ngram``, ``prediction`` and ``none`` share steps at batch buckets 1,
     2 and 4 (a lone request, then four, then the last ones): after the warm-up, nothing compiles."""
-    from serving.drafters.ngram import NgramDrafter
     from serving.engine import EngineConfig, Request, SpeculativeEngine
+    from serving.engine.drafters.ngram import NgramDrafter
 
     torch._dynamo.reset()
     config = EngineConfig(max_batch_size=4, max_len=64, k=3, k_buckets=(1, 2, 3), compile_backend="aot_eager")

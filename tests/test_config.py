@@ -144,7 +144,7 @@ def test_describe_and_its_alias_and_one_error_format(capsys):
 
 
 def test_engine_settings_name_the_fix():
-    from serving.engine_settings import EngineSettings
+    from serving.engine.engine_settings import EngineSettings
 
     for overrides, message in [(["k=9"], r"k=9 is not one of k_buckets \[1, 2, 3, 4, 5, 6, 7, 8\]: add it to k_buckets"),
                                (["k=0"], "k=0 must be a positive integer or 'auto'"),

@@ -1,4 +1,4 @@
-"""serving.cpu_kernels on a tiny random Qwen2: same numbers as eager, and batch-invariant.
+"""serving.engine.cpu_kernels on a tiny random Qwen2: same numbers as eager, and batch-invariant.
 
 The "rowdot" kernel is compiled on first use (~30 s once, then cached by torch); its tests
 are skipped where it cannot be built (no C++ compiler).
@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from serving import cpu_kernels
-from serving.cpu_kernels import InvariantLinear, prepare_for_cpu, set_enabled
+from serving.engine import cpu_kernels
+from serving.engine.cpu_kernels import InvariantLinear, prepare_for_cpu, set_enabled
 
 transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM, StaticCache  # noqa: E402
@@ -252,7 +252,7 @@ def test_int8_draft_keeps_speculative_output_exact():
     """An int8 draft changes what is proposed, never what is produced: greedy speculative output
     equals the fp32 target's own, and a draft that is an int8 copy of the target still agrees
     with it most of the time."""
-    from serving.engine import EngineConfig, Request, SpeculativeEngine, use_cpu_kernels
+    from serving.engine.core import EngineConfig, Request, SpeculativeEngine, use_cpu_kernels
     from tests.conftest import make_tokenizer
 
     tok = make_tokenizer()
@@ -274,7 +274,7 @@ def test_int8_draft_keeps_speculative_output_exact():
 
 @pytest.mark.integration
 def test_int8_drafts_need_the_cpu_kernels():
-    from serving.engine import use_cpu_kernels
+    from serving.engine.core import use_cpu_kernels
 
     with pytest.raises(ValueError, match="draft_weights='int8' needs the CPU kernels"):
         use_cpu_kernels([_tiny()], drafts=[_tiny()], draft_weights="int8", device="cpu", dtype="bfloat16", widths=(1, 5))
@@ -286,7 +286,7 @@ def test_int8_drafts_need_the_cpu_kernels():
 
 @pytest.mark.integration
 def test_auto_draft_weights_follow_the_kernels():
-    from serving.engine import use_cpu_kernels
+    from serving.engine.core import use_cpu_kernels
 
     draft = _tiny()
     assert not use_cpu_kernels([_tiny()], drafts=[draft], draft_weights="auto", device="cpu", dtype="bfloat16", widths=(1, 5))

@@ -16,7 +16,7 @@ import torch
 import torch._dynamo
 
 from serving.engine import EngineConfig, Request, SpeculativeEngine
-from serving.sampling import SamplingParams
+from serving.engine.sampling import SamplingParams
 from tests.conftest import perturbed, tiny_qwen2
 from tests.test_compile import compiled_steps
 from tests.test_distribution import exact_distribution, p_value, speculative_samples, tables
@@ -52,7 +52,7 @@ def test_greedy_identical_to_transformers_generate_on_cuda(gpu_pair, tokenizer, 
 def test_engine_load_puts_both_models_on_the_gpu(model_dirs):
     engine = SpeculativeEngine.load(str(model_dirs["target"]), str(model_dirs["draft"]), device="cuda",
                                     dtype="bfloat16", config=EngineConfig(max_len=64, k=3))  # fmt: skip
-    assert {p.device.type for p in engine.target.model.parameters()} == {"cuda"}
+    assert {p.device.type for p in engine.verifier.runner.model.parameters()} == {"cuda"}
     assert {p.dtype for p in engine.draft.model.parameters()} == {torch.bfloat16}
     [out] = engine.generate([Request([5, 6, 7], max_new_tokens=12)])
     assert len(out.token_ids) == 12

@@ -1,5 +1,5 @@
-"""Distributed serving over loopback gRPC: a draft node (RemoteSpeculativeEngine) against the
-target service (VerifyServer) gives exactly the fused engine's output, greedy and seeded sampled,
+"""Distributed serving over loopback gRPC: a draft node (SpeculativeEngine with a RemoteVerifier)
+against the target service (VerifyServer) gives exactly the fused engine's output, greedy and seeded sampled,
 also with two draft nodes sharing one target; sessions are evicted when idle; a target that goes
 away fails its requests with TargetUnavailable and a restarted one serves new requests."""
 
@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
+from serving.distributed.remote import RemoteVerifier, TargetUnavailable
+from serving.distributed.verify_service import VerifyServer
 from serving.engine import EngineConfig, Request, SpeculativeEngine
-from serving.remote import RemoteSpeculativeEngine, TargetUnavailable
-from serving.sampling import SamplingParams
-from serving.verify_service import VerifyServer
+from serving.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.e2e
 
@@ -23,6 +23,11 @@ def prompts(n, seed):
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, 20, (n,), generator=g).tolist()
     return [torch.randint(3, 384, (length,), generator=g).tolist() for length in lengths]
+
+
+def remote_engine(draft, tokenizer, address, config, timeout_s=30.0):
+    """A draft node: the fused engine with its target behind gRPC."""
+    return SpeculativeEngine(RemoteVerifier(address, timeout_s=timeout_s), tokenizer, draft, config)
 
 
 def fused(target, draft, tokenizer, requests, batch=2, k=3):
@@ -40,7 +45,7 @@ def server(tiny_target, tokenizer):
 def test_greedy_identical_to_fused(server, tiny_target, tiny_draft, tokenizer, batch, k):
     requests = [Request(p, max_new_tokens=20) for p in prompts(5, seed=batch + 7)]
     config = EngineConfig(max_batch_size=batch, max_len=MAX_LEN, k=k)
-    remote = RemoteSpeculativeEngine(tiny_draft, tokenizer, server.address, config)
+    remote = remote_engine(tiny_draft, tokenizer, server.address, config)
     outs = remote.generate(requests)
     assert [o.token_ids for o in outs] == [o.token_ids for o in fused(tiny_target, tiny_draft, tokenizer, requests, k=k)]
     stats = outs[0].stats
@@ -54,7 +59,7 @@ def test_seeded_sampling_identical_to_fused(server, tiny_target, tiny_draft, tok
     # Greedy and sampled rows share the batch; each sampled row has its own seed.
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=s) for s in range(4)] + [SamplingParams()]
     requests = [Request(p, params=s, max_new_tokens=16) for p, s in zip(prompts(5, seed=3), params)]
-    remote = RemoteSpeculativeEngine(tiny_draft, tokenizer, server.address, EngineConfig(max_batch_size=3, max_len=MAX_LEN, k=3))
+    remote = remote_engine(tiny_draft, tokenizer, server.address, EngineConfig(max_batch_size=3, max_len=MAX_LEN, k=3))
     outs = remote.generate(requests)
     expected = fused(tiny_target, tiny_draft, tokenizer, requests, batch=3)
     assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
@@ -62,7 +67,7 @@ def test_seeded_sampling_identical_to_fused(server, tiny_target, tiny_draft, tok
 
 
 def test_incremental_api_stop_strings_and_abort(server, tiny_target, tiny_draft, tokenizer):
-    remote = RemoteSpeculativeEngine(tiny_draft, tokenizer, server.address, EngineConfig(max_batch_size=2, max_len=MAX_LEN, k=2))
+    remote = remote_engine(tiny_draft, tokenizer, server.address, EngineConfig(max_batch_size=2, max_len=MAX_LEN, k=2))
     [free] = fused(tiny_target, tiny_draft, tokenizer, [Request([5, 6, 7], max_new_tokens=12)])
     stop = free.text[1:3]
     assert stop.strip()
@@ -100,7 +105,7 @@ def test_two_draft_nodes_share_one_target(tiny_target, tiny_draft, tokenizer):
 
         def node(name):
             try:
-                remote = RemoteSpeculativeEngine(tiny_draft, tokenizer, server.address, EngineConfig(max_batch_size=2, max_len=MAX_LEN, k=3))
+                remote = remote_engine(tiny_draft, tokenizer, server.address, EngineConfig(max_batch_size=2, max_len=MAX_LEN, k=3))
                 results[name] = remote.generate(jobs[name])
             except Exception as e:  # surfaced below
                 errors.append(e)
@@ -119,7 +124,7 @@ def test_two_draft_nodes_share_one_target(tiny_target, tiny_draft, tokenizer):
 
 def test_idle_session_is_evicted(tiny_target, tiny_draft, tokenizer):
     with VerifyServer(tiny_target, tokenizer, max_batch_size=2, max_len=MAX_LEN, k_buckets=(2,), session_timeout_s=0.3) as server:
-        remote = RemoteSpeculativeEngine(tiny_draft, tokenizer, server.address, EngineConfig(max_batch_size=2, max_len=MAX_LEN, k=2))
+        remote = remote_engine(tiny_draft, tokenizer, server.address, EngineConfig(max_batch_size=2, max_len=MAX_LEN, k=2))
         rid = remote.add_request(Request([5, 6, 7], max_new_tokens=40))
         remote.step()
         assert len(server.service.sessions) == 1
@@ -137,7 +142,7 @@ def test_target_down_then_back(tiny_target, tiny_draft, tokenizer):
     expected = [o.token_ids for o in fused(tiny_target, tiny_draft, tokenizer, requests)]
     server = VerifyServer(tiny_target, tokenizer, max_batch_size=4, max_len=MAX_LEN, k_buckets=(3,))
     port = server.start()
-    remote = RemoteSpeculativeEngine(tiny_draft, tokenizer, server.address, EngineConfig(max_batch_size=2, max_len=MAX_LEN, k=3))
+    remote = remote_engine(tiny_draft, tokenizer, server.address, EngineConfig(max_batch_size=2, max_len=MAX_LEN, k=3))
     ids = [remote.add_request(r) for r in requests]
     remote.step()
     server.stop()  # mid-stream
@@ -163,7 +168,7 @@ def test_unreachable_target_at_start_names_the_address(tiny_draft, tokenizer):
     with VerifyServer(tiny_draft, tokenizer) as probe:  # a port that was free a moment ago
         address = probe.address
     with pytest.raises(TargetUnavailable, match=f"{address}.*serve --role target"):
-        RemoteSpeculativeEngine(tiny_draft, tokenizer, address, EngineConfig(max_len=MAX_LEN), timeout_s=0.5)
+        remote_engine(tiny_draft, tokenizer, address, EngineConfig(max_len=MAX_LEN), timeout_s=0.5)
 
 
 def test_a_session_at_its_context_end_does_not_fail_larger_k_verifies(server, tiny_target, tiny_draft, tokenizer):
@@ -171,7 +176,7 @@ def test_a_session_at_its_context_end_does_not_fail_larger_k_verifies(server, ti
     the context end, a Verify of K=8 from another session freezes its row in a forward that
     would write past its cache: that row must stay inside it, and both sessions decode as fused."""
     long_request = Request(list(range(3, 43)), max_new_tokens=MAX_LEN - 40 - 1)  # needs exactly MAX_LEN positions
-    alone = RemoteSpeculativeEngine(None, tokenizer, server.address, EngineConfig(max_len=MAX_LEN, k=0))
+    alone = remote_engine(None, tokenizer, server.address, EngineConfig(max_len=MAX_LEN, k=0))
     alone.add_request(long_request)
     tokens, finished = [], None
     while len(tokens) < long_request.max_new_tokens - 3 and alone.has_unfinished_requests():
@@ -179,7 +184,7 @@ def test_a_session_at_its_context_end_does_not_fail_larger_k_verifies(server, ti
             tokens += out.new_token_ids
     assert len(tokens) == long_request.max_new_tokens - 3, "the session must be running three tokens short of its limit"
     others = [Request(p, max_new_tokens=12) for p in prompts(3, seed=11)]
-    spec = RemoteSpeculativeEngine(tiny_draft, tokenizer, server.address, EngineConfig(max_batch_size=3, max_len=MAX_LEN, k=8))
+    spec = remote_engine(tiny_draft, tokenizer, server.address, EngineConfig(max_batch_size=3, max_len=MAX_LEN, k=8))
     outs = spec.generate(others)
     assert [o.token_ids for o in outs] == [o.token_ids for o in fused(tiny_target, tiny_draft, tokenizer, others, k=8)]
     while alone.has_unfinished_requests():

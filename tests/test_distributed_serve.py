@@ -15,7 +15,7 @@ import pytest
 
 from routing.router import Router
 from serving.engine import EngineConfig, Request, SpeculativeEngine
-from serving.launch import free_port
+from serving.server.launch import free_port
 from tests.test_server import LiveServer
 
 pytestmark = pytest.mark.e2e
@@ -28,7 +28,7 @@ class TargetProcess:
 
     def __init__(self, target_dir, port: int) -> None:
         self.address = f"127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "serving.cli_serve", "--role", "target", "--port", str(port),
+        cmd = [sys.executable, "-m", "serving.server.cli_serve", "--role", "target", "--port", str(port),
                f"target_model={target_dir}", "engine.device=cpu", f"engine.max_len={MAX_LEN}", "engine.max_batch_size=4", "log_level=warning"]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 90

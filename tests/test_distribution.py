@@ -13,12 +13,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import serving.speculative as speculative
-from serving.acceptance import accept_reject
-from serving.sampling import SamplingParams, SamplingTensors, probs_from_logits, sample
-import serving.engine as engine
-from serving.engine import step_uniforms
-from serving.speculative import StepRandom, speculative_step
+import serving.engine.core as engine
+import serving.engine.speculative as speculative
+from serving.engine.acceptance import accept_reject
+from serving.engine.core import step_uniforms
+from serving.engine.sampling import SamplingParams, SamplingTensors, probs_from_logits, sample
+from serving.engine.speculative import StepRandom, speculative_step
 from tests.stubs import MarkovStub, state_for
 
 pytestmark = pytest.mark.integration

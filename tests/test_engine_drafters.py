@@ -6,10 +6,10 @@ batch bucket that holds its rows."""
 import pytest
 import torch
 
-from serving.drafters.ngram import NgramDrafter
-from serving.drafters.suffix import SuffixDrafter
-from serving.engine import EngineConfig, Request, SpeculativeEngine, step_uniforms
-from serving.sampling import SamplingParams
+from serving.engine.core import EngineConfig, Request, SpeculativeEngine, step_uniforms
+from serving.engine.drafters.ngram import NgramDrafter
+from serving.engine.drafters.suffix import SuffixDrafter
+from serving.engine.sampling import SamplingParams
 from tests.test_engine_tiny import hf_greedy, ragged_prompts
 
 pytestmark = pytest.mark.integration
@@ -86,8 +86,8 @@ def test_a_lone_request_runs_at_the_smallest_batch_bucket(tiny_target, tiny_draf
     engine = engine_with_every_drafter(tiny_target, tiny_draft, tokenizer, batch=8)
     assert engine.config.batch_buckets == (1, 2, 4, 8)
     seen = []
-    forward = engine.target.forward
-    engine.target.forward = lambda tokens, positions, last_only=False: seen.append(tokens.shape[0]) or forward(tokens, positions, last_only)
+    forward = engine.verifier.runner.forward
+    engine.verifier.runner.forward = lambda tokens, positions, last_only=False: seen.append(tokens.shape[0]) or forward(tokens, positions, last_only)
     prompts = ragged_prompts(3, seed=5)
     engine.generate([Request(prompts[0], max_new_tokens=8)])
     assert set(seen) == {1}
@@ -153,7 +153,7 @@ def test_point_masses_enter_the_acceptance_rule_as_one_hot_q(tiny_target, tokeni
 def test_a_host_drafters_own_k_between_buckets_rounds_up_to_a_bucket(tiny_target, tokenizer):
     """A drafter's own k (3) that is not a K bucket (2, 4): its proposals verify at the next bucket,
     padded and masked, with uniforms wide enough for that bucket."""
-    from serving.drafters.prediction import PredictionDrafter
+    from serving.engine.drafters.prediction import PredictionDrafter
 
     prompt = ragged_prompts(1, seed=12)[0]
     expected = hf_greedy(tiny_target, prompt, 12)

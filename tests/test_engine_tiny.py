@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from serving.engine import EngineConfig, Request, SpeculativeEngine
-from serving.models import check_same_tokenizer
-from serving.sampling import SamplingParams
+from serving.engine.models import check_same_tokenizer
+from serving.engine.sampling import SamplingParams
 from tests.conftest import make_tokenizer, perturbed
 
 pytestmark = pytest.mark.integration

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from serving.bundled import choral_home
+from serving.engine.bundled import choral_home
 from serving.prompts import (
     ALL_DOMAINS,
     DOMAINS,

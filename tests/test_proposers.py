@@ -8,8 +8,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from serving.drafters.ngram import NgramIndex, propose_ngram
-from serving.drafters.suffix import SuffixCache
+from serving.engine.drafters.ngram import NgramIndex, propose_ngram
+from serving.engine.drafters.suffix import SuffixCache
 
 pytestmark = pytest.mark.unit
 

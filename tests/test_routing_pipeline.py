@@ -219,7 +219,7 @@ def test_interrupted_collection_resumes_and_shards_merge_to_one_run(setup, tmp_p
     merged = tmp_path / "merged.jsonl"
     profile = tmp_path / "profile.yaml"
     assert collect_main(["--merge", str(merged), *map(str, reversed(shards)), str(shards[0]), "--profile", str(profile)]) == 0
-    from serving.profile import load_profile
+    from serving.fleet.profile import load_profile
 
     p = load_profile(profile)  # the simulator's view of the rows: every draft with a cost and acceptance
     assert set(p.drafts) == {r["draft"] for r in read_rows(merged) if r["draft"] != "none"}

@@ -206,7 +206,7 @@ def test_evaluation_reports_each_lead_over_the_best_single_draft_with_its_paired
 @pytest.mark.integration
 @pytest.mark.parametrize("role", ["fused", "target", "draft"])
 def test_serve_refuses_a_corrupt_router_in_every_role_before_loading_models(saved, tmp_path, role, capsys):
-    from serving import cli_serve
+    from serving.server import cli_serve
 
     raw = saved.read_bytes()
     bad = tmp_path / "router.pt"

@@ -18,18 +18,19 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from routing.router import Router
-from serving import cli_generate, cli_serve
 from serving.config import load_config
 from serving.engine import EngineConfig, Request, SpeculativeEngine
-from serving.serve_config import ServeConfig
-from serving.server import create_app, load_backend
+from serving.server import cli_serve
+from serving.server.serve_config import ServeConfig
+from serving.server.server import create_app, load_backend
+from serving.tools import cli_generate
 
 MAX_LEN = 128
 CHAT = [{"role": "user", "content": "What is 12 + 30?"}]
 
 
 class LiveServer:
-    """``serving.server.create_app`` under a real uvicorn on a free loopback port."""
+    """``serving.server.server.create_app`` under a real uvicorn on a free loopback port."""
 
     def __init__(self, overrides: list[str], load=load_backend) -> None:
         self.cfg = load_config(ServeConfig, None, ["engine.device=cpu", "log_level=warning", *overrides])
@@ -121,7 +122,7 @@ def test_health_is_503_until_loaded_then_models_lists_drafts(live, model_dirs):
         assert status == 503 and "loading" in json.loads(body)["error"]["message"]
     assert live.request("GET", "/health") == (200, '{"status":"ok"}')
     [model] = live.client.models.list().data
-    assert model.id == str(model_dirs["target"])
+    assert model.id == model_dirs["target"].name  # the folder's name: /v1/models never shows a filesystem path
     assert model.model_extra["choral"]["drafts"] == ["code", "chat", "ngram", "suffix", "prediction", "none"]
 
 
@@ -207,6 +208,8 @@ BAD = [
     ("completions", b'{"model": "MODEL", "prompt": "a\\ud800b", "max_tokens": 4}', 400, "prompt"),
     ("chat", b'{"model": "MODEL", "messages": [{"role": "user", "content": "a\\ud800b"}]}', 400, "messages[0].content"),
     ("completions", b'{"model": "MODEL", "prompt": "x", "deep": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, None),
+    ("completions", b'{"model": "MODEL", "max_tokens": 4, "prompt": "' + b"word " * 500_000 + b'"}', 413, None),
+    ("completions", {"prompt": "word " * 100_000}, 400, "prompt"),  # refused by its length, not tokenized
 ]
 
 
@@ -261,6 +264,30 @@ def test_concurrent_requests_give_the_sequential_outputs(live):
 
 
 @pytest.mark.e2e
+def test_requests_are_counted_once_with_the_status_the_client_saw(live):
+    """choral_requests_total counts a request when its response ends (it counted 200 at admission,
+    so a request that later failed showed as 200)."""
+
+    def counts() -> dict[str, float]:
+        return {dict(labels)["status"]: v for (name, labels), v in live.metrics().items()
+                if name == "choral_requests_total" and dict(labels)["endpoint"] == "completions"}  # fmt: skip
+
+    before = counts()
+    tally: dict[str, int] = {}
+    for kwargs in [{}, {"stream": True}, {"top_p": 2.0}, {"seed": 2**64}, {"extra_body": {"draft": "nope"}}, {}]:
+        try:
+            out = live.client.completions.create(model=live.model, prompt="hi", max_tokens=3, **kwargs)
+            if kwargs.get("stream"):
+                list(out)
+            tally["200"] = tally.get("200", 0) + 1
+        except openai.APIStatusError as e:
+            tally[str(e.status_code)] = tally.get(str(e.status_code), 0) + 1
+    after = counts()
+    assert {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)} == tally
+    assert tally == {"200": 3, "400": 3}
+
+
+@pytest.mark.e2e
 def test_metrics_parse_as_prometheus_text(live):
     live.client.completions.create(model=live.model, prompt="hi", max_tokens=3, stream=True).close()
     live.client.completions.create(model=live.model, prompt="hi", max_tokens=3)
@@ -277,7 +304,7 @@ def test_metrics_parse_as_prometheus_text(live):
 
 @pytest.mark.e2e
 def test_load_test_script_has_no_lost_or_malformed_responses(live, tmp_path):
-    from serving import load_test
+    from serving.tools import load_test
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"text": "def add(a, b):", "domain": "code"}\n{"text": "What is 12 + 30?"}\n'
@@ -286,7 +313,7 @@ def test_load_test_script_has_no_lost_or_malformed_responses(live, tmp_path):
             str(prompts), "--out", str(tmp_path / "load"), "--quiet", "--compare-sequential",
             "--profile", str(tmp_path / "p.yaml"), "--profile-base", str(Path(__file__).parents[1] / "configs/profiles/cpu_bundled.yaml")]  # fmt: skip
     assert load_test.main(args) == 0
-    from serving.profile import load_profile
+    from serving.fleet.profile import load_profile
 
     assert set(load_profile(tmp_path / "p.yaml").domains) == {"prompts"}  # ids of a prompt file: <stem>/<i>
     report = json.loads((tmp_path / "load" / "load_test.json").read_text())
@@ -413,9 +440,9 @@ def test_cancelled_handler_aborts_its_ticket():
     import asyncio
 
     from serving.engine import Request
-    from serving.scheduler import Ticket
-    from serving.serve_config import ServeConfig
-    from serving.server import _Server
+    from serving.server.scheduler import Ticket
+    from serving.server.serve_config import ServeConfig
+    from serving.server.server import _Server
 
     class Scheduler:
         aborted: list = []
@@ -431,7 +458,9 @@ def test_cancelled_handler_aborts_its_ticket():
         server = _Server(ServeConfig())
         server.scheduler = Scheduler()
         ticket = Ticket(Request([1, 2, 3]), "hi", asyncio.get_running_loop())
-        task = asyncio.create_task(server._collect(Http(), ticket, None))
+        counted = []
+        context = type("Context", (), {"count": lambda self, status: counted.append(status)})()
+        task = asyncio.create_task(server._collect(Http(), ticket, context))
         await asyncio.sleep(0.05)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -440,3 +469,30 @@ def test_cancelled_handler_aborts_its_ticket():
 
     aborted, ticket = asyncio.run(run())
     assert aborted == [ticket]
+
+
+@pytest.mark.e2e
+def test_api_key_guards_every_route_but_health_and_metrics(router_file, monkeypatch):
+    monkeypatch.setenv("CHORAL_API_KEY", "s3cret")  # as vLLM's VLLM_API_KEY; api_key=... in the config wins
+    srv = LiveServer([f"router={router_file}", f"engine.max_len={MAX_LEN}", "engine.max_batch_size=1", "engine.k=2",
+                      "warmup=false"])  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        while srv.request("GET", "/health")[0] != 200:  # open without the key
+            assert time.time() < deadline
+            time.sleep(0.05)
+        assert srv.request("GET", "/metrics")[0] == 200
+        for method, path, body in [("GET", "/v1/models", None), ("POST", "/v1/completions", b'{"model": "m", "prompt": "hi"}'),
+                                   ("POST", "/v1/chat/completions", b"{}"), ("GET", "/docs", None), ("GET", "/openapi.json", None)]:
+            status, text = srv.request(method, path, body)
+            assert status == 401 and json.loads(text)["error"]["code"] == "invalid_api_key", (path, status)
+        assert srv.request("GET", "/v1/models", headers={"Authorization": "Bearer wrong"})[0] == 401
+        keyed = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="s3cret", max_retries=0, timeout=60)
+        model = keyed.models.list().data[0].id
+        assert "/" not in model  # a model id, not the target's folder
+        assert keyed.completions.create(model=model, prompt="hi", max_tokens=2).choices[0].finish_reason
+        with pytest.raises(openai.AuthenticationError):
+            srv.client.completions.create(model=model, prompt="hi", max_tokens=2)  # api_key="test"
+        assert srv.request("GET", "/docs", headers={"Authorization": "Bearer s3cret"})[0] == 404  # docs off by default
+    finally:
+        srv.stop()

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from serving.cli_simulate import main, run_sweep
+from serving.fleet.cli_simulate import main, run_sweep
 from serving.config import ConfigError, load_config
-from serving.profile import (
+from serving.fleet.profile import (
     CostModel,
     CostPoint,
     DomainProfile,
@@ -24,7 +24,7 @@ from serving.profile import (
     iid_curve,
     load_profile,
 )
-from serving.simulator import SimulateConfig, simulate
+from serving.fleet.simulator import SimulateConfig, simulate
 
 pytestmark = pytest.mark.unit
 

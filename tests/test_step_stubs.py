@@ -4,8 +4,8 @@ at each position), plus EOS and length limits inside an accepted block."""
 import pytest
 import torch
 
-from serving.sampling import SamplingParams, SamplingTensors
-from serving.speculative import StepRandom, speculative_step
+from serving.engine.sampling import SamplingParams, SamplingTensors
+from serving.engine.speculative import StepRandom, speculative_step
 from tests.stubs import PositionStub, state_for
 
 pytestmark = pytest.mark.integration

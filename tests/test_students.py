@@ -119,7 +119,7 @@ def test_frequent_tokens_counts_ignores_padding_and_keeps_always():
 @pytest.mark.integration
 def test_reduced_vocab_draft_stays_lossless_and_reloads(tiny_target, tiny_draft, tokenizer, tmp_path):
     from serving.engine import EngineConfig, Request, SpeculativeEngine
-    from serving.runner import ModelRunner
+    from serving.engine.runner import ModelRunner
     from tests.test_engine_tiny import hf_greedy, ragged_prompts
 
     draft = reduce_vocab(copy.deepcopy(tiny_draft), list(range(0, 384, 3)))
@@ -134,7 +134,7 @@ def test_reduced_vocab_draft_stays_lossless_and_reloads(tiny_target, tiny_draft,
     full = ModelRunner(tiny_draft, batch_size=1, max_len=16).forward(torch.tensor([[4, 5]]), torch.tensor([[0, 1]]))
     torch.testing.assert_close(logits[..., kept], full[..., kept])  # the kept rows are the same head rows
     # With Choral's CPU kernels the reduced head is batch-invariant like every other layer.
-    from serving.cpu_kernels import InvariantLinear, prepare_for_cpu
+    from serving.engine.cpu_kernels import InvariantLinear, prepare_for_cpu
 
     fast = ModelRunner(prepare_for_cpu(copy.deepcopy(reloaded), token_counts=(1, 2)), batch_size=2, max_len=16)
     assert isinstance(fast.kept_head, InvariantLinear)
@@ -142,7 +142,7 @@ def test_reduced_vocab_draft_stays_lossless_and_reloads(tiny_target, tiny_draft,
     fast_one = ModelRunner(fast.model, batch_size=1, max_len=16).forward(torch.tensor([[4, 5]]), torch.tensor([[0, 1]]))
     assert torch.equal(both[:1], fast_one)
     # As an int8 draft the reduced head is an int8 layer too, still -inf outside the kept rows.
-    from serving import cpu_kernels
+    from serving.engine import cpu_kernels
 
     if cpu_kernels.rowdot_available():
         small = ModelRunner(prepare_for_cpu(copy.deepcopy(reloaded), token_counts=(1, 2), weights="int8"), batch_size=1, max_len=16)
@@ -166,7 +166,7 @@ def test_kept_head_evaluates_as_a_compact_head_with_the_trained_rows(tiny_draft)
     """train-draft evaluates a KeptHead student through ``eval_model``: its compact head (the
     kept rows only, shared with training, no copy) must give the logits the saved, merged draft
     gives, so evaluation measures the draft that is saved."""
-    from serving.runner import ModelRunner
+    from serving.engine.runner import ModelRunner
     from training.students import eval_model, keep_head_rows, plain_model
 
     student = reduce_vocab(copy.deepcopy(tiny_draft), list(range(1, 384, 5)))

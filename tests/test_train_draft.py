@@ -373,8 +373,8 @@ def test_evaluation_on_cpu_kernels_leaves_the_trained_student_as_it_was(tokenize
     weights bit for bit and its trainable flags, and the copy decodes as a deep copy would."""
     import copy
 
-    from serving.cpu_kernels import rowdot_available
-    from serving.engine_settings import EngineSettings
+    from serving.engine.cpu_kernels import rowdot_available
+    from serving.engine.engine_settings import EngineSettings
     from training.evaluate import measure
 
     if draft_weights == "int8" and not rowdot_available():

@@ -31,7 +31,7 @@ def continuations(target_ref: str, prompts: list[list[int]], new_tokens: int, ca
     """The target's greedy continuations of ``prompts``, cached in ``cache`` (regenerated if the
     target, the prompts or the length differ)."""
     from serving.engine import Request
-    from serving.models import load_model, load_tokenizer
+    from serving.engine.models import load_model, load_tokenizer
     from training.checkpoint import atomic_file
     from training.generate import target_generate
 
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--misses", type=int, default=15, help="most frequent disagreements to list per draft")
     args = ap.parse_args(argv)
 
-    from serving.models import load_model, load_tokenizer
+    from serving.engine.models import load_model, load_tokenizer
     from training.evaluate import held_out_prompts
     from training.students import reduce_vocab
 

@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(cfg: TrainDraftConfig, args: argparse.Namespace) -> int:
-    from serving.devices import steady_host_allocator
+    from serving.engine.devices import steady_host_allocator
     from training.train import train  # heavy imports only once the config is valid
 
     steady_host_allocator()  # training steps and engine evaluations alternate: keep the heap from fragmenting

@@ -40,8 +40,8 @@ def measure_runs(args, out: Path) -> int:
     """Untrained and every run's final student on the same held-out prompts, one target load."""
     from tqdm import tqdm
 
-    from serving.engine_settings import EngineSettings
-    from serving.models import load_model, load_tokenizer
+    from serving.engine.engine_settings import EngineSettings
+    from serving.engine.models import load_model, load_tokenizer
     from training.evaluate import held_out_prompts, measure
     from training.students import derive_student, reduce_vocab
 

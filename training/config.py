@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from serving.engine_settings import EngineSettings
+from serving.engine.engine_settings import EngineSettings
 
 
 def doc(text: str) -> dict:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from serving.devices import release_host_memory
 from serving.engine import Request, SpeculativeEngine
-from serving.engine_settings import EngineSettings, prepare_kernels
+from serving.engine.devices import release_host_memory
+from serving.engine.engine_settings import EngineSettings, prepare_kernels
 from serving.prompts import encode_prompt, load_prompts
 from training.config import EvalConfig
 from training.students import shared_copy

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from serving.engine import Request
-from serving.sampling import SamplingParams
+from serving.engine.sampling import SamplingParams
 from training.checkpoint import write_json_atomic
 from training.generate import target_generate
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from serving.engine import Completion, EngineConfig, Request, SpeculativeEngine, use_cpu_kernels
+from serving.engine.core import Completion, EngineConfig, Request, SpeculativeEngine, use_cpu_kernels
 
 
 def target_generate(model, tokenizer, requests: Sequence[Request], *, desc: str) -> list[Completion]:

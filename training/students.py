@@ -14,7 +14,7 @@ Reduced vocabulary (FR-Spec, Zhao et al. 2025): at a few layers most of the draf
 lm_head over ~152k tokens. ``reduce_vocab(student, frequent_tokens(rows, n))`` records the ``n``
 most frequent token ids of the domain's training text in ``config.draft_vocab``; the model and its
 checkpoint stay a plain full-vocabulary Hugging Face model (transformers and vLLM load it as is),
-and Choral's engine (``serving.runner.ModelRunner``) computes only those rows of the head and
+and Choral's engine (``serving.engine.runner.ModelRunner``) computes only those rows of the head and
 fills the rest of the row with -inf. Verification stays exact: the target still scores every token.
 
 Low-rank adapters (LoRA, Hu et al. 2021, through peft): ``add_lora(student, 16, 32.0, ["q_proj",
@@ -173,7 +173,7 @@ class KeptHead(nn.Module):
 
     def compact(self) -> nn.Linear:
         """The kept rows alone as a head ([V', H], sharing this head's trained weight, no copy):
-        what the engine runs a reduced draft with (``serving.runner`` takes a head of exactly
+        what the engine runs a reduced draft with (``serving.engine.runner`` takes a head of exactly
         ``len(draft_vocab)`` rows as already reduced). train-draft evaluates with it, so an
         evaluation never holds a full-vocabulary copy of the head."""
         head = nn.Linear(self.weight.shape[1], self.weight.shape[0], bias=False, device=self.weight.device, dtype=self.weight.dtype)

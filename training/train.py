@@ -29,9 +29,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from tqdm import tqdm
 
 from serving.config import to_dict
-from serving.devices import release_host_memory
+from serving.engine.devices import release_host_memory
 from serving.engine import Request
-from serving.models import (
+from serving.engine.models import (
     check_same_tokenizer,
     eos_token_ids,
     load_model,

@@ -13,10 +13,10 @@ import argparse
 import json
 from pathlib import Path
 
-from serving.bench import compare
-from serving.engine import EngineConfig, Request, SpeculativeEngine, use_cpu_kernels
-from serving.models import load_model, load_tokenizer
+from serving.engine.core import EngineConfig, Request, SpeculativeEngine, use_cpu_kernels
+from serving.engine.models import load_model, load_tokenizer
 from serving.prompts import encode_prompt, load_prompts
+from serving.tools.bench import compare
 
 
 def main() -> None:

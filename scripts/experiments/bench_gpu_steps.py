@@ -28,10 +28,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from serving.devices import resolve_device, resolve_dtype, synchronize  # noqa: E402
-from serving.models import load_model, resolve_model_ref  # noqa: E402
-from serving.runner import ModelRunner  # noqa: E402
 from routing.router import speedup_model  # noqa: E402
+from serving.engine.devices import resolve_device, resolve_dtype, synchronize  # noqa: E402
+from serving.engine.models import load_model, resolve_model_ref  # noqa: E402
+from serving.engine.runner import ModelRunner  # noqa: E402
 
 
 def build(ref: str, random_init: bool, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:

@@ -5,7 +5,7 @@
     python scripts/experiments/bench_grpc_verify.py --target-address 127.0.0.1:50051   # a `serve --role target`
 
 For each (batch, greedy/sampled) the same requests run through the fused engine and through a
-draft node (RemoteSpeculativeEngine) talking to a VerifyServer in this process (separate thread,
+draft node (SpeculativeEngine on a RemoteVerifier) talking to a VerifyServer in this process (separate thread,
 real gRPC over 127.0.0.1). Reported per verify call, in ms:
   local_forward: the fused engine's target forward (stats target_step_ms);
   rpc_round_trip: the draft node's Verify call, request built to answer decoded;
@@ -27,10 +27,10 @@ import torch
 from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from serving.distributed.remote import RemoteVerifier
+from serving.distributed.verify_service import VerifyServer
 from serving.engine import EngineConfig, Request, SpeculativeEngine
-from serving.remote import RemoteSpeculativeEngine
-from serving.sampling import SamplingParams
-from serving.verify_service import VerifyServer
+from serving.engine.sampling import SamplingParams
 
 
 def tiny_pair(vocab: int, hidden: int, layers: int) -> tuple[Qwen2ForCausalLM, Qwen2ForCausalLM, PreTrainedTokenizerFast]:
@@ -78,11 +78,12 @@ def measure(target, draft, tokenizer, address: str | None, batch: int, sampled: 
 def _measure(target, draft, tokenizer, address, requests, config, sampled, k) -> dict:
     batch = config.max_batch_size
     fused = SpeculativeEngine(target, tokenizer, draft, config) if target is not None else None
-    remote = RemoteSpeculativeEngine(draft, tokenizer, address, EngineConfig(max_batch_size=batch, max_len=config.max_len, k=k))
+    verifier = RemoteVerifier(address)
+    remote = SpeculativeEngine(verifier, tokenizer, draft, EngineConfig(max_batch_size=batch, max_len=config.max_len, k=k))
     if fused is not None:
         fused.generate(requests[:1])  # warm-up
     remote.generate(requests[:1])
-    remote.verify_times.clear()
+    verifier.verify_times.clear()
     row = {"batch": batch, "sampled": sampled, "k": k}
     if fused is not None:
         outs = fused.generate(requests)
@@ -90,8 +91,8 @@ def _measure(target, draft, tokenizer, address, requests, config, sampled, k) ->
     remote_outs = remote.generate(requests)
     if fused is not None:
         row["outputs_identical"] = [o.token_ids for o in outs] == [o.token_ids for o in remote_outs]
-    rtt = [1e3 * r for r, _ in remote.verify_times]
-    side = [1e3 * t for _, t in remote.verify_times]
+    rtt = [1e3 * r for r, _ in verifier.verify_times]
+    side = [1e3 * t for _, t in verifier.verify_times]
     over = [r - t for r, t in zip(rtt, side)]
     row.update(
         calls=len(rtt),

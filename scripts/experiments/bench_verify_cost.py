@@ -1,7 +1,7 @@
 """How much does verifying N tokens in one forward cost, relative to one token? (CPU)
 
 Times a forward step of 1 vs N tokens on top of a prefilled KV cache, with plain eager
-`nn.Linear` and with `serving.cpu_kernels.prepare_for_cpu` kernels, A/B interleaved in the
+`nn.Linear` and with `serving.engine.cpu_kernels.prepare_for_cpu` kernels, A/B interleaved in the
 same process (the prepared modules keep the original weight, so they switch back to eager
 F.linear for the A side). Also checks batch invariance: are the logits of one N-token step
 bitwise equal to those of N one-token steps?
@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from serving.cpu_kernels import KERNELS, InvariantLinear, prepare_for_cpu, set_enabled  # noqa: E402
+from serving.engine.cpu_kernels import KERNELS, InvariantLinear, prepare_for_cpu, set_enabled  # noqa: E402
 
 
 def _busy_jiffies() -> tuple[int, int]:
@@ -174,7 +174,7 @@ def bench_linear(args) -> dict:
 def _load(args):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from serving.bundled import is_bundled_name, resolve_bundled
+    from serving.engine.bundled import is_bundled_name, resolve_bundled
 
     path = resolve_bundled(args.model) if is_bundled_name(args.model) else args.model
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

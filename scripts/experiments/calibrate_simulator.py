@@ -9,7 +9,7 @@ draft that is the target's first layers, so it agrees often), run ``scripts/load
 against it, then measure the profile in the same run with the same models and engine settings
 (every ``engine.step()`` of the server's static batch timed; distributed: through the still-running
 target server, so the gRPC round trip is in the measured verification cost), take acceptance and
-lengths from the load test's own rows (``serving.profile.from_load_test``), and simulate the same
+lengths from the load test's own rows (``serving.fleet.profile.from_load_test``), and simulate the same
 closed loop (``--concurrency`` clients, no think time, one target, static batch, loopback link)
 for the load test's wall time. Compared: throughput and p50 of TTFT, inter-token latency (TPOT)
 and end-to-end latency; the goal is within 15%.
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 REPO = Path(__file__).resolve().parents[2]
 
-from serving.launch import free_port, stop, wait_healthy  # noqa: E402  (after the path above)
+from serving.server.launch import free_port, stop, wait_healthy  # noqa: E402  (after the path above)
 
 
 def word_tokenizer(vocab_size: int, n_prompts: int):
@@ -112,7 +112,7 @@ def write_router(root: Path, target: Path, draft: Path) -> Path:
 
 
 def start(args: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "serving.cli_serve", *args], stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO)
+    return subprocess.Popen([sys.executable, "-m", "serving.server.cli_serve", *args], stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO)
 
 
 def server_totals(url: str) -> dict[str, tuple[float, float]]:
@@ -185,11 +185,11 @@ def measure_profile(target: Path, draft: Path, load: dict, a: argparse.Namespace
     test's rows."""
     import torch
 
-    from serving.engine import EngineConfig, Request, SpeculativeEngine, use_cpu_kernels
-    from serving.models import load_model, load_tokenizer
-    from serving.profile import CostModel, CostPoint, DomainProfile, DraftProfile, Profile, from_load_test
+    from serving.distributed.remote import RemoteVerifier
+    from serving.engine.core import EngineConfig, Request, SpeculativeEngine, use_cpu_kernels
+    from serving.engine.models import load_model, load_tokenizer
+    from serving.fleet.profile import CostModel, CostPoint, DomainProfile, DraftProfile, Profile, from_load_test
     from serving.prompts import encode_prompt, load_prompts
-    from serving.remote import RemoteSpeculativeEngine
 
     tok = load_tokenizer(str(target))
     cpu = torch.device("cpu")
@@ -197,7 +197,7 @@ def measure_profile(target: Path, draft: Path, load: dict, a: argparse.Namespace
     cfg = EngineConfig(max_batch_size=a.batch, k=a.k)
     if grpc_address:
         use_cpu_kernels([d_model], device=cpu, dtype="float32", widths=cfg.step_widths)
-        engine = RemoteSpeculativeEngine(d_model, tok, grpc_address, cfg)
+        engine = SpeculativeEngine(RemoteVerifier(grpc_address), tok, d_model, cfg)
     else:
         t_model = load_model(str(target), dtype="float32", device=cpu)
         use_cpu_kernels([t_model, d_model], device=cpu, dtype="float32", widths=cfg.step_widths)
@@ -246,7 +246,7 @@ def simulate_like(arch: str, load: dict, profile, a: argparse.Namespace) -> dict
     HTTP work share the cores), by the ratio of its mean step time during the run (``/metrics``)
     to the profiling run's: the simulated server runs at that speed (``--no-load-speed``: 1.0)."""
     from serving.config import load_config
-    from serving.simulator import SimulateConfig, simulate
+    from serving.fleet.simulator import SimulateConfig, simulate
 
     speed = 1.0 if a.no_load_speed else profile.meta["mean_step_ms"] / load["server_step_ms"]
     profile.meta["load_speed"] = speed

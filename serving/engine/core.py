@@ -1,0 +1,781 @@
+"""The speculative engine: a static batch of slots that requests join and leave between steps.
+
+    engine = SpeculativeEngine(target, tokenizer, config=EngineConfig(max_batch_size=4, k=4),
+                               drafters={"base": draft_model, "ngram": NgramDrafter()})
+    [out] = engine.generate([Request(tokenizer.encode("def add(a, b):"), max_new_tokens=32, drafter="ngram")])
+    out.text, out.token_ids, out.stats["acceptance_rate"]
+
+One engine holds a verifier (``serving.engine.verifier``: the target and its KV cache, in this
+process or behind gRPC), one static batch and a set of named drafters (``serving.engine.drafters``):
+draft models, model-free drafters (``ngram``, ``suffix``, ``prediction``) and ``none``, the target
+alone. Each row carries the drafter its request was given. A step (``_step``):
+
+1. draft: every drafter proposes for its own rows (a draft model on the device over its own rows,
+   at the smallest batch bucket holding them; a host drafter on the host), padded to the step's K
+   bucket with masked slots;
+2. verify: the verifier runs one target forward over every row (a ``none`` row verifies a single
+   token) and
+3. accepts or rejects each row's proposal (``serving.engine.acceptance``), drawing the correction
+   or bonus token;
+4. commit the answer into the decode state (``commit``), then read back one small tensor: the
+   step's single host sync.
+
+The host then applies stop strings, retires finished requests and admits waiting ones into free
+slots, so ``generate`` already batches continuously. A step runs at the smallest batch bucket that
+holds the occupied slots (requests take the lowest free slot), so a lone request does not pay for
+the whole static batch.
+
+A server drives the same loop itself, as with vLLM's ``LLMEngine``: ``add_request`` queues,
+``step`` admits and advances everyone by one speculative step and returns each request's new
+tokens, ``abort_request`` frees a slot. The engine is not thread-safe: call it from one thread.
+
+Everything the engine needs from the target goes through its ``Verifier``: ``prefill`` a row,
+``verify`` a step's rows, ``release`` a row. A target model given to the engine is wrapped in a
+``LocalVerifier``; ``serving.distributed.remote.RemoteVerifier`` verifies on a target service, and
+the engine stays the same (slots, seeds, drafting, stop strings, stats, retirement). When the
+verifier fails rows (``VerifierError``: a remote target went away), ``step`` drops their requests,
+raises the error naming them, and hands out the other requests' tokens on the next step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch._inductor.config
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from serving.engine.bundled import choral_home
+from serving.engine.cpu_kernels import prepare_for_cpu, rowdot_available
+from serving.engine.devices import compile_backend, resolve_dtype, synchronize
+from serving.engine.drafters.base import HostDrafter, RowContext
+from serving.engine.drafters.prediction import PredictionDrafter
+from serving.engine.runner import ModelRunner
+from serving.engine.sampling import SamplingParams, SamplingTensors
+from serving.engine.speculative import DecodeState, StepRandom, commit, draft_half, start_row
+from serving.engine.stats import RequestStats
+from serving.engine.verifier import LocalVerifier, Verifier, VerifierError, VerifyBatch
+
+DRAFT_STOPS = ("token", "cumulative")  # what EngineConfig.draft_stop compares with draft_confidence
+
+
+@dataclass
+class EngineConfig:
+    """max_batch_size: slots decoded together (the static batch).
+    max_len: per-slot context: prompt + new tokens + the largest K must fit; None takes
+        min(2048, the target's max_position_embeddings).
+    k: draft tokens per step, or "auto" for Hugging Face's heuristic (+2 after a fully accepted
+        step, -1 otherwise) moving over ``k_buckets``.
+    k_buckets: the K values that exist as compiled shapes; a fixed k must be one of them.
+    compile_backend: None for eager, else the ``torch.compile`` backend of the per-shape forwards
+        ("inductor" on CPU/CUDA, "neuron" on Trainium); compiled shapes are warmed up at load.
+    draft_confidence: stop a step's drafting once the draft's top probability drops below this
+        (transformers' assistant_confidence_threshold); the verification covers the shorter block,
+        whose width must be a bucket + 1. A host check per draft token: for CPUs, not Neuron.
+    draft_stop: "token" compares each draft token's top probability with ``draft_confidence``;
+        "cumulative" compares their running product (the block's chance of surviving whole).
+    batch_buckets: the batch sizes a step can run at (compiled shapes); None: 1, 2, 4, ... up to
+        ``max_batch_size``, which is always one. A step runs at the smallest that holds its rows.
+    """
+
+    max_batch_size: int = 1
+    max_len: int | None = None
+    k: int | str = 4
+    k_buckets: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
+    compile_backend: str | None = None
+    draft_confidence: float | None = None
+    draft_stop: str = "token"
+    batch_buckets: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.draft_stop not in DRAFT_STOPS:
+            raise ValueError(f"draft_stop={self.draft_stop!r} must be 'token' or 'cumulative'")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size={self.max_batch_size} must be >= 1")
+        if not self.k_buckets or min(self.k_buckets) < 1:
+            raise ValueError(f"k_buckets={self.k_buckets} must be non-empty positive integers")
+        self.k_buckets = tuple(sorted(set(self.k_buckets)))
+        if self.k != "auto" and self.k not in self.k_buckets and self.k != 0:
+            raise ValueError(f"k={self.k!r} must be 'auto' or one of k_buckets {self.k_buckets}")
+        if self.batch_buckets is None:
+            powers = [1 << i for i in range(self.max_batch_size.bit_length()) if 1 << i < self.max_batch_size]
+            self.batch_buckets = (*powers, self.max_batch_size)
+        buckets = tuple(sorted({*self.batch_buckets, self.max_batch_size}))
+        if min(buckets) < 1 or max(buckets) > self.max_batch_size:
+            raise ValueError(f"batch_buckets={self.batch_buckets} must be sizes from 1 to max_batch_size={self.max_batch_size}")
+        self.batch_buckets = buckets
+
+    @property
+    def k_max(self) -> int:
+        return max(self.k_buckets) if self.k == "auto" else int(self.k)
+
+    @property
+    def verify_widths(self) -> tuple[int, ...]:
+        """Input widths of the target's verification: K+1 for every K a step can use."""
+        ks = self.k_buckets if self.k == "auto" else (int(self.k),)
+        if self.draft_confidence is not None:  # an early stop can leave any shorter block
+            ks = range(1, max(ks) + 1)
+        return tuple(sorted({k + 1 for k in ks}))
+
+    @property
+    def step_widths(self) -> tuple[int, ...]:
+        """Input widths of all decode forwards: 1 and 2 (draft) and the verification widths."""
+        return tuple(sorted({1, 2, *self.verify_widths}))
+
+
+DRAFT_WEIGHTS = ("auto", "fp32", "int8")
+
+
+def use_cpu_kernels(
+    models: list[PreTrainedModel],
+    *,
+    device,
+    dtype,
+    widths,
+    quantize: str | None = None,
+    drafts: list[PreTrainedModel] = (),
+    draft_weights: str = "fp32",
+    own_draft_tensors: bool = True,
+) -> bool:
+    """Swap in ``serving.engine.cpu_kernels`` where they apply (CPU, fp32, not quantized), so that
+    verifying any of ``widths`` tokens costs about one token and rows are bitwise identical.
+    ``models`` keep their fp32 numerics (targets); ``drafts`` get ``draft_weights``: "int8" stores
+    them as W8A8 int8 (~2.5x cheaper steps; a draft's numerics never change the output, only how
+    much of it is accepted), "auto" does so wherever the kernels apply and the C++ kernel builds,
+    "fp32" keeps them as they are (``own_draft_tensors``: see ``prepare_for_cpu``'s
+    ``own_tensors``). Returns whether the kernels were applied."""
+    if draft_weights not in DRAFT_WEIGHTS:
+        raise ValueError(f"draft_weights={draft_weights!r} must be one of {DRAFT_WEIGHTS}")
+    applies = torch.device(device).type == "cpu" and resolve_dtype(dtype) == torch.float32 and quantize is None
+    if draft_weights == "auto":
+        draft_weights = "int8" if applies and rowdot_available() else "fp32"
+    if not applies:
+        if draft_weights == "int8" and drafts:
+            raise ValueError(f"draft_weights={draft_weights!r} needs the CPU kernels: device cpu, dtype float32, "
+                             f"no quantize (got device {device}, dtype {dtype}); use draft_weights=fp32")
+        return False
+    for model in models:
+        prepare_for_cpu(model, token_counts=widths)
+    for model in drafts:
+        prepare_for_cpu(model, token_counts=widths, weights=draft_weights, own_tensors=own_draft_tensors)
+    return True
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    max_new_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    drafter: str | None = None  # a drafter name of the engine; None: "prediction" with a prediction, else the default
+    prediction: list[int] | None = None  # token ids of the text the client expects (Predicted Outputs)
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]  # generated tokens, EOS included when one ended the request
+    text: str  # decoded without special tokens, cut before a stop string
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    stats: dict
+
+
+@dataclass
+class StepOutput:
+    request_id: int
+    new_token_ids: list[int]  # tokens this step committed for the request (stop strings applied)
+    finished: Completion | None  # set on the step the request finished
+
+
+@dataclass
+class _Slot:
+    index: int  # the request id from add_request
+    request: Request
+    prompt_len: int
+    generator: torch.Generator
+    generated: list[int]
+    stats: RequestStats
+    started: float
+    drafter: str  # the name of the drafter the request drafts with ("none": the target alone)
+    k_value: float = 0.0  # this request's own K ("auto" moves it by the request's own acceptance)
+    emitted: int = 0  # tokens of ``generated`` already handed out by step()
+    draft_row: int | None = None  # a model drafter's row of its own KV cache (``_draft_rows``)
+
+
+NONE = "none"  # the drafter name of the target alone
+PREDICTION = "prediction"  # the built-in drafter of requests that carry a prediction
+
+Drafters = Mapping[str, "PreTrainedModel | HostDrafter | None"]
+
+
+def _drafters(draft: PreTrainedModel | None, drafters: Drafters | None) -> Drafters:
+    if draft is not None and drafters is not None:
+        raise ValueError("give either draft (one draft model) or drafters (name -> drafter), not both")
+    if drafters is not None:
+        return drafters
+    return {"draft": draft} if draft is not None else {}
+
+
+class SpeculativeEngine:
+    def __init__(
+        self,
+        target: PreTrainedModel | Verifier,
+        tokenizer: PreTrainedTokenizerBase,
+        draft: PreTrainedModel | None = None,
+        config: EngineConfig | None = None,
+        *,
+        drafters: Drafters | None = None,
+        default_drafter: str | None = None,
+    ) -> None:
+        """``target``: the target model (run here, in a ``LocalVerifier``) or a ``Verifier``.
+        ``drafters``: name -> a draft model (on the target's tokenizer), a ``HostDrafter``, or
+        None (another name for the target alone). ``draft`` is shorthand for ``{"draft": draft}``.
+        ``none`` always exists, ``prediction`` wherever there is another drafter.
+        ``default_drafter``: for requests that name none (default: the first of ``drafters``, else
+        ``none``)."""
+        config = config or EngineConfig()
+        drafters = _drafters(draft, drafters)
+        self.verifier = target if isinstance(target, Verifier) else LocalVerifier(target, tokenizer)
+        self.verifier.bind(config)  # fills in config.max_len
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size = self.verifier.vocab_size
+        models = [d for d in drafters.values() if isinstance(d, torch.nn.Module)]
+        # The decode state lives where the target reads it, else with the drafts (a remote target).
+        self.device = self.verifier.device or (next(models[0].parameters()).device if models else torch.device("cpu"))
+        B = config.max_batch_size
+        # Model drafters run as ModelRunners with their own (small) KV caches, one per distinct
+        # model: two names for one model share it, since a row drafts with one name only.
+        self.model_drafters: dict[str, ModelRunner] = {}
+        self.host_drafters: dict[str, HostDrafter] = {}
+        runners: dict[int, ModelRunner] = {}
+        drafting = config.k != 0  # k=0: a target-only engine, whatever drafters it was given
+        for name, d in drafters.items():
+            if d is None or not drafting:
+                continue
+            if isinstance(d, HostDrafter):
+                self.host_drafters[name] = d
+            else:
+                if id(d) not in runners:
+                    runners[id(d)] = ModelRunner(d, batch_size=B, max_len=config.max_len, vocab_size=vocab_size)
+                self.model_drafters[name] = runners[id(d)]
+        # Each draft model's rows: its cache row r serves the engine slot _draft_rows[id][r]. A
+        # draft model runs over its own requests only, at the smallest batch bucket holding its
+        # highest row, so three drafters with two requests each cost three 2-row drafts, not three
+        # 8-row ones.
+        self._draft_rows: dict[int, list[int | None]] = {id(r): [None] * B for r in runners.values()}
+        if self.model_drafters or self.host_drafters:  # an engine that drafts also takes predictions
+            self.host_drafters.setdefault(PREDICTION, PredictionDrafter())
+        self.drafter_names = [*[n for n in drafters if n in self.model_drafters or n in self.host_drafters],
+                              *[n for n in (PREDICTION,) if n in self.host_drafters and n not in drafters], NONE]  # fmt: skip
+        self.default_drafter = default_drafter or next(
+            (n for n in drafters if n in self.model_drafters or n in self.host_drafters), NONE)
+        if self.default_drafter not in self.drafter_names:
+            raise ValueError(f"default_drafter={self.default_drafter!r} is not one of {self.drafter_names}")
+        # The first draft model: the draft of an engine built with one (tests and tools read it).
+        self.draft = next(iter(self.model_drafters.values()), None)
+        k_max = config.k_max if self.drafting else 0
+        if self.verifier.k_max is not None and k_max > self.verifier.k_max:
+            raise ValueError(f"k up to {k_max} but {self.verifier.name} verifies K <= {self.verifier.k_max}")
+        self.state = DecodeState(
+            tokens=torch.zeros(B, config.max_len + k_max + 1, dtype=torch.long, device=self.device),
+            # Empty slots look like finished two-token rows, so every gather stays in range.
+            lengths=torch.full((B,), 2, dtype=torch.long, device=self.device),
+            limits=torch.full((B,), 2, dtype=torch.long, device=self.device),
+            done=torch.ones(B, dtype=torch.bool, device=self.device),
+            eos_ids=torch.tensor(self.verifier.eos_ids, dtype=torch.long, device=self.device),
+        )
+        self._eos = set(self.state.eos_ids.tolist())
+        self._sampling: SamplingTensors | None = None  # rebuilt when a slot's request or the bucket changes
+        # Where each request's K starts; with "auto" every request then moves its own K, so its
+        # output never depends on what else shares the batch.
+        self._k_start = float(config.k_buckets[len(config.k_buckets) // 2] if config.k == "auto" else config.k)
+        self._slots: list[_Slot | None] = [None] * B
+        self._waiting: deque[tuple[int, Request]] = deque()
+        self._carry: list[StepOutput] = []  # outputs of a step that raised, handed out by the next one
+        self._next_id = 0
+        if config.compile_backend is not None:
+            self.enable_compile(config.compile_backend)
+
+    @property
+    def drafting(self) -> bool:
+        """Whether any request can draft (else every step verifies one token per row)."""
+        return bool(self.model_drafters or self.host_drafters)
+
+    @classmethod
+    def load(
+        cls,
+        target: str,
+        draft: str | None = None,
+        *,
+        device: str = "auto",
+        dtype: str = "float32",
+        quantize: str | None = None,
+        cpu_kernels: bool = True,
+        draft_weights: str = "auto",
+        config: EngineConfig | None = None,
+    ) -> SpeculativeEngine:
+        """Load target and draft by reference (hub id, folder or bundled name), check that their
+        tokenizers agree, and build the engine on ``device`` in ``dtype``. On a CPU in fp32,
+        ``cpu_kernels`` swaps in the batch-invariant kernels of ``serving.engine.cpu_kernels``, which
+        verify K+1 tokens for about the cost of one with bitwise-identical rows, and
+        ``draft_weights`` "auto" (default) or "int8" runs the draft in int8 there (see ``use_cpu_kernels``).
+        The commands build their engine from settings the same way: ``serving.engine.engine_settings.load_engine``."""
+        from serving.engine.engine_settings import EngineSettings, load_engine
+
+        config = config or EngineConfig()
+        settings = EngineSettings(
+            device=device, dtype=dtype, quantize=quantize, cpu_kernels=cpu_kernels, draft_weights=draft_weights,
+            compile_backend=config.compile_backend, max_batch_size=config.max_batch_size, max_len=config.max_len,
+            k=config.k or 1, k_buckets=config.k_buckets, draft_confidence=config.draft_confidence, draft_stop=config.draft_stop,
+        )  # fmt: skip
+        return load_engine(settings, target, {"draft": draft} if draft is not None and config.k != 0 else {}).engine
+
+    # ---- public API ----------------------------------------------------------------------------
+
+    def generate(self, requests: list[Request]) -> list[Completion]:
+        """Decode all requests, B at a time, admitting each as a slot frees up."""
+        for r in requests:
+            self._check_fits(r)
+        ids = [self.add_request(r) for r in requests]
+        results: dict[int, Completion] = {}
+        try:
+            while self.has_unfinished_requests():
+                for out in self.step():
+                    if out.finished is not None:
+                        results[out.request_id] = out.finished
+        except BaseException:
+            for i in ids:  # leave the engine clean for the next caller
+                self.abort_request(i)
+            raise
+        return [results[i] for i in ids]
+
+    def add_request(self, request: Request) -> int:
+        """Queue a request (checked now: a prompt that cannot fit raises ``ValueError``) and return
+        its id; ``step`` admits it when a slot is free. The incremental API follows vLLM's
+        ``LLMEngine`` (add_request / step / abort_request / has_unfinished_requests)."""
+        self._check_fits(request)
+        request_id = self._next_id
+        self._next_id += 1
+        self._waiting.append((request_id, request))
+        return request_id
+
+    def abort_request(self, request_id: int) -> bool:
+        """Drop a waiting or running request (e.g. its client went away) and free its slot.
+        Returns whether it was found."""
+        for i, (rid, _) in enumerate(self._waiting):
+            if rid == request_id:
+                del self._waiting[i]
+                return True
+        for b, slot in enumerate(self._slots):
+            if slot is not None and slot.index == request_id:
+                self._slots[b] = None
+                self.state.done[b] = True
+                self._sampling = None
+                self._stop_drafter(b, slot, finished=False)
+                self.verifier.release(b)
+                return True
+        return False
+
+    def has_unfinished_requests(self) -> bool:
+        # Outputs carried over from a step that raised (possibly a finished one) still need a step
+        # to be handed out, even when no slot is running any more.
+        return bool(self._carry) or bool(self._waiting) or any(s is not None for s in self._slots)
+
+    @property
+    def num_running(self) -> int:
+        return sum(s is not None for s in self._slots)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def step(self) -> list[StepOutput]:
+        """Admit waiting requests into free slots (prefill + first token), then run one
+        speculative step over all slots. Returns, per request that advanced, its new tokens and,
+        on the step it finished, its ``Completion``. If the verifier fails requests
+        (``VerifierError``), they are dropped and the error is raised with their ids in
+        ``request_ids``; the other requests' outputs of this step come with the next one."""
+        outputs, self._carry = self._carry, []
+        try:
+            self._advance(outputs)
+        except VerifierError as e:
+            rows = [b for b, s in enumerate(self._slots) if s is not None] if e.rows is None else e.rows
+            e.request_ids += self._fail(rows)
+            self._carry = [o for o in outputs if o.request_id not in e.request_ids]
+            raise
+        return outputs
+
+    def close(self) -> None:
+        """Abort every request and close the verifier (a remote one's connection)."""
+        for slot in [s for s in self._slots if s is not None]:
+            self.abort_request(slot.index)
+        self._waiting.clear()
+        self.verifier.close()
+
+    def _advance(self, outputs: list[StepOutput]) -> None:
+        """The body of ``step``, appending to ``outputs`` as it goes so that what was produced
+        before a ``VerifierError`` is still handed out."""
+        slots = self._slots
+        for b in range(len(slots)):
+            while slots[b] is None and self._waiting:
+                request_id, request = self._waiting.popleft()
+                admitted = self._admit(b, request_id, request)
+                if admitted is None:  # the target has no room now: retry on a later step
+                    self._waiting.appendleft((request_id, request))
+                    break
+                slots[b], finished = admitted
+                outputs.append(self._emit(b, finished))
+        if any(s is not None for s in slots):
+            finished, failed = self._step(slots)
+            lost = failed.rows if failed is not None else ()
+            for b, slot in enumerate(slots):
+                if slot is not None and b not in lost:
+                    outputs.append(self._emit(b, b in finished))
+            if failed is not None:  # the target lost these rows: step() fails their requests
+                raise failed
+
+    def enable_compile(self, backend: str | None = None) -> None:
+        """Compile the draft and verify forwards (the device's backend unless named) and warm
+        every shape up now. Compiled graphs are cached on disk by torch (TORCHINDUCTOR_CACHE_DIR,
+        set under CHORAL_HOME), so later processes skip most of the compile time."""
+        backend = backend or compile_backend(self.device)
+        if backend == "inductor":
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(choral_home() / "compile-cache"))
+            # Freezing folds the weights into the graph as constants so the CPU GEMMs use
+            # prepacked layouts; inference only, which is all the engine does.
+            torch._inductor.config.freezing = True
+        runners = list({id(r): r for r in self.model_drafters.values()}.values())
+        # Every runner compiles the same method, so its graphs count together against torch's limit:
+        # per batch bucket, the target's verify widths and each draft's two widths.
+        shapes = len(self.config.batch_buckets) * (len(self._verify_widths()) + 2 * len(runners))
+        self.verifier.compile(backend, shapes)  # a remote target compiles on its own side
+        for runner in runners:
+            runner.compile(backend, shapes=shapes)
+        self.warmup()
+
+    def warmup(self) -> None:
+        """Run every compiled shape once, at every batch bucket (draft: 1 and 2 tokens; target: K+1
+        per K bucket) so the compile cost is paid at load; with the on-disk compile cache later
+        loads are quick."""
+        for rows in self.config.batch_buckets:
+            self.verifier.warmup(self._verify_widths(), rows)  # a remote target warms itself up
+            for runner in {id(r): r for r in self.model_drafters.values()}.values():
+                runner.warmup((1, 2), last_only=True, rows=rows)  # draft_half's two forward shapes
+        synchronize(self.device)
+
+    def _verify_widths(self) -> tuple[int, ...]:
+        """Target widths: K+1 per K bucket; a host drafter's short proposal rounds up to a bucket,
+        so a fixed k with host drafters may verify any bucket up to it."""
+        if not self.drafting:
+            return (1,)
+        widths = set(self.config.verify_widths)
+        if self.host_drafters:
+            widths |= {1} | {k + 1 for k in self.config.k_buckets if k <= self.config.k_max}
+        return tuple(sorted(widths))
+
+    # ---- admission and retirement --------------------------------------------------------------
+
+    def _check_fits(self, r: Request) -> None:
+        if not r.prompt_ids:
+            raise ValueError("empty prompt: give at least one token")
+        if r.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={r.max_new_tokens} must be >= 1")
+        if r.drafter is not None and r.drafter not in self.drafter_names:
+            raise ValueError(f"unknown drafter {r.drafter!r}; this engine has {', '.join(self.drafter_names)}")
+        k_max = self.config.k_max if self.drafting else 0
+        need = len(r.prompt_ids) + r.max_new_tokens + k_max + 1
+        if need > self.config.max_len:
+            raise ValueError(
+                f"prompt of {len(r.prompt_ids)} tokens + max_new_tokens={r.max_new_tokens} (+{k_max + 1} for "
+                f"speculation) exceeds the context max_len={self.config.max_len}: shorten the prompt, "
+                "lower max_new_tokens, or raise max_len"
+            )
+
+    def _admit(self, b: int, index: int, request: Request) -> tuple[_Slot, bool] | None:
+        """Prefill the request into slot b and draw its first token from the target; returns the
+        slot and whether the request is already finished (EOS, one-token limit or stop string),
+        or None if the target cannot take it now."""
+        started = time.perf_counter()
+        # Unseeded requests draw a fresh seed without reseeding torch's global generator.
+        seed = request.params.seed if request.params.seed is not None else secrets.randbits(63)
+        generator = torch.Generator().manual_seed(seed)
+        ids = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)  # [1, L]
+        drafter = self._drafter_of(request)
+        k_max = self.config.k_max if self.drafting else 0
+        try:
+            first_id = self.verifier.prefill(b, ids, request.params, torch.rand(1, generator=generator),
+                                             max_new_tokens=request.max_new_tokens, k_max=k_max)  # fmt: skip
+        except VerifierError as e:
+            e.request_ids.append(index)  # this request fails with the others
+            raise
+        if first_id is None:
+            return None
+        draft_row = None
+        if drafter in self.model_drafters:
+            rows = self._draft_rows[id(self.model_drafters[drafter])]
+            draft_row = rows.index(None)  # the lowest free row: keeps the draft's bucket small
+            rows[draft_row] = b
+            self.model_drafters[drafter].prefill(ids, draft_row)
+        elif drafter in self.host_drafters:
+            private = request.params.seed is not None and not request.params.greedy
+            self.host_drafters[drafter].start(b, RowContext(index, request.prompt_ids, request.prediction, private))
+        done = start_row(self.state, b, ids[0], first_id, request.max_new_tokens)
+        self._sampling = None
+        stats = RequestStats(new_tokens=1)
+        stats.prefill_time_s = time.perf_counter() - started
+        slot = _Slot(index, request, ids.shape[1], generator, [first_id], stats, started, drafter, k_value=self._k_start,
+                     draft_row=draft_row)  # fmt: skip
+        stopped = self._hit_stop(slot, 0)
+        if drafter in self.host_drafters:
+            self.host_drafters[drafter].observe(b, slot.generated)
+        return slot, done or stopped
+
+    def _drafter_of(self, request: Request) -> str:
+        """The drafter a request drafts with: the one it names, else ``prediction`` when it carries
+        one (OpenAI's Predicted Outputs), else the engine's default."""
+        if request.drafter is not None:
+            return request.drafter
+        if request.prediction and PREDICTION in self.host_drafters:
+            return PREDICTION
+        return self.default_drafter
+
+    def _stop_drafter(self, b: int, slot: _Slot, finished: bool) -> None:
+        if slot.drafter in self.host_drafters:
+            self.host_drafters[slot.drafter].stop(b, finished)
+        if slot.draft_row is not None:
+            self._draft_rows[id(self.model_drafters[slot.drafter])][slot.draft_row] = None
+
+    def _retire(self, b: int, slots: list[_Slot | None]) -> Completion:
+        slot = slots[b]
+        slots[b] = None
+        self.state.done[b] = True
+        self._sampling = None
+        self._stop_drafter(b, slot, finished=True)
+        self.verifier.release(b)
+        tokens = slot.generated
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        stop_at = min((i for i in (text.find(s) for s in slot.request.stop) if i >= 0), default=-1)
+        if stop_at >= 0:
+            text, reason = text[:stop_at], "stop"
+        elif tokens and tokens[-1] in self._eos:
+            reason = "stop"
+        else:
+            reason = "length"
+        slot.stats.new_tokens = len(tokens)
+        slot.stats.total_time_s = time.perf_counter() - slot.started
+        return Completion(tokens, text, reason, slot.stats.to_dict() | {"drafter": slot.drafter})
+
+    def _emit(self, b: int, finished: bool) -> StepOutput:
+        slot = self._slots[b]
+        new = slot.generated[slot.emitted :]
+        slot.emitted = len(slot.generated)
+        return StepOutput(slot.index, new, self._retire(b, self._slots) if finished else None)
+
+    def _hit_stop(self, slot: _Slot, before: int) -> bool:
+        """True if a stop string appears in the text; cuts ``generated`` just after the token that
+        completed it (tokens the step committed past it are dropped). ``before``: tokens already
+        checked, so only the step's new ones are searched."""
+        stops = slot.request.stop
+        if not stops:
+            return False
+        for end in range(max(before, 1), len(slot.generated) + 1):
+            text = self.tokenizer.decode(slot.generated[:end], skip_special_tokens=True)
+            if any(s in text for s in stops):
+                del slot.generated[end:]
+                return True
+        return False
+
+    def _fail(self, rows: list[int]) -> list[int]:
+        """Drop the requests in ``rows`` without finishing them (the verifier failed them); returns their ids."""
+        ids = []
+        for b in rows:
+            slot = self._slots[b]
+            if slot is None:
+                continue
+            ids.append(slot.index)
+            self._slots[b] = None
+            self.state.done[b] = True
+            self._stop_drafter(b, slot, finished=False)
+            self.verifier.release(b)
+        self._sampling = None
+        return ids
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def _batch_sampling(self, slots: list[_Slot | None]) -> SamplingTensors:
+        if self._sampling is None or self._sampling.temperature.shape[0] != len(slots):
+            params = [s.request.params if s else SamplingParams() for s in slots]
+            self._sampling = SamplingTensors.build(params, self.device)
+        return self._sampling
+
+    def _bucket(self) -> int:
+        """The smallest batch bucket holding every occupied slot (requests take the lowest free one)."""
+        last = max((b for b, s in enumerate(self._slots) if s is not None), default=0)
+        return next(n for n in self.config.batch_buckets if n > last)
+
+    def _state_rows(self, rows: int) -> DecodeState:
+        """The decode state of the first ``rows`` slots: views, so every write lands in the whole
+        (made per step, so they always view the state's current tensors)."""
+        s = self.state
+        if rows == s.lengths.shape[0]:
+            return s
+        return DecodeState(s.tokens[:rows], s.lengths[:rows], s.limits[:rows], s.done[:rows], s.eos_ids)
+
+    def _row_k(self, slot: _Slot | None) -> int:
+        """The request's draft budget this step: 0 for ``none``; a host drafter's own k if it has
+        one; else the engine's k, or with "auto" the largest bucket the request's own K value
+        reaches."""
+        if slot is None or slot.drafter == NONE or not self.drafting:
+            return 0
+        host = self.host_drafters.get(slot.drafter)
+        if host is not None and host.k is not None:
+            return min(host.k, self.config.k_max)
+        if self.config.k != "auto":
+            return int(self.config.k)
+        fitting = [k for k in self.config.k_buckets if k <= slot.k_value]
+        return fitting[-1] if fitting else self.config.k_buckets[0]
+
+    def _draft(
+        self, slots: list[_Slot | None], state: DecodeState, sampling: SamplingTensors, rand: StepRandom, k_rows: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Step 1 for every drafter's rows: (draft_tokens [B, K] long, q [B, K, V], n_draft [B] long),
+        K the step's K bucket. Host drafters propose on the host (q: a point mass at each token);
+        each draft model with rows drafts on the device over its own cache rows only (gathered
+        from the engine's rows, at the smallest batch bucket holding them; its proposals are
+        scattered back, the other rows' left alone)."""
+        B, V = len(slots), self.vocab_size
+        host_tokens = [[] for _ in slots]
+        for b, slot in enumerate(slots):
+            if slot is not None and k_rows[b] and slot.drafter in self.host_drafters:
+                context = slot.request.prompt_ids + slot.generated
+                host_tokens[b] = self.host_drafters[slot.drafter].propose(b, context, k_rows[b])[: k_rows[b]]
+        width = max(map(len, host_tokens))
+        from_models = []
+        for runner in {id(r): r for r in self.model_drafters.values()}.values():
+            # This draft's own rows: its cache row r drafts for engine slot owner[r].
+            owner = [b if b is not None and k_rows[b] > 0 else None for b in self._draft_rows[id(runner)]]
+            own = [r for r, b in enumerate(owner) if b is not None]
+            if not own:
+                continue
+            n_rows = next(n for n in self.config.batch_buckets if n > own[-1])
+            fill = owner[own[0]]  # rows of the bucket without a request read any real row, draft nothing
+            index = torch.tensor([b if b is not None else fill for b in owner[:n_rows]], device=self.device)  # [n]
+            budget = torch.tensor([k_rows[b] if b is not None else 0 for b in owner[:n_rows]], device=self.device)  # [n]
+            sub_state = DecodeState(state.tokens[index], state.lengths[index], state.limits[index], state.done[index] | (budget == 0),
+                                    state.eos_ids)  # fmt: skip
+            sub_sampling = dataclasses.replace(sampling, temperature=sampling.temperature[index], top_k=sampling.top_k[index],
+                                               top_p=sampling.top_p[index])  # fmt: skip
+            sub_rand = StepRandom(rand.draft[index], rand.accept[index], rand.next[index])
+            tokens, q, n = draft_half(runner, sub_state, sub_sampling, sub_rand, int(max(k_rows[owner[r]] for r in own)), V,
+                                      self.config.draft_confidence, self.config.draft_stop, budget)  # fmt: skip
+            # Back to the engine's rows: [n, K] -> [B, K] (rows not this draft's stay zero, masked).
+            at = torch.tensor([owner[r] for r in own], device=self.device)  # [m] engine slots
+            mine_rows = torch.tensor(own, device=self.device)  # [m] this draft's rows
+            tokens = tokens.new_zeros(B, tokens.shape[1]).index_copy_(0, at, tokens[mine_rows])  # [B, K]
+            q = q.new_zeros(B, *q.shape[1:]).index_copy_(0, at, q[mine_rows])  # [B, K, V]
+            n = n.new_zeros(B).index_copy_(0, at, n[mine_rows])  # [B]
+            mine = torch.zeros(B, dtype=torch.bool, device=self.device).index_fill_(0, at, True)  # [B]
+            from_models.append((tokens, q, n, mine))
+            width = max(width, tokens.shape[1])
+        # The step's K: the smallest bucket that holds every proposal (a compiled verify width).
+        k = next((kb for kb in self.config.k_buckets if kb >= width), width) if width else 0
+        rows = torch.tensor([t + [0] * (k - len(t)) for t in host_tokens], dtype=torch.long).reshape(B, k)
+        draft_tokens = rows.to(self.device)  # [B, K]
+        n_draft = torch.tensor([len(t) for t in host_tokens], dtype=torch.long, device=self.device)  # [B]
+        q = torch.nn.functional.one_hot(draft_tokens, V).float() if any(host_tokens) else None  # [B, K, V] point masses
+        for tokens, q_m, n_m, mine in from_models:
+            pad = k - tokens.shape[1]
+            tokens = torch.nn.functional.pad(tokens, (0, pad))  # [B, K]
+            q_m = torch.nn.functional.pad(q_m, (0, 0, 0, pad))  # [B, K, V]
+            draft_tokens = torch.where(mine.unsqueeze(1), tokens, draft_tokens)
+            n_draft = torch.where(mine, n_m, n_draft)
+            if q is None and len(from_models) == 1:
+                q = q_m  # the only proposer: rows not its own have n_draft 0, so their q is masked
+            else:
+                q = torch.where(mine.view(B, 1, 1), q_m, q if q is not None else torch.zeros_like(q_m))
+        if q is None:
+            q = torch.zeros(B, k, V, device=self.device)  # [B, K, V] nothing drafted
+        return draft_tokens, q, n_draft
+
+    def _step(self, all_slots: list[_Slot | None]) -> tuple[list[int], VerifierError | None]:
+        """One speculative step over the occupied slots, at the smallest batch bucket that holds
+        them; returns the slots whose request finished, and the verifier's error for rows it could
+        not verify (they committed nothing; their requests fail)."""
+        B = self._bucket()
+        slots, s = all_slots[:B], self._state_rows(B)
+        k_rows = [self._row_k(slot) for slot in slots]
+        k = max(k_rows)  # the largest budget; the step's K is the longest proposal's bucket
+        n_before = s.lengths.clone()
+        times: dict[str, float] = {}
+        last = [time.perf_counter()]
+
+        def clock(phase: str) -> None:
+            synchronize(self.device)
+            now = time.perf_counter()
+            times[phase] = now - last[0]
+            last[0] = now
+
+        sampling = self._batch_sampling(slots)
+        # Padded to the widest K a step can verify (a short proposal rounds up to a K bucket); what
+        # each row draws still depends on its own budget only.
+        width = max(k, self.config.k_max if self.drafting else 0)
+        rand = step_uniforms([slot.generator if slot else None for slot in slots], k_rows, width, self.device)
+        # 1. Draft: every drafter proposes for its own rows, padded to the step's K bucket.
+        draft_tokens, q, n_draft = self._draft(slots, s, sampling, rand, k_rows)
+        clock("draft")
+        # 2-3. Verify once and accept/reject: the target's accepted count and next token per row.
+        params = [slot.request.params if slot else None for slot in slots]
+        verdict = self.verifier.verify(VerifyBatch(s, params, sampling, rand, draft_tokens, q, n_draft))
+        clock("target")
+        # 4. Commit the accepted tokens and the next one (a row the verifier failed commits nothing).
+        lost = verdict.failed.rows if verdict.failed is not None else []
+        for b in lost:
+            s.done[b] = True
+        n_acc, n_new = verdict.n_accepted, commit(s, draft_tokens, verdict.n_accepted, verdict.next_token)
+        k = draft_tokens.shape[1]
+        committed = s.tokens.gather(1, n_before.unsqueeze(1) + torch.arange(k + 1, device=self.device))
+        # 5. The single host sync of the step.
+        rows = torch.cat([n_acc[:, None], n_new[:, None], s.done[:, None].long(), n_draft[:, None], committed], 1)
+        rows = rows.tolist()
+
+        finished = []
+        lo, hi = self.config.k_buckets[0], self.config.k_buckets[-1]
+        for b, slot in enumerate(slots):
+            if slot is None or b in lost:
+                continue
+            accepted, new, done, drafted, tokens = rows[b][0], rows[b][1], bool(rows[b][2]), rows[b][3], rows[b][4:]
+            before = len(slot.generated)
+            slot.generated += tokens[:new]
+            slot.stats.record_step(drafted, accepted, new, times.get("draft", 0.0), times.get("target", 0.0))
+            if self.config.k == "auto" and k_rows[b]:  # Hugging Face's heuristic, per request: +2 after a full accept, else -1
+                slot.k_value = min(hi, slot.k_value + 2) if accepted == drafted else max(lo, slot.k_value - 1)
+            # Stop strings first: a step that also reaches the length limit must still cut at the stop.
+            stopped = self._hit_stop(slot, before)
+            if done or stopped:
+                finished.append(b)
+            if slot.drafter in self.host_drafters and len(slot.generated) > before:  # what the row kept
+                self.host_drafters[slot.drafter].observe(b, slot.generated[before:])
+        return finished, verdict.failed
+
+
+def step_uniforms(generators: list[torch.Generator | None], k_rows: list[int], k: int, device) -> StepRandom:
+    """The uniforms of one step, [B, K] padded. Row b takes 2 * k_rows[b] + 1 draws from its own
+    generator, in a fixed order: its draft tokens, its accept tests, then the correction or bonus
+    draw. What a row consumes depends only on its own K, never on the step's K or on the other
+    rows, so a seeded request's output does not depend on what else is in the batch. The accept
+    tests must be draws of their own: reusing the ones that drew the draft tokens would correlate
+    each test with its token and bias sampled output. Empty slots (None) get zeros."""
+    B = len(generators)
+    draft, accept, nxt = torch.zeros(B, k), torch.zeros(B, k), torch.zeros(B)  # [B, K], [B, K], [B]
+    for b, (g, kb) in enumerate(zip(generators, k_rows)):
+        if g is None:
+            continue
+        u = torch.rand(2 * kb + 1, generator=g)
+        draft[b, :kb], accept[b, :kb], nxt[b] = u[:kb], u[kb : 2 * kb], u[2 * kb]
+    return StepRandom(draft=draft.to(device), accept=accept.to(device), next=nxt.to(device))

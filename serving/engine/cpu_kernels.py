@@ -1,0 +1,306 @@
+"""Batch-invariant fp32 kernels that make verifying K+1 tokens on a CPU cost about one token.
+
+`prepare_for_cpu(model)` swaps every `nn.Linear` (lm_head included) for `InvariantLinear`, a small
+C++ kernel ("rowdot", the source is `rowdot.cpp` next to this file, built on first use and cached),
+and, for Hugging Face models, the attention for a row-wise SDPA. Afterwards row i of an N-token
+forward is bitwise equal to the 1-token forward of the same token on the same cache, so greedy
+speculative output equals the target alone. `weights="int8"` stores a draft as W8A8 int8
+(`Int8Linear`, AVX-512 VNNI dot products). Invariance holds for steps of at most `max_rows` tokens
+(default 16); longer inputs (the prefill) use plain F.linear / SDPA. Inference only: with autograd
+needed, the modules fall back to F.linear.
+
+Why, the alternatives tried and their measurements: docs/architecture.md, "CPU kernels".
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+KERNELS = ("auto", "rowdot", "mkl")
+WEIGHTS = ("fp32", "int8")
+ATTN_NAME = "choral_rowwise_sdpa"
+# The C++ source of the kernels, shipped as package data next to this module (pyproject.toml).
+ROWDOT_SOURCE = Path(__file__).with_name("rowdot.cpp")
+
+
+@functools.lru_cache(maxsize=None)
+def _rowdot_ext():
+    """Build (or load the cached build of) the kernel; None where that is not possible."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        source = ROWDOT_SOURCE.read_text()
+        # -march=native code must not be reused on another CPU sharing the same cache folder.
+        flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
+        tag = hashlib.sha256((source + flags + torch.__version__).encode()).hexdigest()[:12]
+        return load_inline(
+            name=f"choral_rowdot_{tag}", cpp_sources=source, functions=["rowdot_linear", "rowdot_linear_w8a8"],
+            extra_cflags=["-O3", "-march=native", "-fno-fast-math", "-fopenmp"],
+            extra_ldflags=["-fopenmp"], verbose=False,
+        )
+    except Exception as exc:  # noqa: BLE001 - no compiler, no headers: fall back, say why
+        log.warning("choral: building the rowdot CPU kernel failed (%s); using MKL packed sgemm", exc)
+        return None
+
+
+def rowdot_available() -> bool:
+    """Whether the C++ kernel (fp32 rowdot and the int8 draft kernel) builds on this machine."""
+    return _rowdot_ext() is not None
+
+
+class InvariantLinear(nn.Module):
+    """Drop-in for nn.Linear whose rows do not depend on how many rows run together.
+
+    `weight`/`bias` are the original Parameters (tied weights and state_dict keys unchanged).
+    The "mkl" kernel additionally holds an opaque MKL-packed copy of the weight (~1.2x its size).
+    """
+
+    def __init__(self, linear: nn.Linear, kernel: str, max_rows: int, pack_rows: int):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.kernel, self.max_rows, self.enabled = kernel, max_rows, True
+        if kernel == "mkl":
+            # Pack for >= 2 rows: a batch_size=1 pack is not used for other row counts.
+            self._packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight.detach().contiguous(), pack_rows)
+            # _mkl_linear reads only the output size from the original weight when the row
+            # count equals batch_size, which it always does here.
+            self._shape_only = torch.zeros((), dtype=torch.float32).expand(self.out_features, self.in_features)
+
+    def select_rows(self, ids: torch.Tensor) -> "InvariantLinear":
+        """The same layer computing only output rows ``ids`` (a reduced draft vocabulary)."""
+        sub = nn.Linear(self.in_features, len(ids), bias=self.bias is not None, device=self.weight.device)
+        sub.weight = nn.Parameter(self.weight.detach().index_select(0, ids).contiguous(), requires_grad=False)
+        if self.bias is not None:
+            sub.bias = nn.Parameter(self.bias.detach().index_select(0, ids), requires_grad=False)
+        return InvariantLinear(sub, self.kernel, self.max_rows, pack_rows=max(2, self.max_rows))
+
+    def extra_bytes(self) -> int:
+        packed = getattr(self, "_packed", None)
+        return 0 if packed is None else packed.numel() * packed.element_size()
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, kernel={self.kernel}, max_rows={self.max_rows}")
+
+    def _fast_ok(self, x: torch.Tensor) -> bool:
+        return (self.enabled and x.dtype == torch.float32 and self.weight.dtype == torch.float32
+                and x.device.type == "cpu" and self.weight.is_contiguous()
+                and 0 < x.numel() // self.in_features <= self.max_rows
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._fast_ok(x):
+            return F.linear(x, self.weight, self.bias)
+        x2 = x.reshape(-1, self.in_features)
+        bias = None if self.bias is None else self.bias.detach()
+        if self.kernel == "rowdot":
+            y = _rowdot_ext().rowdot_linear(x2, self.weight.detach(), bias)
+        elif x2.shape[0] == 1:
+            # MKL rounds a lone row differently for small layers (<= ~128 wide); as a row of two it
+            # takes the same path as every other row count.
+            y = torch.ops.mkl._mkl_linear(x2.expand(2, -1), self._packed, self._shape_only, bias, 2)[:1]
+        else:
+            y = torch.ops.mkl._mkl_linear(x2, self._packed, self._shape_only, bias, x2.shape[0])
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class Int8Linear(nn.Module):
+    """int8 Linear for drafts (W8A8): each weight row is int8 with one fp32 scale (symmetric,
+    absmax / 127), each input row is quantized the same way when it arrives, and the C++ kernel
+    multiplies them with VNNI's integer dot products. A draft step reads a quarter of the fp32
+    bytes and does next to no float work, so it runs near the memory-bandwidth limit.
+
+    For drafts only: int8 changes a model's numerics, so a target's greedy output would no
+    longer be the fp32 model's. A draft's numerics only decide how often its proposals are
+    accepted; the target's verification keeps the output exact whatever the draft computes.
+    Integer sums are exact, so rows are batch-invariant anyway. Steps longer than ``max_rows``
+    (prefill) run F.linear on the dequantized weights.
+    """
+
+    def __init__(self, linear: nn.Linear | None, max_rows: int):
+        super().__init__()
+        self.max_rows = max_rows
+        if linear is None:  # filled in by select_rows
+            return
+        w = linear.weight.detach().float()  # [N, K]
+        self.out_features, self.in_features = w.shape
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [N]
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)  # [N, K]
+        padded = torch.zeros(w.shape[0], -(-w.shape[1] // 64) * 64, dtype=torch.int8)  # [N, KP], KP % 64 == 0
+        padded[:, : w.shape[1]] = q
+        self._set(padded, scale, None if linear.bias is None else linear.bias.detach().float())
+
+    def _set(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.register_buffer("qweight", qweight.contiguous())  # [N, KP]
+        self.register_buffer("scale", scale.float().contiguous())  # [N]
+        self.register_buffer("row_sums", qweight.sum(dim=1, dtype=torch.int32).contiguous())  # [N]
+        self.bias = None if bias is None else nn.Parameter(bias.clone(), requires_grad=False)
+
+    def select_rows(self, ids: torch.Tensor) -> "Int8Linear":
+        """The same layer computing only output rows ``ids`` (a reduced draft vocabulary)."""
+        sub = Int8Linear(None, self.max_rows)
+        sub.in_features, sub.out_features = self.in_features, len(ids)
+        bias = None if self.bias is None else self.bias.detach().index_select(0, ids)
+        sub._set(self.qweight.index_select(0, ids), self.scale.index_select(0, ids), bias)
+        return sub
+
+    def dequantized(self) -> torch.Tensor:
+        return self.qweight[:, : self.in_features].float() * self.scale[:, None]  # [N, K]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, w8a8"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if x.dtype != torch.float32 or x.device.type != "cpu" or not 0 < rows <= self.max_rows:
+            return F.linear(x, self.dequantized().to(x.dtype), self.bias)
+        y = _rowdot_ext().rowdot_linear_w8a8(x.reshape(-1, self.in_features), self.qweight, self.scale,
+                                             self.row_sums, self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def _rowwise_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
+    """SDPA one query row at a time, each over exactly the keys that row may attend to."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    q_len = query.shape[2]
+    if attention_mask is None or attention_mask.dtype != torch.bool or q_len > _rowwise_sdpa.max_rows:
+        # No mask: a 1-token step on a dynamic cache (already canonical) or a causal prefill.
+        return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+    allowed = attention_mask.any(dim=1)  # [batch, q, kv]
+    kv = allowed.shape[-1]
+    pos = torch.arange(1, kv + 1, device=allowed.device)
+    lengths = (allowed.any(dim=0) * pos).amax(dim=-1)  # keys up to the last allowed one
+    full = (allowed.sum(dim=-1) == lengths).all(dim=0)  # nothing masked inside that range
+    outs = []
+    for i, (n, dense) in enumerate(zip(lengths.tolist(), full.tolist())):
+        n = max(n, 1)
+        mask = None if dense else attention_mask[:, :, i : i + 1, :n]
+        out, _ = sdpa_attention_forward(module, query[:, :, i : i + 1], key[:, :, :n], value[:, :, :n],
+                                        mask, *args, **kwargs)
+        outs.append(out)
+    return torch.cat(outs, dim=1), None
+
+
+# Module-level because the attention interface is a global registry keyed by name; the
+# latest prepare_for_cpu call sets it.
+_rowwise_sdpa.max_rows = 16
+
+
+def _use_rowwise_attention(model: nn.Module) -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_NAME, _rowwise_sdpa)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    if model.config._attn_implementation != ATTN_NAME:
+        model._choral_attn_before = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_NAME)
+
+
+def _check_invariance(mod: nn.Module, counts: Sequence[int]) -> bool:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(max(counts), mod.in_features, generator=g)
+    with torch.no_grad():
+        full = mod(x)
+        return all(torch.equal(mod(x[i : i + 1]), full[i : i + 1]) for i in range(x.shape[0])) and all(
+            torch.equal(mod(x[:n]), full[:n]) for n in counts)
+
+
+def prepare_for_cpu(
+    model: nn.Module,
+    *,
+    token_counts: Sequence[int] = (1, 5),
+    kernel: str = "auto",
+    max_rows: int = 16,
+    attention: bool = True,
+    weights: str = "fp32",
+    own_tensors: bool = True,
+) -> nn.Module:
+    """Make the forward of `model` batch-invariant and cheap for small token counts, in place.
+
+    token_counts: the step sizes that must agree with each other (checked on every distinct
+      Linear shape; a shape that fails falls back to F.linear with a warning).
+    kernel: "rowdot" (the C++ kernel), "mkl" (packed sgemm, no compiler needed) or "auto".
+    max_rows: steps longer than this (prefill) use the library kernels.
+    attention: also switch a Hugging Face model to the row-wise SDPA.
+    weights: "fp32" keeps the model's numerics (for the target); "int8" stores every Linear as
+      W8A8 int8 (`Int8Linear`, needs the C++ kernel): ~2.4x cheaper steps, different numerics,
+      so for drafts only, whose numerics never change the speculative output.
+    own_tensors: with int8, give the tensors kept in fp32 storage of their own (``_own_tensors``);
+      False for a copy that shares them with a model that keeps its mapping anyway (train-draft's
+      evaluation of the student it is training: a clone would be 0.5 GB for nothing).
+    """
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    if weights == "int8" and _rowdot_ext() is None:
+        raise RuntimeError("int8 draft weights need the rowdot C++ kernel, which could not be built here; "
+                           "use draft_weights=fp32")
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel in ("auto", "rowdot") and _rowdot_ext() is None:
+        if kernel == "rowdot":
+            raise RuntimeError("the rowdot kernel could not be built on this machine")
+        kernel = "mkl"
+    elif kernel == "auto":
+        kernel = "rowdot"
+    counts = sorted({1, *token_counts})
+    if max(counts) > max_rows:
+        raise ValueError(f"token_counts {counts} exceed max_rows={max_rows}")
+    model.eval().requires_grad_(False)
+    checked: dict[tuple, bool] = {}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear or child.weight.dtype != torch.float32:
+                continue
+            if weights == "int8":
+                new = Int8Linear(child, max_rows)
+            else:
+                new = InvariantLinear(child, kernel, max_rows, pack_rows=max(2, counts[-1]))
+            key = (child.out_features, child.in_features, child.bias is not None)
+            if key not in checked:
+                checked[key] = _check_invariance(new, counts)
+                if not checked[key]:
+                    log.warning("choral: %s kernel not batch-invariant for Linear%s; using F.linear", kernel, key)
+            if checked[key]:
+                setattr(parent, name, new)
+    if weights == "int8" and own_tensors:
+        _own_tensors(model)
+    if attention and hasattr(model, "set_attn_implementation"):
+        _rowwise_sdpa.max_rows = max_rows
+        _use_rowwise_attention(model)
+    return model
+
+
+@torch.no_grad()
+def _own_tensors(model: nn.Module) -> None:
+    """Give the tensors an int8 draft keeps in fp32 (embeddings, norms) storage of their own.
+    Models load memory-mapped from their safetensors file, and every page the int8 conversion read
+    counts as resident for as long as any tensor still points into that mapping: 1.4 GB of a 0.5B
+    draft's 2.5 GB file stayed resident through its fp32 embedding alone. Owning the few kept
+    tensors releases the mapping."""
+    for t in (*model.parameters(), *model.buffers()):
+        t.data = t.data.clone()
+
+
+def set_enabled(model: nn.Module, enabled: bool) -> None:
+    """Switch a prepared model between its invariant kernels and the stock ones (for A/B)."""
+    for m in model.modules():
+        if isinstance(m, InvariantLinear):
+            m.enabled = enabled
+    before = getattr(model, "_choral_attn_before", None)
+    if before is not None:
+        model.set_attn_implementation(ATTN_NAME if enabled else before)

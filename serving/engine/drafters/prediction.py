@@ -1,0 +1,68 @@
+"""``prediction``: draft from the text the client expects, OpenAI's Predicted Outputs.
+
+A request may carry ``"prediction": {"type": "content", "content": "..."}``: text the answer is
+likely to repeat, such as the original code of a code edit. The drafter aligns the answer so far
+with the prediction and proposes the prediction's next tokens. Alignment: the longest tail of the
+answer (``max_n`` down to ``min_n`` tokens) found in the prediction at or after where the last
+match ended, else anywhere in it (an edit may skip or reorder parts). Before a tail matches,
+nothing is proposed, except at the start, where the prediction's head is.
+
+Where the answer departs from the prediction the target rejects the proposal and the request
+continues at the target's own pace until the answer rejoins the prediction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from serving.engine.drafters.base import HostDrafter, RowContext
+
+
+class PredictionDrafter(HostDrafter):
+    kind = "prediction"
+
+    def __init__(self, k: int | None = None, min_n: int = 1, max_n: int = 8) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"prediction drafter: need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        self.k, self.min_n, self.max_n = k, min_n, max_n
+        self._rows: dict[int, tuple[np.ndarray, int]] = {}  # row -> (prediction ids, prompt length)
+        self._cursor: dict[int, int] = {}  # row -> index in the prediction just past the last match
+
+    def start(self, row: int, ctx: RowContext) -> None:
+        if ctx.prediction:
+            self._rows[row] = (np.asarray(ctx.prediction, dtype=np.int64), len(ctx.prompt))
+            self._cursor[row] = 0
+        else:
+            self._rows.pop(row, None)
+
+    def stop(self, row: int, finished: bool) -> None:
+        self._rows.pop(row, None)
+        self._cursor.pop(row, None)
+
+    def propose(self, row: int, tokens: Sequence[int], k: int) -> list[int]:
+        if row not in self._rows or k <= 0:
+            return []
+        pred, prompt_len = self._rows[row]
+        answer = tokens[prompt_len:]
+        if not answer:
+            return pred[:k].tolist()
+        end = self._align(pred, answer, self._cursor[row])
+        if end is None:
+            return []
+        self._cursor[row] = end
+        return pred[end : end + k].tolist()
+
+    def _align(self, pred: np.ndarray, answer: Sequence[int], cursor: int) -> int | None:
+        """Index just past the longest answer tail found in ``pred``: the first occurrence at or
+        after ``cursor`` (the answer moves forward through the prediction), else the last one
+        before it."""
+        for n in range(min(self.max_n, len(answer), len(pred)), self.min_n - 1, -1):
+            tail = np.asarray(answer[-n:], dtype=np.int64)
+            windows = np.lib.stride_tricks.sliding_window_view(pred, n)  # [len(pred) - n + 1, n]
+            ends = np.flatnonzero((windows == tail).all(axis=1)) + n  # [matches] index past each match
+            if len(ends):
+                ahead = ends[ends >= cursor]
+                return int(ahead[0] if len(ahead) else ends[-1])
+        return None

@@ -1,0 +1,296 @@
+"""The engine's settings: one dataclass that every command running the engine nests, and the one
+function that turns it into loaded models, Choral's CPU kernels and engines.
+
+    settings = EngineSettings(device="cpu", max_batch_size=4, k=4)
+    loaded = load_engine(settings, "qwen2.5-coder-1.5b-instruct", {"base": "qwen2.5-coder-0.5b-instruct", "ngram": "ngram"})
+    [out] = loaded.engine.generate([Request(ids, max_new_tokens=32, drafter="ngram")])
+
+A drafter reference is a model (hub id, folder or bundled name), a built-in model-free drafter
+(``ngram``, ``suffix``; their settings are ``engine.ngram.*`` and ``engine.suffix.*``) or ``none``.
+
+``serve``, ``collect-router-data``, ``spec-generate`` and ``spec-bench`` nest it as ``engine``,
+``train-draft``'s held-out evaluation as ``eval.engine``: a setting has one name and one meaning
+on every command (``engine.max_batch_size=4``, ``engine.draft_weights=int8``). Which models run
+is each command's own business (a router's drafts, a student, ``--target``/``--draft``), so the
+model references are not settings here.
+
+Importing this module is cheap (no torch): a command parses and checks its settings, or answers
+``--describe``, before the heavy imports that loading needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Iterable, Literal, Mapping
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from serving.engine import EngineConfig, SpeculativeEngine
+    from serving.engine.verifier import Verifier
+
+
+def doc(text: str) -> dict:
+    return {"doc": text}
+
+
+@dataclass
+class NgramSettings:
+    """vLLM's ``ngram`` method (``prompt_lookup_min``/``prompt_lookup_max``), transformers' prompt lookup."""
+
+    min_n: int = field(default=1, metadata=doc("shortest n-gram of the request's last tokens to look up"))
+    max_n: int = field(default=4, metadata=doc("longest n-gram to look up (the longest match wins)"))
+    k: int | None = field(default=None, metadata=doc(
+        "tokens proposed per step (num_speculative_tokens); null: the engine's k"))
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_n <= self.max_n:
+            raise ValueError(f"ngram: need 1 <= min_n <= max_n, got min_n={self.min_n}, max_n={self.max_n}")
+        if self.k is not None and self.k < 1:
+            raise ValueError(f"ngram.k={self.k} must be >= 1 (or null for the engine's k)")
+
+
+@dataclass
+class SuffixSettings:
+    """vLLM's ``suffix`` method (Arctic Inference's suffix decoding), same option names."""
+
+    max_tree_depth: int = field(default=24, metadata=doc("longest context suffix matched"))
+    max_cached_requests: int = field(default=256, metadata=doc(
+        "finished requests whose outputs stay in the cross-request cache (0: each request's own context only)"))
+    max_spec_factor: float = field(default=1.0, metadata=doc(
+        "propose at most this many tokens per matched token"))
+    min_token_prob: float = field(default=0.1, metadata=doc(
+        "stop a proposal once its estimated probability (product of branch frequencies) drops below this"))
+    k: int | None = field(default=None, metadata=doc(
+        "tokens proposed per step at most (num_speculative_tokens); null: the engine's k"))
+
+    def __post_init__(self) -> None:
+        if self.max_tree_depth < 1 or self.max_cached_requests < 0 or self.max_spec_factor <= 0:
+            raise ValueError(f"suffix: max_tree_depth={self.max_tree_depth} must be >= 1, max_cached_requests="
+                             f"{self.max_cached_requests} >= 0 and max_spec_factor={self.max_spec_factor} > 0")
+        if not 0.0 <= self.min_token_prob <= 1.0:
+            raise ValueError(f"suffix.min_token_prob={self.min_token_prob} must be in [0, 1]")
+        if self.k is not None and self.k < 1:
+            raise ValueError(f"suffix.k={self.k} must be >= 1 (or null for the engine's k)")
+
+
+HOST_DRAFTERS = ("ngram", "suffix")  # built-in drafter references that need no model
+NONE = "none"
+
+
+@dataclass
+class EngineSettings:
+    device: Literal["auto", "cpu", "cuda", "neuron"] = field(default="auto", metadata=doc(
+        "where the models run; auto: the accelerator if there is one, else the CPU"))
+    dtype: Literal["float32", "bfloat16", "float16"] = field(default="float32", metadata=doc("weights' dtype"))
+    quantize: Literal["int8-dynamic"] | None = field(default=None, metadata=doc(
+        "int8-dynamic: PyTorch's dynamic int8 Linear layers on every model (CPU; fast, but greedy output "
+        "may differ from fp32: the target is quantized too). For a cheaper draft alone use draft_weights"))
+    cpu_kernels: bool = field(default=True, metadata=doc(
+        "on a CPU in fp32, Choral's batch-invariant kernels: verifying K+1 tokens costs about one, rows "
+        "are bitwise identical (eager only: off while compile_backend is set)"))
+    draft_weights: Literal["auto", "fp32", "int8"] = field(default="auto", metadata=doc(
+        "int8: drafts run as W8A8 int8 on the CPU kernels (~2.5x cheaper draft steps; the target stays "
+        "fp32, so outputs are unchanged, only acceptance may move); auto: int8 wherever the CPU kernels run"))
+    compile_backend: str | None = field(default=None, metadata=doc(
+        "torch.compile backend of the step shapes (inductor, neuron), or auto for the device's; "
+        "null: eager. Compiled shapes are warmed up at load"))
+    max_batch_size: int = field(default=1, metadata=doc(
+        "slots per engine: sequences decoded together in the static batch"))
+    max_len: int | None = field(default=None, metadata=doc(
+        "context per slot (prompt + new tokens + K + 1); null: min(2048, the target's), except "
+        "collect-router-data and train-draft's evaluation, which fit their longest prompt"))
+    k: int | str = field(default=4, metadata=doc(
+        "draft tokens per step, or auto (Hugging Face's heuristic moving over k_buckets)"))
+    k_buckets: tuple[int, ...] = field(default=(1, 2, 3, 4, 5, 6, 7, 8), metadata=doc(
+        "the K values that exist as step shapes (compiled, CPU-kernel widths); a fixed k must be one"))
+    draft_confidence: float | None = field(default=None, metadata=doc(
+        "stop a step's drafting once the draft's top probability drops below this (a host check per "
+        "draft token: for CPUs, not Neuron); null: always draft k"))
+    draft_stop: Literal["token", "cumulative"] = field(default="token", metadata=doc(
+        "with draft_confidence: compare each draft token's top probability, or their running product "
+        "(the block's chance of surviving whole)"))
+    threads: int | None = field(default=None, metadata=doc(
+        "torch intra-op threads of the process; null: torch's default (one per core). On a CPU shared "
+        "with other busy processes, 1 avoids threads waiting on each other"))
+    batch_buckets: tuple[int, ...] | None = field(default=None, metadata=doc(
+        "batch sizes a step can run at (compiled shapes); a step runs at the smallest holding its "
+        "rows. null: 1, 2, 4, ... up to max_batch_size"))
+    ngram: NgramSettings = field(default_factory=NgramSettings, metadata=doc("the ngram drafter"))
+    suffix: SuffixSettings = field(default_factory=SuffixSettings, metadata=doc("the suffix drafter"))
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size={self.max_batch_size} must be >= 1")
+        if self.max_len is not None and self.max_len < 2:
+            raise ValueError(f"max_len={self.max_len} must be >= 2 (or null)")
+        if not self.k_buckets or min(self.k_buckets) < 1:
+            raise ValueError(f"k_buckets={list(self.k_buckets)} must list positive integers")
+        self.k_buckets = tuple(sorted(set(self.k_buckets)))
+        if self.k != "auto" and not (isinstance(self.k, int) and not isinstance(self.k, bool) and self.k >= 1):
+            raise ValueError(f"k={self.k!r} must be a positive integer or 'auto'")
+        if self.k != "auto" and self.k not in self.k_buckets:
+            raise ValueError(f"k={self.k} is not one of k_buckets {list(self.k_buckets)}: add it to k_buckets")
+        if self.draft_confidence is not None and not 0.0 <= self.draft_confidence <= 1.0:
+            raise ValueError(f"draft_confidence={self.draft_confidence} must be in [0, 1] (or null)")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads={self.threads} must be >= 1 (or null for torch's default)")
+        if self.draft_weights == "int8" and not self.uses_cpu_kernels:
+            raise ValueError("draft_weights=int8 runs on Choral's CPU kernels: set cpu_kernels=true and "
+                             "compile_backend=null, or draft_weights=auto/fp32")  # fmt: skip
+
+    @property
+    def uses_cpu_kernels(self) -> bool:
+        """Whether the CPU kernels are asked for: they are eager-only, so not while compiling (they
+        still apply only on a CPU in fp32 without quantize)."""
+        return self.cpu_kernels and self.compile_backend is None
+
+    def engine_config(self, *, draft: bool, device: torch.device | None = None, **changes) -> EngineConfig:
+        """The ``EngineConfig`` of one engine; ``draft=False`` is the target alone (k=0).
+        ``changes`` replace settings for this engine only (``k=2`` in a K sweep)."""
+        from serving.engine import EngineConfig
+        from serving.engine.devices import compile_backend, resolve_device
+
+        s = dataclasses.replace(self, **changes) if changes else self
+        backend = s.compile_backend
+        if backend == "auto":
+            backend = compile_backend(device if device is not None else resolve_device(s.device))
+        return EngineConfig(
+            max_batch_size=s.max_batch_size,
+            max_len=s.max_len,
+            k=s.k if draft else 0,
+            k_buckets=s.k_buckets,
+            compile_backend=backend,
+            draft_confidence=s.draft_confidence if draft else None,
+            draft_stop=s.draft_stop,
+            batch_buckets=s.batch_buckets,
+        )
+
+    def host_drafter(self, ref: str):
+        """A new model-free drafter for a built-in reference (``ngram`` or ``suffix``)."""
+        if ref == "ngram":
+            from serving.engine.drafters.ngram import NgramDrafter
+
+            return NgramDrafter(k=self.ngram.k, min_n=self.ngram.min_n, max_n=self.ngram.max_n)
+        if ref == "suffix":
+            from serving.engine.drafters.suffix import SuffixDrafter
+
+            x = self.suffix
+            return SuffixDrafter(k=x.k, max_depth=x.max_tree_depth, max_cached_requests=x.max_cached_requests,
+                                 max_spec_factor=x.max_spec_factor, min_token_prob=x.min_token_prob)  # fmt: skip
+        raise ValueError(f"{ref!r} is not a built-in drafter: use one of {', '.join(HOST_DRAFTERS)} or a model reference")
+
+
+@dataclass
+class LoadedEngine:
+    tokenizer: PreTrainedTokenizerBase
+    target: PreTrainedModel | None  # None when the engine verifies on a remote target
+    drafts: dict[str, PreTrainedModel]  # drafter name -> its draft model (model drafters only)
+    engine: SpeculativeEngine
+    cpu_kernels: bool  # whether Choral's CPU kernels were installed
+
+
+def is_model_ref(ref: str | None) -> bool:
+    return ref is not None and ref != NONE and ref not in HOST_DRAFTERS
+
+
+def load_engine(
+    settings: EngineSettings,
+    target: str,
+    drafters: Mapping[str, str | None],
+    *,
+    default: str | None = None,
+    verifier: Verifier | None = None,
+) -> LoadedEngine:
+    """One engine with every drafter of ``drafters`` (name -> a model reference, ``ngram``,
+    ``suffix``, or ``none``/None for the target alone), one target, one KV cache and one batch.
+    Each model reference loads once (two names may share it) and is prepared for the engine's step
+    widths. ``default``: the drafter of requests that name none (default: the first). With a
+    ``verifier`` (the target side when it is not a model of this process: a
+    ``serving.distributed.remote.RemoteVerifier`` in the server's draft role) no target loads here."""
+    from serving.engine import SpeculativeEngine
+    from serving.engine.devices import resolve_device
+
+    device = resolve_device(settings.device)
+    drafting = any(ref is not None and ref != NONE for ref in drafters.values())
+    config = settings.engine_config(draft=drafting, device=device)
+    widths = config.step_widths if drafting else (1,)
+    if drafting and any(r in HOST_DRAFTERS for r in drafters.values()):  # short proposals round up to a K bucket
+        widths = tuple(sorted({*widths, *(k + 1 for k in config.k_buckets if k <= config.k_max)}))
+    refs = [r for r in drafters.values() if is_model_ref(r)]
+    tokenizer, target_model, by_ref = load_models(
+        settings, target, refs, load_target=verifier is None,
+        each_draft=lambda draft: prepare_kernels(settings, [], [draft], widths),
+    )  # fmt: skip
+    kernels = prepare_kernels(settings, [target_model] if target_model is not None else [], [], widths)
+    built = {name: (by_ref[ref] if is_model_ref(ref) else settings.host_drafter(ref) if ref in HOST_DRAFTERS else None)
+             for name, ref in drafters.items()}  # fmt: skip
+    engine = SpeculativeEngine(verifier or target_model, tokenizer, config=config, drafters=built, default_drafter=default)
+    drafts = {name: by_ref[ref] for name, ref in drafters.items() if is_model_ref(ref)}
+    return LoadedEngine(tokenizer, target_model, drafts, engine, kernels)
+
+
+def load_models(
+    settings: EngineSettings,
+    target: str,
+    drafts: Iterable[str] = (),
+    *,
+    load_target: bool = True,
+    each_draft: Callable[[PreTrainedModel], object] | None = None,
+) -> tuple[PreTrainedTokenizerBase, PreTrainedModel | None, dict[str, PreTrainedModel]]:
+    """The target's tokenizer, the target (unless ``load_target`` is false: a remote target) and
+    each distinct draft reference, loaded once on the settings' device, dtype and quantization;
+    a draft whose tokenizer differs from the target's is refused before it loads.
+    ``each_draft`` runs on every draft as soon as it has loaded, before the next one loads: an
+    int8 conversion there keeps one fp32 draft in memory at a time, not all of them."""
+    import torch
+
+    from serving.engine.devices import resolve_device
+    from serving.engine.models import check_same_tokenizer, load_model, load_tokenizer
+
+    if settings.threads is not None:
+        torch.set_num_threads(settings.threads)
+    device = resolve_device(settings.device)
+    tokenizer = load_tokenizer(target)
+    refs = list(dict.fromkeys(drafts))
+    for ref in refs:
+        check_same_tokenizer(tokenizer, load_tokenizer(ref), draft_name=f"draft {ref!r}")
+    load = lambda ref: load_model(ref, dtype=settings.dtype, device=device, quantize=settings.quantize)  # noqa: E731
+    target_model = load(target) if load_target else None
+    models = {}
+    for ref in refs:
+        models[ref] = load(ref)
+        if each_draft is not None:
+            each_draft(models[ref])
+    return tokenizer, target_model, models
+
+
+def prepare_kernels(
+    settings: EngineSettings,
+    targets: Iterable[PreTrainedModel],
+    drafts: Iterable[PreTrainedModel],
+    widths: Iterable[int],
+    *,
+    device: torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    own_draft_tensors: bool = True,
+) -> bool:
+    """Install Choral's CPU kernels for every step width in ``widths`` where the settings ask for
+    them and they apply (CPU, fp32, no quantize), drafts in ``draft_weights``; returns whether
+    they were installed. Models are changed in place: prepare each once, for all its widths.
+    ``device`` and ``dtype``: where the models are, when they were not loaded by these settings
+    (train-draft's evaluation runs the models training holds; it also passes
+    ``own_draft_tensors=False``, see ``serving.engine.cpu_kernels.prepare_for_cpu``)."""
+    from serving.engine.core import use_cpu_kernels
+    from serving.engine.devices import resolve_device
+
+    if not settings.uses_cpu_kernels:
+        return False
+    return use_cpu_kernels(
+        list(targets), drafts=list(drafts), draft_weights=settings.draft_weights,
+        device=device if device is not None else resolve_device(settings.device),
+        dtype=dtype if dtype is not None else settings.dtype, widths=tuple(sorted(set(widths))), quantize=settings.quantize,
+        own_draft_tensors=own_draft_tensors,
+    )  # fmt: skip

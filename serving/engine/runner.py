@@ -1,0 +1,148 @@
+"""A loaded causal LM bound to its static KV cache, with one compiled forward per input width.
+
+``ModelRunner.forward(tokens, positions)`` is the only way the engine calls a model. Shapes are
+fixed by (batch size, input width T); T takes few values (1 or 2 for the draft, K+1 for the
+target's verification, the prompt bucket for prefill), so each compiles once and is reused.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from serving.engine.kv_cache import StaticKVCache
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        batch_size: int,
+        max_len: int,
+        vocab_size: int | None = None,
+    ) -> None:
+        """model: a Hugging Face causal LM (``base_model`` + output embeddings).
+        vocab_size: width of the returned logits. A draft whose embedding matrix is padded to a
+            different size than the target's is cut or padded (with -inf) to the target's width, so
+            p and q live on the same vocabulary; the padding ids are never real tokens.
+        """
+        config = model.config
+        layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+        if layer_types != {"full_attention"}:
+            raise ValueError(
+                f"{type(model).__name__} uses attention layer types {sorted(layer_types)}; Choral's static "
+                "cache supports full attention only (set use_sliding_window=False or pick another model)"
+            )
+        self.model = model
+        self.config = config
+        self.batch_size = batch_size
+        self.max_len = max_len
+        self.model_vocab = model.get_output_embeddings().out_features
+        self.vocab_size = vocab_size or self.model_vocab
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        # A reduced draft vocabulary (FR-Spec; see training.students.reduce_vocab): only these rows of
+        # the output head are computed, the rest of the row is -inf, so the draft never proposes them
+        # and the target's verification over the full vocabulary stays exact.
+        self.head_ids: torch.Tensor | None = None
+        kept = getattr(config, "draft_vocab", None)
+        if kept:
+            self.head_ids = torch.tensor(kept, dtype=torch.long, device=self.device)  # [N]
+            head = model.get_output_embeddings()
+            # A compact head holds only the kept rows, in draft_vocab order (train-draft evaluates
+            # its student so, without a full-vocabulary copy of the head).
+            compact = self.model_vocab == len(kept) and vocab_size is not None and vocab_size > len(kept)
+            if compact:
+                self.model_vocab = self.vocab_size
+            top, limit = int(self.head_ids.max()), min(self.vocab_size, self.model_vocab)
+            if top >= limit:  # an id must be a row of the draft's head and a column of the logits
+                raise ValueError(f"draft_vocab names token id {top}, but the draft's head has {self.model_vocab} rows "
+                                 f"and the logits {self.vocab_size} columns")  # fmt: skip
+            if compact:
+                kept_head = head
+            elif hasattr(head, "select_rows"):  # Choral's CPU kernels (fp32 or int8): keep using them
+                kept_head = head.select_rows(self.head_ids)
+            else:
+                kept_head = torch.nn.Linear(head.weight.shape[1], len(kept), bias=False, device=self.device, dtype=self.dtype)
+                kept_head.weight = torch.nn.Parameter(head.weight.detach().index_select(0, self.head_ids).contiguous(), requires_grad=False)
+            self.kept_head = kept_head  # [N, H] rows of the output head
+        self.cache = StaticKVCache.for_model(config, batch_size, max_len, self.dtype, self.device)
+        self._row_caches = {batch_size: self.cache}  # rows -> a view of the cache's first rows
+        self._forward = self._eager_forward
+
+    def compile(self, backend: str, shapes: int = 8) -> None:
+        """Compile ``forward`` with ``fullgraph=True, dynamic=False``: one graph per (rows, input
+        width), built on first use (``SpeculativeEngine.warmup`` pays that at load). ``shapes``:
+        how many graphs of this method the engine uses (all its runners together); torch's limit
+        of graphs per function is raised to it."""
+        limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+        setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), shapes))
+        self._forward = torch.compile(self._eager_forward, backend=backend, fullgraph=True, dynamic=False)
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """tokens, positions: [B, T] long, B at most ``batch_size``: the cache's first B rows (a
+        batch bucket). Writes their KV at ``positions`` and returns fp32 logits [B, T, V] (or
+        [B, 1, V] with ``last_only``: the draft's catch-up step needs only the last)."""
+        return self._forward(tokens, positions, last_only, self._rows(tokens.shape[0]))
+
+    def _rows(self, rows: int) -> StaticKVCache:
+        if rows not in self._row_caches:
+            self._row_caches[rows] = self.cache.first_rows(rows)
+        return self._row_caches[rows]
+
+    @torch.no_grad()
+    def warmup(self, widths, last_only: bool = False, rows: int | None = None) -> None:
+        """Run ``forward`` once per input width (at ``rows`` rows, default all) so each compiled
+        graph exists before the first request. The inputs have the layout the step passes
+        (contiguous [B, T] tokens and positions): a compiled graph guards on strides too, so an
+        ``expand``ed position tensor (stride 0) would compile a graph the step never uses and
+        leave the real one to compile mid-request."""
+        B, dev = rows or self.batch_size, self.device
+        for width in widths:
+            tokens = torch.zeros(B, width, dtype=torch.long, device=dev)  # [B, T]
+            positions = torch.arange(width, device=dev).repeat(B, 1)  # [B, T] contiguous
+            self.forward(tokens, positions, last_only=last_only)
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, slot: int, pad_to: int | None = None) -> torch.Tensor:
+        """tokens: [1, L] one prompt. Fills batch row ``slot`` of the cache at positions 0..L-1 and
+        returns the logits after the last prompt token, [1, 1, V]. Other rows are untouched, so a
+        request can join a running batch. ``pad_to`` right-pads to a fixed width (a prompt bucket
+        for compiled backends); the padding lands past the prompt, hidden by the mask."""
+        L = tokens.shape[1]
+        if pad_to is not None and pad_to > L:
+            tokens = torch.cat([tokens, tokens.new_zeros(1, pad_to - L)], dim=1)
+        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)  # [1, L']
+        hidden = self._hidden(tokens, positions, self.cache.row(slot))  # [1, L', H]
+        return self._logits(hidden[:, L - 1 : L])
+
+    def _eager_forward(self, tokens: torch.Tensor, positions: torch.Tensor, last_only: bool, cache: StaticKVCache) -> torch.Tensor:
+        hidden = self._hidden(tokens, positions, cache)
+        return self._logits(hidden[:, -1:] if last_only else hidden)
+
+    def _hidden(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+        cache.positions = positions
+        eager = self.config._attn_implementation == "eager"
+        mask = cache.attention_mask(positions, self.dtype if eager else None)
+        out = self.model.base_model(
+            input_ids=tokens,
+            position_ids=positions,
+            attention_mask={"full_attention": mask},
+            past_key_values=cache,
+            use_cache=True,
+        )
+        return out.last_hidden_state  # [B, T, H]
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.head_ids is not None:
+            kept = self.kept_head(hidden).float()  # [B, T, N]
+            logits = kept.new_full((*kept.shape[:-1], self.vocab_size), float("-inf"))  # [B, T, V]
+            return logits.index_copy(-1, self.head_ids, kept)
+        logits = self.model.get_output_embeddings()(hidden).float()  # [B, T, V_model]
+        if self.vocab_size < self.model_vocab:
+            return logits[..., : self.vocab_size]
+        if self.vocab_size > self.model_vocab:
+            pad = logits.new_full((*logits.shape[:-1], self.vocab_size - self.model_vocab), float("-inf"))
+            return torch.cat([logits, pad], dim=-1)
+        return logits

@@ -1,0 +1,116 @@
+"""One sampling transform for draft and target, and inverse-CDF sampling from given uniforms.
+
+The same ``probs_from_logits`` turns draft logits into q and target logits into p. Greedy rows
+(temperature 0) become one-hot distributions at the argmax, so the rejection-sampling rule in
+``serving.engine.acceptance`` reduces exactly to "accept iff the draft token is the target's argmax" and
+one code path serves greedy and sampled rows in the same batch.
+
+Every parameter is a per-row tensor so a batch mixes requests with different settings without
+changing shapes; random numbers come in as uniforms drawn on the host from per-request generators,
+which keeps compiled steps free of RNG state and makes seeded output independent of batching.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Decoding settings of one request.
+
+    temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+    top_k: keep the k most likely tokens; 0 disables.
+    top_p: keep the smallest set of tokens whose probability reaches top_p; 1.0 disables.
+    seed: seeds the request's own generator, so a seeded request is reproducible whatever else
+        shares its batch.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0 (0 means greedy)")
+        if not (isinstance(self.top_k, int) and 0 <= self.top_k < 2**63):
+            raise ValueError(f"top_k={self.top_k!r} must be an integer in [0, 2**63) (0 disables top-k)")
+        if self.seed is not None and not (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64):
+            raise ValueError(f"seed={self.seed!r} must be a 64-bit integer, in [-2**63, 2**64)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1] (1 disables top-p)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def filters(self) -> bool:
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row sampling settings of a batch, on the device. ``filters`` and ``all_greedy`` are
+    static flags (host side): greedy batches skip the softmax, unfiltered ones the vocabulary sort."""
+
+    temperature: torch.Tensor  # [B] float, 0 = greedy
+    top_k: torch.Tensor  # [B] long, 0 = off
+    top_p: torch.Tensor  # [B] float, 1 = off
+    filters: bool
+    all_greedy: bool
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], device: torch.device | str) -> "SamplingTensors":
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            filters=any(p.filters for p in params),
+            all_greedy=all(p.greedy for p in params),
+        )
+
+
+def probs_from_logits(logits: torch.Tensor, s: SamplingTensors) -> torch.Tensor:
+    """Apply temperature, then top-k, then top-p (the order of HF's warpers and vLLM's sampler).
+
+    logits: [B, T, V] (any float dtype). Returns fp32 probabilities [B, T, V]; greedy rows are
+    one-hot at the first argmax, matching ``torch.argmax`` and HF greedy ``generate``.
+    """
+    logits = logits.float()
+    B, T, V = logits.shape
+    greedy = (s.temperature == 0)[:, None, None]  # [B, 1, 1]
+    one_hot = torch.nn.functional.one_hot(logits.argmax(-1), V).to(torch.float32)  # [B, T, V]
+    if s.all_greedy:
+        return one_hot
+    temp = torch.where(s.temperature > 0, s.temperature, 1.0)[:, None, None]
+    scaled = logits / temp  # [B, T, V]
+    if s.filters:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [B, T, V]
+        rank = torch.arange(V, device=logits.device)  # [V]
+        k = torch.where(s.top_k > 0, s.top_k, V)[:, None, None]  # [B, 1, 1]
+        sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
+        sorted_probs = sorted_logits.softmax(-1)
+        # A token stays if the mass strictly before it is below top_p: the first token always stays.
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        drop = mass_before >= s.top_p[:, None, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = scaled.softmax(-1)
+    return torch.where(greedy, one_hot, probs)
+
+
+def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Draw one token per distribution by inverse CDF: the first index whose cumulative mass
+    exceeds u * total. Exact for any u ~ U[0, 1); zero-probability tokens are never drawn.
+
+    probs: [..., V] non-negative (need not sum to 1); u: [...] uniforms. Returns long [...].
+    """
+    cdf = probs.cumsum(-1)  # [..., V]
+    # Keep u * total strictly below total in fp32, else the search runs off the end.
+    target = (u.clamp(max=1.0 - 1e-6) * cdf[..., -1]).unsqueeze(-1)  # [..., 1]
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return idx.clamp(max=probs.shape[-1] - 1)

@@ -1,0 +1,156 @@
+"""The target side of the engine: what ``SpeculativeEngine`` needs from whatever verifies.
+
+    engine = SpeculativeEngine(target_model, tokenizer, draft)         # a model: wrapped in LocalVerifier
+    engine = SpeculativeEngine(LocalVerifier(target_model, tokenizer), tokenizer, draft)   # the same
+    engine = SpeculativeEngine(RemoteVerifier("10.0.0.5:50051"), tokenizer, drafters=...)  # serving.distributed
+
+A ``Verifier`` holds the target and what it keeps per row of the engine's static batch (a KV
+cache row in this process, a session on a target service). The engine owns everything else: the
+decode state (committed tokens, lengths, limits, done), the drafters, every random number and the
+requests. Per step it hands the verifier the rows' draft tokens, their q and the step's uniforms;
+the verifier answers, per row, how many draft tokens the target accepts and its next token (the
+correction or the bonus), and the engine writes that answer into its state with ``commit``, the
+same function a target service runs on its own copy of the state.
+
+``LocalVerifier`` is the target in this process: a ``ModelRunner`` over a static KV cache, one
+forward over [x_{n-1}, drafts] per step and the acceptance rule (``serving.engine.speculative``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from serving.engine.models import eos_token_ids
+from serving.engine.runner import ModelRunner
+from serving.engine.sampling import SamplingParams, SamplingTensors
+from serving.engine.speculative import DecodeState, StepRandom, prefill_first_token, verify_tokens
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from serving.engine.core import EngineConfig
+
+
+class VerifierError(RuntimeError):
+    """The verifier could not serve some rows (its target went away, or dropped their state).
+    ``rows``: the engine's slots that failed; None: every row it holds. The engine drops their
+    requests without a completion, hands out what the others produced on the next ``step`` and
+    raises this error again from ``step`` with ``request_ids`` naming the failed requests; later
+    calls go on (a remote verifier reconnects by itself)."""
+
+    def __init__(self, message: str, rows: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.rows = rows
+        self.request_ids: list[int] = []
+
+
+@dataclass
+class VerifyBatch:
+    """One step's rows for the target: the step's batch bucket, B rows, K the step's K bucket."""
+
+    state: DecodeState  # the rows' committed tokens and lengths, before this step (read only)
+    params: list[SamplingParams | None]  # [B] each row's sampling settings; None: an empty slot
+    sampling: SamplingTensors  # the same settings as per-row tensors
+    rand: StepRandom  # the step's uniforms: accept tests [B, K] and the correction/bonus draws [B]
+    draft_tokens: torch.Tensor  # [B, K] long
+    q: torch.Tensor  # [B, K, V] the distributions the draft tokens were drawn from
+    n_draft: torch.Tensor  # [B] long: real draft tokens per row; the rest of K is padding
+
+
+class Verdict(NamedTuple):
+    """The target's answer for every row of a ``VerifyBatch``."""
+
+    n_accepted: torch.Tensor  # [B] long: draft tokens accepted
+    next_token: torch.Tensor  # [B] long: the correction (after a rejection) or the bonus token
+    failed: VerifierError | None = None  # rows the target could not verify: they commit nothing
+
+
+class Verifier(ABC):
+    """What the engine needs from the target side. ``bind`` comes first; afterwards ``vocab_size``,
+    ``eos_ids`` and ``max_len`` describe the target."""
+
+    name: str = "the target"  # for messages
+    vocab_size: int  # the width of p (and of every q)
+    eos_ids: list[int]  # the ids that end a request
+    max_len: int  # context per row: prompt + new tokens + K + 1
+    k_max: int | None = None  # the largest K it verifies; None: any
+    device: torch.device | None = None  # where verification reads the state; None: anywhere (the engine's choice)
+
+    @abstractmethod
+    def bind(self, config: EngineConfig) -> None:
+        """Take on the engine's static batch (``config.max_batch_size`` rows): fill in
+        ``config.max_len`` when it is None and refuse a ``max_len`` the target cannot hold."""
+
+    @abstractmethod
+    def prefill(
+        self, row: int, prompt: torch.Tensor, params: SamplingParams, u: torch.Tensor, *, max_new_tokens: int, k_max: int
+    ) -> int | None:
+        """Prefill ``prompt`` ([1, L] long) into ``row`` and return the request's first token, drawn
+        with uniform ``u`` ([1]) under ``params``; None if the target has no room for it now (the
+        engine retries on a later step). ``k_max``: the largest K the request may verify (0: the
+        target alone). Raises ``VerifierError`` when the target cannot be reached."""
+
+    @abstractmethod
+    def verify(self, batch: VerifyBatch) -> Verdict:
+        """One verification of every row of ``batch`` (rows whose ``params`` is None are empty).
+        Does not change ``batch.state``: the engine commits the verdict. Raises ``VerifierError``
+        when no row could be verified; rows that failed alone are in ``Verdict.failed``."""
+
+    @abstractmethod
+    def release(self, row: int) -> None:
+        """``row``'s request left (finished, aborted or failed): drop what is held for it."""
+
+    def close(self) -> None:
+        """Free what the verifier holds (connections); the engine is not used afterwards."""
+
+    def compile(self, backend: str, shapes: int) -> None:
+        """Compile the target's verify forwards with ``backend`` (``shapes``: how many input shapes
+        the engine's runners compile together). A remote target compiles on its own side."""
+
+    def warmup(self, widths: tuple[int, ...], rows: int) -> None:
+        """Run every verify width once at batch size ``rows`` (compiled shapes pay their cost now)."""
+
+
+class LocalVerifier(Verifier):
+    """The target in this process: a ``ModelRunner`` (the model bound to a static KV cache with a
+    row per slot of the engine), verified with ``verify_tokens`` on the engine's own decode state."""
+
+    name = "the local target"
+
+    def __init__(self, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.model = target
+        self.eos_ids = eos_token_ids(target, tokenizer)
+        self.max_position_embeddings = getattr(target.config, "max_position_embeddings", None) or 2048
+        self.runner: ModelRunner | None = None  # built by bind, for the engine's batch
+
+    def bind(self, config: EngineConfig) -> None:
+        if config.max_len is None:
+            config.max_len = min(2048, self.max_position_embeddings)
+        if config.max_len > self.max_position_embeddings:
+            raise ValueError(f"max_len={config.max_len} exceeds the target's max_position_embeddings="
+                             f"{self.max_position_embeddings}")  # fmt: skip
+        self.runner = ModelRunner(self.model, batch_size=config.max_batch_size, max_len=config.max_len)
+        self.max_len, self.vocab_size, self.device = config.max_len, self.runner.vocab_size, self.runner.device
+
+    def prefill(
+        self, row: int, prompt: torch.Tensor, params: SamplingParams, u: torch.Tensor, *, max_new_tokens: int, k_max: int
+    ) -> int:
+        return prefill_first_token(self.runner, prompt, row, params, u)
+
+    def verify(self, batch: VerifyBatch) -> Verdict:
+        n_accepted, next_token = verify_tokens(self.runner, batch.state, batch.sampling, batch.rand, batch.draft_tokens,
+                                               batch.q, batch.n_draft)  # fmt: skip
+        return Verdict(n_accepted, next_token)
+
+    def release(self, row: int) -> None:
+        """Nothing to drop: the next request in ``row`` prefills over the cache row."""
+
+    def compile(self, backend: str, shapes: int) -> None:
+        self.runner.compile(backend, shapes=shapes)
+
+    def warmup(self, widths: tuple[int, ...], rows: int) -> None:
+        self.runner.warmup(widths, rows=rows)

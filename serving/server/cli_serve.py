@@ -1,0 +1,114 @@
+"""serve: the OpenAI-compatible server with routed speculative decoding.
+
+    serve --router runs/router/router.pt                              # fused: everything here
+    serve --router router.pt --config configs/serve.yaml port=8001 engine.max_batch_size=4
+    serve --role target --router router.pt port=50051                 # gRPC verification service
+    serve --role draft --target 127.0.0.1:50051 --router router.pt    # HTTP API + drafts
+    serve --describe                                                  # every config key
+
+Flags are shorthands for config keys (``--router X`` is ``router=X``, ``--target`` is
+``target_address``); ``key=value`` overrides come last and win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from serving.cli import Command, Flag
+from serving.config import ConfigError
+from serving.server.serve_config import ServeConfig
+
+CLI = Command("serve", ServeConfig, __doc__, flags=[
+    Flag("--router", "router"),
+    Flag("--role", "role"),
+    Flag("--target", "target_address", help="role=draft: HOST:PORT of the target service"),
+    Flag("--host", "host"),
+    Flag("--port", "port"),
+    Flag("--api-key", "api_key"),
+], errors=(FileNotFoundError,))  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    return CLI.main(argv, run)
+
+
+def run(cfg: ServeConfig, args: argparse.Namespace) -> int:
+    _check(cfg)
+    if cfg.engine.threads is not None:
+        import torch
+
+        torch.set_num_threads(cfg.engine.threads)
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if cfg.role == "target":
+        return _serve_target(cfg)
+    return _serve_http(cfg)
+
+
+def _serve_target(cfg: ServeConfig) -> int:
+    from serving.distributed.verify_service import serve_target
+
+    target_ref = cfg.target_model
+    if target_ref is None:
+        # Only the target's name is needed here: router.pt read and checked as every role reads
+        # it, without loading the router's embedder.
+        from routing.router import read_router_file
+
+        target_ref = read_router_file(cfg.router)["target_ref"]
+    e = cfg.engine
+    serve_target(
+        target_ref, host=cfg.host, port=cfg.port, device=e.device, dtype=e.dtype,
+        max_batch_size=e.max_batch_size, max_len=e.max_len, k_buckets=e.k_buckets,
+        session_timeout_s=cfg.session_timeout_s, batch_window_ms=cfg.batch_window_ms,
+        cpu_kernels=e.uses_cpu_kernels,
+    )  # fmt: skip
+    return 0
+
+
+def _check(cfg: ServeConfig) -> None:
+    """Fail fast, before any model loads, on what the config alone shows to be wrong."""
+    from pathlib import Path
+
+    if cfg.role in ("fused", "draft") and cfg.router is None:
+        raise ConfigError(f"role={cfg.role} needs a router: pass --router router.pt")
+    if cfg.router is not None and not Path(cfg.router).is_file():
+        raise ConfigError(f"router file {cfg.router} does not exist; build one with train-router")
+    if cfg.router is not None:
+        from routing.router import RouterError, read_router_file
+
+        try:  # every role: the same checks and messages, before any model loads
+            read_router_file(cfg.router)
+        except RouterError as e:
+            raise ConfigError(str(e)) from None
+    if cfg.role == "draft" and not cfg.target_address:
+        raise ConfigError("role=draft needs the target service's address: pass --target HOST:PORT")
+    if cfg.role == "target" and cfg.router is None and cfg.target_model is None:
+        raise ConfigError("role=target needs the target model: pass --router router.pt or target_model=REF")
+    if cfg.role == "target" and cfg.engine.quantize is not None:
+        raise ConfigError(f"role=target verifies with the target as loaded: engine.quantize={cfg.engine.quantize} "
+                          "is not supported there; drop it (the drafts' own precision is engine.draft_weights)")  # fmt: skip
+
+
+def _serve_http(cfg: ServeConfig) -> int:
+    import uvicorn
+
+    from serving.server.server import create_app
+
+    failed: list[BaseException] = []
+
+    def on_load_error(e: BaseException) -> None:
+        failed.append(e)
+        server.should_exit = True
+
+    app = create_app(cfg, on_load_error=on_load_error)
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level))
+    server.run()
+    if failed:
+        CLI.fail(f"loading failed: {type(failed[0]).__name__}: {failed[0]}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,337 @@
+"""OpenAI's wire format: request models with their validation, error bodies, response objects.
+
+Requests are parsed by hand (``parse_request``) rather than by FastAPI's signature magic so that
+every problem becomes the OpenAI error shape that clients expect,
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "top_p", "code": null}}
+
+with the offending field in ``param``. Fields the server does not implement (logprobs, penalties,
+tools, ...) are ignored like unknown keys, except those whose silent loss would change the answer
+(``n`` > 1, ``best_of`` > 1, ``echo``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's JSON error object with an HTTP status."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, type: str | None = None,
+                 code: str | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or _DEFAULT_TYPES.get(status, "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+_DEFAULT_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
+
+
+INT64_MAX = 2**63 - 1
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+MAX_TOKENS_LIMIT = 2**31 - 1
+
+
+def _encodable(value: Any, field: str) -> None:
+    """Every string inside ``value`` must encode as UTF-8: JSON may carry a lone surrogate
+    (``"\\ud800"``), which Python keeps in a str that no tokenizer can encode."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{field} holds a lone surrogate ({value[e.start:e.end]!r} at character {e.start}), which is "
+                             "not text; send valid UTF-8 (pair the surrogate or drop it)") from None  # fmt: skip
+    elif isinstance(value, list):
+        for item in value:
+            _encodable(item, field)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _encodable(item, field)
+
+
+class Prediction(BaseModel):
+    """OpenAI's Predicted Outputs: ``{"type": "content", "content": "..."}`` (or content parts)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["content"]
+    content: str | list[dict[str, Any]]
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, v: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+        _encodable(v, "prediction.content")
+        return v
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.get("text", "") for p in self.content if isinstance(p, dict) and p.get("type") == "text")
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    draft: str | None = None  # Choral: force a drafter name, or "none" for the target alone
+    prediction: Prediction | None = None  # the text the client expects the answer to repeat
+
+    @field_validator("model", "draft")
+    @classmethod
+    def _text(cls, v: str | None, info) -> str | None:
+        _encodable(v, info.field_name)
+        return v
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float) -> float:
+        if not (v >= 0 and math.isfinite(v)):
+            raise ValueError(f"temperature={v} must be a finite number >= 0 (0 = greedy)")
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v: int | None) -> int | None:
+        lo, hi = SEED_RANGE
+        if v is not None and not lo <= v <= hi:
+            raise ValueError(f"seed={v} is outside [{lo}, {hi}] (a 64-bit seed); send a smaller one")
+        return v
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, v: float) -> float:
+        if not 0 < v <= 1:
+            raise ValueError(f"top_p={v} must be in (0, 1] (1 = off)")
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if not 0 <= v <= INT64_MAX:
+            raise ValueError(f"top_k={v} must be in [0, {INT64_MAX}] (0 = off; any k above the vocabulary keeps every token)")
+        return v
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens(cls, v: int | None) -> int | None:
+        if v is not None and not 1 <= v <= MAX_TOKENS_LIMIT:
+            raise ValueError(f"max_tokens={v} must be in [1, {MAX_TOKENS_LIMIT}]")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(f"n={v}: this server returns one choice per request; send n=1 (or omit it)")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> list[str] | None:
+        stops = [v] if isinstance(v, str) else v
+        if stops is not None and (len(stops) > 4 or any(not s for s in stops)):
+            raise ValueError(f"stop={v!r} must be up to 4 non-empty strings")
+        _encodable(stops, "stop")
+        return stops
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return tuple(self.stop or ())
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int]
+    echo: bool = False
+    best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: str | list[str] | list[int]) -> str | list[int]:
+        if isinstance(v, list) and v and all(isinstance(x, str) for x in v):
+            if len(v) != 1:
+                raise ValueError(f"a list of {len(v)} prompts: send one prompt per request")
+            v = v[0]
+        if not v:
+            raise ValueError("prompt is empty")
+        if isinstance(v, list) and any(not 0 <= i <= INT64_MAX for i in v):
+            raise ValueError("prompt token ids must be in [0, vocabulary size)")
+        _encodable(v, "prompt")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo=true is not supported")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v: int | None) -> int | None:
+        if v not in (None, 1):
+            raise ValueError(f"best_of={v} is not supported; send 1 (or omit it)")
+        return v
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, v: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        _encodable(v, "the content of one of messages")
+        return v
+
+    def text(self) -> str:
+        """The content as one string; a list of parts keeps its text parts."""
+        if isinstance(self.content, list):
+            if any(p.get("type") != "text" for p in self.content):
+                raise ValueError("only text content parts are supported")
+            return "".join(str(p.get("text", "")) for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # newer clients' name for max_tokens
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        if not v:
+            raise ValueError("messages is empty: give at least one message")
+        for m in v:
+            m.text()
+        return v
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _max_completion_tokens(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError(f"max_completion_tokens={v} must be >= 1")
+        return v
+
+    @model_validator(mode="after")
+    def _alias(self) -> "ChatCompletionRequest":
+        if self.max_tokens is None:
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+
+def parse_request(raw: bytes, cls: type[_Sampling]) -> _Sampling:
+    """The request body as ``cls``, or an ``APIError`` naming the bad field."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply to parse; no field of this API nests more than a few "
+                       "levels", code="invalid_json") from None  # fmt: skip
+    if not isinstance(data, dict):
+        raise APIError(400, f"the request body must be a JSON object, not {type(data).__name__}", code="invalid_json")
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = _param_name(err["loc"])
+        if err["type"] == "missing":
+            raise APIError(400, f"missing required field {param!r}", param=param, code="missing_required_parameter") from None
+        message = err["msg"].removeprefix("Value error, ")
+        if err["type"] != "value_error":  # pydantic's own type messages do not say which field
+            message = f"{param}: {message} (got {err.get('input')!r})"
+        raise APIError(400, message, param=param) from None
+
+
+def _param_name(loc: tuple) -> str | None:
+    """("messages", 0, "role") -> "messages[0].role"; a union's member names (("prompt", "str"))
+    are pydantic's, not the client's, and are dropped."""
+    name = ""
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            name += f"[{part}]"
+        elif i == 0 or loc[0] == "messages" and i == 2:
+            name += f".{part}" if name else part
+    return name or None
+
+
+# ---- responses -------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+
+
+def completion_body(rid: str, model: str, text: str, finish_reason: str, usage: dict, choral: dict, chat: bool) -> dict:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [choice], "usage": usage, "choral": choral}  # fmt: skip
+
+
+def chunk_body(rid: str, model: str, created: int, chat: bool, *, text: str | None = None, role: bool = False,
+               finish_reason: str | None = None, choral: dict | None = None, usage: dict | None = None) -> dict:  # fmt: skip
+    """One streamed chunk; ``text=None`` with ``usage`` set gives the final usage-only chunk."""
+    body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                            "created": created, "model": model, "choices": []}  # fmt: skip
+    if text is not None or role or finish_reason is not None:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+        if chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text or ""
+        body["choices"] = [choice]
+    if choral is not None:
+        body["choral"] = choral
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+def sse(data: dict | str) -> bytes:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()

@@ -1,0 +1,343 @@
+"""Continuous batching over the engine: one thread owns it and steps it.
+
+    scheduler = Scheduler({name: engine for name in engine.drafter_names}, router, metrics)
+    scheduler.start()
+    ticket = Ticket(request, route_text="def add(a, b):", loop=asyncio.get_running_loop())
+    scheduler.submit(ticket)           # from any thread; events arrive on ticket.events
+    await ticket.events.get()          # Routed(draft, choice) or Failed(error)
+
+The scheduler maps drafter names to engines. Served, every name maps to the one engine (one
+target, one KV cache, one batch), whose rows each draft with their request's drafter: routing a
+request to a drafter sets its ``Request.drafter``. (Several engines, e.g. one per draft, also
+work: they take turns.) Engines are not thread-safe, so everything that touches them happens on
+the scheduler's thread; asyncio handlers talk to it through a thread-safe inbox and get events
+back via ``loop.call_soon_threadsafe``.
+
+Between steps the thread routes new requests (one ``choose_batch`` for all that arrived), checks
+the queue limit, aborts cancelled and timed-out requests, then runs one step of the next engine
+with work and hands each request its new tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from serving.engine import Completion, Request, StepOutput
+from serving.server.metrics import ServerMetrics
+from serving.server.openai_api import APIError
+
+log = logging.getLogger("choral.scheduler")
+
+
+class Engine(Protocol):
+    """The incremental API of ``SpeculativeEngine`` (fused, or with its target behind gRPC) that the scheduler uses."""
+
+    def add_request(self, request: Request) -> int: ...
+    def step(self) -> list[StepOutput]: ...
+    def abort_request(self, request_id: int) -> bool: ...
+    def has_unfinished_requests(self) -> bool: ...
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+
+
+# ---- events a ticket receives ---------------------------------------------------------------
+
+
+@dataclass
+class Routed:
+    draft: str
+    choice: Any  # routing.Choice, or None without a router
+
+
+@dataclass
+class Tokens:
+    ids: list[int]
+
+
+@dataclass
+class Finished:
+    completion: Completion
+
+
+@dataclass
+class Failed:
+    error: APIError
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request's passage through the scheduler. ``stream``: whether to send Tokens events (a
+    non-streaming handler only needs the end)."""
+
+    request: Request
+    route_text: str
+    loop: asyncio.AbstractEventLoop
+    forced_draft: str | None = None
+    stream: bool = False
+    timeout_s: float = 300.0
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    arrived: float = field(default_factory=time.perf_counter)
+    # Set on the scheduler thread:
+    draft: str | None = None
+    request_id: int | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    done: bool = False
+
+    def send(self, event: Routed | Tokens | Finished | Failed) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the handler's loop is gone (server shutting down)
+            pass
+
+
+class Scheduler:
+    def __init__(
+        self,
+        engines: dict[str, Engine],
+        router: Any = None,
+        metrics: ServerMetrics | None = None,
+        *,
+        max_batch_size: int = 8,
+        queue_limit: int = 64,
+        unavailable: tuple[type[BaseException], ...] = (),
+    ) -> None:
+        """engines: drafter name -> engine ("none": the target alone); names may share an engine.
+        router: a routing.Router whose choices name drafters (None: every request goes to the
+        first name unless forced).
+        unavailable: exceptions of ``step`` that mean the remote target is down (HTTP 503)."""
+        if not engines:
+            raise ValueError("the scheduler needs at least one engine")
+        self.engines = engines
+        self.router = router
+        self.metrics = metrics or ServerMetrics()
+        self.max_batch_size = max_batch_size
+        self.queue_limit = queue_limit
+        self.unavailable = unavailable
+        self._inbox: queue.SimpleQueue[tuple[str, Ticket | None]] = queue.SimpleQueue()
+        self._tickets: dict[tuple[int, int], Ticket] = {}  # (id of the engine, request id) -> ticket
+        self._order = list(engines)
+        # The distinct engines, each labelled by its names, stepped in turn.
+        self._distinct: dict[int, tuple[str, Engine]] = {}
+        for name, engine in engines.items():
+            label, _ = self._distinct.get(id(engine), ("", engine))
+            self._distinct[id(engine)] = (f"{label},{name}" if label else name, engine)
+        if len(self._distinct) == 1:
+            self._distinct = {k: ("engine", e) for k, (_, e) in self._distinct.items()}
+        self._turns = list(self._distinct)
+        self._next = 0
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # ---- any thread ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="choral-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._inbox.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, ticket: Ticket) -> None:
+        self._inbox.put(("add", ticket))
+
+    def abort(self, ticket: Ticket) -> None:
+        """Cancel a request (its client went away): its slot is freed before the next step."""
+        self._inbox.put(("abort", ticket))
+
+    # ---- the scheduler thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping:
+            try:
+                engines = [e for _, e in self._distinct.values()]
+                busy = any(e.has_unfinished_requests() for e in engines)
+                self._drain_inbox(block=not busy)
+                self._expire()
+                key = self._next_engine()
+                if key is not None:
+                    self._step(key)
+                self.metrics.queue_depth.set(sum(e.num_waiting for e in engines))
+                self.metrics.running.set(sum(e.num_running for e in engines))
+            except Exception as e:
+                # A dead scheduler thread would leave every request hanging: fail what is in
+                # flight with the cause and keep serving.
+                log.exception("scheduler loop failed")
+                for ticket in list(self._tickets.values()):
+                    self._fail(ticket, APIError(500, f"internal error: {type(e).__name__}: {e}"), "error")
+        for ticket in list(self._tickets.values()):
+            self._fail(ticket, APIError(503, "the server is shutting down"), "shutdown")
+
+    def _drain_inbox(self, block: bool) -> None:
+        added: list[Ticket] = []
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            while True:
+                kind, ticket = item
+                if kind == "add":
+                    added.append(ticket)
+                elif kind == "abort" and ticket is not None:
+                    if ticket in added:
+                        added.remove(ticket)
+                        self.metrics.finished.labels("cancelled").inc()
+                    else:
+                        self._cancel(ticket)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+        if added:
+            self._admit(added)
+
+    def _admit(self, tickets: list[Ticket]) -> None:
+        choices: list[Any] = [None] * len(tickets)
+        # Forced requests skip the router: embedding their prompts would only delay the next step.
+        routed = [i for i, t in enumerate(tickets) if t.forced_draft is None]
+        if self.router is not None and routed:
+            try:
+                for i, c in zip(routed, self.router.choose_batch([tickets[i].route_text for i in routed])):
+                    choices[i] = c
+            except Exception as e:  # a broken router must not take the server down
+                log.exception("routing failed")
+                for i in routed:
+                    self._fail(tickets[i], APIError(500, f"routing failed: {type(e).__name__}: {e}"), "error")
+                keep = [i for i in range(len(tickets)) if i not in set(routed)]
+                tickets, choices = [tickets[i] for i in keep], [None] * len(keep)
+        for ticket, choice in zip(tickets, choices):
+            draft = ticket.forced_draft or (choice.draft if choice is not None else self._order[0])
+            engine = self.engines.get(draft)
+            if engine is None:
+                self._fail(ticket, APIError(500, f"the router chose draft {draft!r}, which has no engine"), "error")
+                continue
+            if not self._has_room(engine):
+                self._fail(ticket, APIError(
+                    429, f"the server is full: {self.queue_limit} requests are already waiting for a slot "
+                    "(queue_limit); retry later", code="queue_full"), "rejected")  # fmt: skip
+                continue
+            if draft in getattr(engine, "drafter_names", ()):
+                ticket.request.drafter = draft  # the row drafts with it inside the shared batch
+            try:
+                ticket.request_id = engine.add_request(ticket.request)
+            except ValueError as e:
+                self._fail(ticket, APIError(400, str(e), param="max_tokens"), "rejected")
+                continue
+            ticket.draft = draft
+            self._tickets[(id(engine), ticket.request_id)] = ticket
+            self.metrics.draft_choices.labels(draft, str(ticket.forced_draft is not None).lower()).inc()
+            self.metrics.prompt_tokens.inc(len(ticket.request.prompt_ids))
+            ticket.send(Routed(draft, choice))
+
+    def _has_room(self, engine: Engine) -> bool:
+        """A request may join if its engine has a free slot for it or fewer than ``queue_limit``
+        requests wait beyond the free slots (across all engines)."""
+        def beyond(e: Engine) -> int:
+            return max(0, e.num_waiting - (self.max_batch_size - e.num_running))
+
+        if engine.num_waiting < self.max_batch_size - engine.num_running:
+            return True
+        return sum(beyond(e) for _, e in self._distinct.values()) < self.queue_limit
+
+    def _next_engine(self) -> int | None:
+        for i in range(len(self._turns)):
+            key = self._turns[(self._next + i) % len(self._turns)]
+            if self._distinct[key][1].has_unfinished_requests():
+                self._next = (self._next + i + 1) % len(self._turns)
+                return key
+        return None
+
+    def _step(self, key: int) -> None:
+        name, engine = self._distinct[key]
+        started = time.perf_counter()
+        try:
+            outputs = engine.step()
+        except self.unavailable as e:
+            # The engine names the requests its remote target failed (the others go on next step); a
+            # failure that names none takes the whole engine's requests with it.
+            error = APIError(503, f"the target is unavailable: {e}", code="target_unavailable")
+            self._fail_engine(key, error, getattr(e, "request_ids", None))
+            return
+        except Exception as e:
+            log.exception("engine %r failed a step", name)
+            self._fail_engine(key, APIError(500, f"engine {name!r} failed: {type(e).__name__}: {e}"))
+            return
+        now = time.perf_counter()
+        self.metrics.engine_steps.labels(name).inc()
+        self.metrics.step_time.labels(name).observe(now - started)
+        for out in outputs:
+            ticket = self._tickets.get((key, out.request_id))
+            if ticket is None:
+                continue
+            if out.new_token_ids:
+                self._observe_tokens(ticket, len(out.new_token_ids), now)
+            if out.finished is not None:
+                self._finish(ticket, out.finished, now)
+            elif out.new_token_ids and ticket.stream:
+                ticket.send(Tokens(out.new_token_ids))
+
+    def _observe_tokens(self, ticket: Ticket, n: int, now: float) -> None:
+        if ticket.first_token is None:
+            ticket.first_token = now
+            self.metrics.ttft.observe(now - ticket.arrived)
+            n -= 1
+        elif n:
+            # A speculative step commits several tokens at once: spread its gap over them.
+            gap = (now - ticket.last_token) / n
+            for _ in range(n):
+                self.metrics.itl.observe(gap)
+        ticket.last_token = now
+
+    def _finish(self, ticket: Ticket, completion: Completion, now: float) -> None:
+        self._tickets.pop((id(self.engines[ticket.draft]), ticket.request_id), None)
+        ticket.done = True
+        s, m, draft = completion.stats, self.metrics, ticket.draft
+        m.generated_tokens.labels(draft).inc(len(completion.token_ids))
+        m.drafted_tokens.labels(draft).inc(s.get("drafted", 0))
+        m.accepted_tokens.labels(draft).inc(s.get("accepted", 0))
+        m.drafts.labels(draft).inc(s.get("drafts", 0))
+        m.target_calls.labels(draft).inc(s.get("target_calls", 0))
+        if s.get("drafted"):
+            m.acceptance.labels(draft).observe(s["acceptance_rate"])
+        m.e2e.observe(now - ticket.arrived)
+        m.finished.labels(completion.finish_reason).inc()
+        ticket.send(Finished(completion))
+
+    def _cancel(self, ticket: Ticket) -> None:
+        if ticket.done or ticket.request_id is None:
+            return
+        self.engines[ticket.draft].abort_request(ticket.request_id)
+        self._tickets.pop((id(self.engines[ticket.draft]), ticket.request_id), None)
+        ticket.done = True
+        self.metrics.finished.labels("cancelled").inc()
+
+    def _fail(self, ticket: Ticket, error: APIError, reason: str) -> None:
+        if ticket.request_id is not None and not ticket.done:
+            self.engines[ticket.draft].abort_request(ticket.request_id)
+            self._tickets.pop((id(self.engines[ticket.draft]), ticket.request_id), None)
+        ticket.done = True
+        self.metrics.finished.labels(reason).inc()
+        ticket.send(Failed(error))
+
+    def _fail_engine(self, key: int, error: APIError, request_ids: list[int] | None = None) -> None:
+        """The engine's requests (or only ``request_ids``) get the error; their slots are freed
+        so the engine serves new requests once the cause (e.g. a restarting target) is gone."""
+        for (engine, rid), ticket in list(self._tickets.items()):
+            if engine == key and (request_ids is None or rid in request_ids):
+                self._fail(ticket, error, "error")
+
+    def _expire(self) -> None:
+        now = time.perf_counter()
+        for ticket in list(self._tickets.values()):
+            if now - ticket.arrived > ticket.timeout_s:
+                self._fail(ticket, APIError(
+                    504, f"the request did not finish within request_timeout_s={ticket.timeout_s:g} s",
+                    code="request_timeout"), "timeout")  # fmt: skip

@@ -1,0 +1,82 @@
+"""The server's configuration: one typed dataclass, loaded from YAML plus ``key=value`` overrides.
+
+    cfg = load_config(ServeConfig, "configs/serve.yaml", ["port=8001", "engine.max_batch_size=4"])
+
+``describe(ServeConfig)`` (``serve --describe``) prints every key with its default and doc. The
+engines' settings are the ``engine`` section (``serving.engine.engine_settings.EngineSettings``, shared
+with the other commands); ``engine.k`` applies to every engine: the router's suggested K per
+request is reported in the response, not applied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+from serving.engine.engine_settings import EngineSettings
+
+# Keys that moved into the shared engine section (serve's own names until the settings were unified).
+_MOVED = ("device", "dtype", "max_batch_size", "max_len", "k", "draft_confidence", "draft_stop", "compile_backend",
+          "cpu_kernels", "draft_weights", "threads")  # fmt: skip
+
+
+def doc(text: str) -> dict:
+    return {"doc": text}
+
+
+@dataclass
+class ServeConfig:
+    role: Literal["fused", "target", "draft"] = field(default="fused", metadata=doc(
+        "fused: router, drafts and target in one process; target: the gRPC verification service; "
+        "draft: router, drafts and the HTTP API, verifying on a remote target"))
+    router: str | None = field(default=None, metadata=doc(
+        "router.pt from train-router (fused and draft roles): names the target and the drafts"))
+    target_model: str | None = field(default=None, metadata=doc(
+        "target model reference; default: the router's target (role=target needs one of the two)"))
+    target_address: str | None = field(default=None, metadata=doc(
+        "role=draft: HOST:PORT of the `serve --role target` service"))
+    host: str = field(default="127.0.0.1", metadata=doc("address to listen on (HTTP; gRPC for role=target)"))
+    port: int = field(default=8000, metadata=doc("port to listen on (HTTP; gRPC for role=target)"))
+    model_name: str | None = field(default=None, metadata=doc(
+        "model id that clients send and /v1/models lists; default: the target reference"))
+    queue_limit: int = field(default=64, metadata=doc(
+        "requests that may wait for a slot; beyond that new ones get HTTP 429"))
+    api_key: str | None = field(default=None, metadata=doc(
+        "like vLLM's --api-key: every route but /health and /metrics needs 'Authorization: Bearer KEY' "
+        "(the openai client's api_key); default: the CHORAL_API_KEY environment variable, else no key"))
+    docs: bool = field(default=False, metadata=doc("serve FastAPI's interactive docs (/docs, /redoc, /openapi.json)"))
+    max_body_bytes: int = field(default=2 * 1024 * 1024, metadata=doc(
+        "largest request body accepted; a larger one gets HTTP 413 before it is parsed"))
+    request_timeout_s: float = field(default=300.0, metadata=doc(
+        "a request unfinished after this many seconds is aborted (HTTP 504, or an error event)"))
+    default_max_tokens: int = field(default=256, metadata=doc(
+        "max_tokens when a request gives none (capped by what the context leaves)"))
+    warmup: bool = field(default=True, metadata=doc(
+        "run a short request through every engine before /health reports ready"))
+    session_timeout_s: float = field(default=60.0, metadata=doc(
+        "role=target: evict a session's KV cache after this long without a verify call"))
+    batch_window_ms: float = field(default=2.0, metadata=doc(
+        "role=target: how long to collect verify calls from many sessions into one batch"))
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = field(default="info", metadata=doc(
+        "uvicorn's log level"))
+    engine: EngineSettings = field(default_factory=lambda: EngineSettings(max_batch_size=8))
+
+    RENAMED: ClassVar[dict[str, str]] = {name: f"engine.{name}" for name in _MOVED} | {"engine.batch_size": "engine.max_batch_size"}
+
+    def resolved_api_key(self) -> str | None:
+        """``api_key``, else CHORAL_API_KEY, else None (no key)."""
+        import os
+
+        return self.api_key or os.environ.get("CHORAL_API_KEY") or None
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes={self.max_body_bytes} must be >= 1024")
+        if self.queue_limit < 0:
+            raise ValueError(f"queue_limit={self.queue_limit} must be >= 0")
+        if self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s={self.request_timeout_s} must be > 0")
+        if self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens={self.default_max_tokens} must be >= 1")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port={self.port} must be in 1..65535")

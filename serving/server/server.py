@@ -1,0 +1,465 @@
+"""The OpenAI-compatible HTTP server (FastAPI): routing, continuous batching, metrics.
+
+    app = create_app(load_config(ServeConfig, "configs/serve.yaml"))
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Models load on a background thread after the app starts, so ``/health`` answers 503 ("loading")
+until the target, the drafts and the router are loaded and warmed up, then 200. Endpoints:
+
+* ``POST /v1/completions``, ``POST /v1/chat/completions``: OpenAI's request and response
+  formats, streamed as server-sent events with ``stream: true``. Each response carries an extra
+  ``choral`` object (the draft used, acceptance rate, tokens per target call, the router's
+  predictions); OpenAI clients ignore it. A ``draft`` body field or an ``X-Choral-Draft``
+  header forces a draft name or ``none`` (the target alone).
+* ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
+
+``build_engines`` turns a config into the engine with ``serving.engine.engine_settings.load_engine``,
+as every command does: one ``SpeculativeEngine`` holding every drafter, on the target model in
+fused mode, on a ``serving.distributed.remote.RemoteVerifier`` in the draft role.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import threading
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request as HTTPRequest
+
+from serving.server.detokenize import IncrementalDetokenizer
+from serving.engine import Request
+from serving.engine.core import PREDICTION
+from serving.engine.engine_settings import HOST_DRAFTERS, load_engine
+from serving.server.metrics import CONTENT_TYPE, ServerMetrics
+from serving.engine.models import load_tokenizer
+from serving.server.openai_api import (
+    APIError, ChatCompletionRequest, CompletionRequest, chunk_body, completion_body, new_id, parse_request, sse, usage,
+)  # fmt: skip
+from serving.engine.sampling import SamplingParams
+from serving.server.scheduler import Engine, Failed, Finished, Routed, Scheduler, Ticket, Tokens
+from serving.server.serve_config import ServeConfig
+
+log = logging.getLogger("choral.server")
+NONE = "none"  # the draft name of the target alone
+
+
+@dataclass
+class Backend:
+    """Everything loaded: the engines (one per draft name), the router, and a tokenizer of the
+    HTTP side's own (the engines' tokenizer is used on the scheduler thread; HF fast tokenizers
+    must not be shared between threads)."""
+
+    engines: dict[str, Engine]
+    router: Any  # routing.Router
+    tokenizer: Any
+    model_name: str
+    max_len: int
+    reserve: dict[str, int]  # per engine: context kept free for speculation (K + 1)
+    unavailable: tuple[type[BaseException], ...] = ()  # step() errors that mean "target down"
+
+
+def build_engines(cfg: ServeConfig, router: Any) -> tuple[Any, dict[str, Engine], tuple[type[BaseException], ...]]:
+    """The tokenizer, the drafter names mapped to their engine, and the exceptions that mean the
+    target is unreachable. One engine (one target, one KV cache, one batch) holds every drafter
+    the router names, the built-in model-free ones (``ngram``, ``suffix``, ``prediction``) and
+    ``none``; each request's row drafts with its own. role=draft: it verifies on ``cfg.target_address``."""
+    drafters = {name: router.draft_refs.get(name) for name in router.draft_names if name != NONE}
+    for builtin in HOST_DRAFTERS:
+        drafters.setdefault(builtin, builtin)
+    verifier, unavailable = None, ()
+    if cfg.role == "draft":  # the same engine, verifying on the target service
+        from serving.distributed.remote import RemoteVerifier, TargetUnavailable
+
+        verifier, unavailable = RemoteVerifier(cfg.target_address), (TargetUnavailable,)
+    loaded = load_engine(
+        cfg.engine, cfg.target_model or router.target_ref, drafters | {NONE: None},
+        default=router.draft_names[0] if router.draft_names else NONE, verifier=verifier,
+    )  # fmt: skip
+    engine = loaded.engine
+    return loaded.tokenizer, {name: engine for name in engine.drafter_names}, unavailable
+
+
+def load_backend(cfg: ServeConfig) -> Backend:
+    """Load the router and the models, build the engines and warm everything up."""
+    from routing.router import Router
+
+    if cfg.router is None:
+        raise ValueError(f"role={cfg.role} needs a router: pass --router router.pt (or router=... in the config)")
+    router = Router.load(cfg.router, device="cpu")
+    tokenizer, engines, unavailable = build_engines(cfg, router)
+    target_ref = cfg.target_model or router.target_ref
+    configs = {name: getattr(e, "config", None) for name, e in engines.items()}
+    max_len = next(c.max_len for c in configs.values() if c is not None and c.max_len)
+    # Context kept free for speculation (K + 1): every row of the one engine may draft.
+    reserve = {name: c.k_max + 1 if c.k else 1 for name, c in configs.items()}
+    if cfg.warmup:
+        router.choose("warm up")
+        ids = tokenizer.encode("def add(a, b):", add_special_tokens=False)
+        for name, engine in engines.items():  # every drafter once: its first-use costs are paid here
+            engine.add_request(Request(ids, max_new_tokens=4, drafter=name if name in getattr(engine, "drafter_names", ()) else None))
+            while engine.has_unfinished_requests():
+                engine.step()
+    # A model id, never a filesystem path: /v1/models is public (a folder's name stands for it).
+    model_name = cfg.model_name or (Path(target_ref).name if Path(target_ref).exists() else target_ref)
+    return Backend(engines, router, load_tokenizer(target_ref), model_name, max_len, reserve, unavailable)
+
+
+def create_app(
+    cfg: ServeConfig,
+    load: Callable[[ServeConfig], Backend] = load_backend,
+    on_load_error: Callable[[BaseException], None] | None = None,
+) -> FastAPI:
+    """The FastAPI app; ``load`` runs on a background thread once the app starts."""
+    server = _Server(cfg)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        thread = threading.Thread(target=server.load, args=(load, on_load_error), name="choral-load", daemon=True)
+        thread.start()
+        yield
+        if server.scheduler is not None:
+            await asyncio.to_thread(server.scheduler.stop)
+
+    # The interactive docs expose every route and schema to whoever can reach the port: off unless asked for.
+    docs = {} if cfg.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="Choral", lifespan=lifespan, **docs)
+    app.state.server = server
+    api_key = cfg.resolved_api_key()
+
+    @app.middleware("http")
+    async def check_api_key(request: HTTPRequest, call_next):
+        """vLLM's --api-key: every route but /health and /metrics needs ``Authorization: Bearer KEY``."""
+        if api_key is not None and request.url.path not in OPEN_PATHS:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                if request.url.path in ENDPOINTS:
+                    server.metrics.requests.labels(ENDPOINTS[request.url.path], "401").inc()
+                error = APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' (the "
+                                      "openai client's api_key)", code="invalid_api_key")  # fmt: skip
+                return JSONResponse(error.body(), status_code=401)
+        return await call_next(request)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
+        error = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+        return JSONResponse(error.body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: HTTPRequest, exc: Exception) -> JSONResponse:
+        log.exception("choral: %s %s failed", request.method, request.url.path)
+        if request.url.path in ENDPOINTS:  # every answered request is counted once, this one too
+            server.metrics.requests.labels(ENDPOINTS[request.url.path], "500").inc()
+        error = APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+        return JSONResponse(error.body(), status_code=500)
+
+    @app.post("/v1/completions")
+    async def completions(request: HTTPRequest) -> Response:
+        return await server.generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: HTTPRequest) -> Response:
+        return await server.generate(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        if server.backend is None:
+            return server.not_ready()
+        b = server.backend
+        entry = {"id": b.model_name, "object": "model", "created": server.started, "owned_by": "choral",
+                 "choral": {"drafts": list(b.engines), "max_len": b.max_len}}  # fmt: skip
+        return JSONResponse({"object": "list", "data": [entry]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        if server.ready:
+            return JSONResponse({"status": "ok"})
+        if server.error is not None:
+            return JSONResponse({"status": "error", "error": server.error}, status_code=503)
+        return JSONResponse({"status": "loading"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+class _Server:
+    """The app's state and request handling (the asyncio side of the scheduler)."""
+
+    def __init__(self, cfg: ServeConfig) -> None:
+        self.cfg = cfg
+        self.metrics = ServerMetrics()
+        self.backend: Backend | None = None
+        self.scheduler: Scheduler | None = None
+        self.ready = False
+        self.error: str | None = None
+        self.started = int(time.time())
+
+    def load(self, load: Callable[[ServeConfig], Backend], on_error: Callable[[BaseException], None] | None) -> None:
+        try:
+            t0 = time.perf_counter()
+            backend = load(self.cfg)
+            scheduler = Scheduler(backend.engines, backend.router, self.metrics, max_batch_size=self.cfg.engine.max_batch_size,
+                                  queue_limit=self.cfg.queue_limit, unavailable=backend.unavailable)  # fmt: skip
+            scheduler.start()
+            self.backend, self.scheduler, self.ready = backend, scheduler, True
+            log.info("choral: ready in %.1f s: model %r, engines %s", time.perf_counter() - t0, backend.model_name,
+                     ", ".join(backend.engines))  # fmt: skip
+        except BaseException as e:
+            self.error = f"{type(e).__name__}: {e}"
+            log.error("choral: loading failed: %s", self.error)
+            if on_error is not None:
+                on_error(e)
+
+    def not_ready(self) -> JSONResponse:
+        why = f"loading failed: {self.error}" if self.error else "the server is still loading its models; retry when /health is 200"
+        return JSONResponse(APIError(503, why, code="not_ready").body(), status_code=503)
+
+    # ---- generation ----------------------------------------------------------------------------
+
+    async def generate(self, http: HTTPRequest, chat: bool) -> Response:
+        endpoint = "chat" if chat else "completions"
+        try:
+            if not self.ready:
+                self.metrics.requests.labels(endpoint, "503").inc()
+                return self.not_ready()
+            body = parse_request(await self._read_body(http), ChatCompletionRequest if chat else CompletionRequest)
+            forced = self._forced_draft(http, body)
+            # Tokenizing a long prompt takes seconds: off the event loop, so /health and every
+            # stream keep being served meanwhile.
+            encoded = await asyncio.to_thread(self._encode_request, body, chat)
+            ticket = self._ticket(body, forced, *encoded)
+            self.scheduler.submit(ticket)
+            first = await ticket.events.get()
+            if isinstance(first, Failed):
+                raise first.error
+        except APIError as e:
+            self.metrics.requests.labels(endpoint, str(e.status)).inc()
+            return JSONResponse(e.body(), status_code=e.status)
+        # Counted when the response ends (_Context.count), with the status the client saw last.
+        context = _Context(endpoint, self.metrics, new_id("chatcmpl" if chat else "cmpl"), self.backend.model_name, chat, body,
+                           len(ticket.request.prompt_ids), first, ticket.forced_draft is not None)  # fmt: skip
+        if body.stream:
+            return StreamingResponse(self._stream(ticket, context), media_type="text/event-stream")
+        return await self._collect(http, ticket, context)
+
+    async def _read_body(self, http: HTTPRequest) -> bytes:
+        """The request body, refused with 413 past ``max_body_bytes`` (by its Content-Length when it
+        gives one, else while it arrives), before any of it is parsed."""
+        limit = self.cfg.max_body_bytes
+        too_big = APIError(413, f"the request body is larger than max_body_bytes={limit}; send a shorter prompt (or "
+                                "raise max_body_bytes in the server's config)", code="request_too_large")  # fmt: skip
+        declared = http.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _forced_draft(self, http: HTTPRequest, body: Any) -> str | None:
+        """The drafter the request forces (body ``draft`` or the X-Choral-Draft header), checked
+        with the model name before any tokenizing."""
+        b = self.backend
+        if body.model != b.model_name:
+            raise APIError(404, f"model {body.model!r} does not exist; this server serves {b.model_name!r}",
+                           param="model", code="model_not_found")  # fmt: skip
+        forced = body.draft if body.draft is not None else http.headers.get("x-choral-draft")
+        if forced is not None and forced not in b.engines:
+            raise APIError(400, f"unknown draft {forced!r}; choose one of {', '.join(b.engines)}", param="draft",
+                           code="unknown_draft")  # fmt: skip
+        return forced
+
+    def _encode_request(self, body: Any, chat: bool) -> tuple[list[int], str, str, list[int] | None]:
+        """(prompt ids, the text the router reads, the field to blame, prediction ids): the
+        tokenizer's work, run in a worker thread."""
+        return *self._encode(body, chat), self._prediction(body)
+
+    def _ticket(self, body: Any, forced: str | None, prompt_ids: list[int], route_text: str, param: str,
+                prediction: list[int] | None) -> Ticket:  # fmt: skip
+        b = self.backend
+        if prediction is not None and forced is None and PREDICTION in b.engines:
+            forced = PREDICTION  # OpenAI's Predicted Outputs: the client's expected text is the draft
+        reserve = b.reserve[forced] if forced is not None else max(b.reserve.values())
+        room = b.max_len - len(prompt_ids) - reserve
+        if room < 1:
+            raise APIError(400, f"{param}: the prompt has {len(prompt_ids)} tokens, more than the context allows: max_len="
+                           f"{b.max_len} holds at most {b.max_len - reserve - 1} prompt tokens (plus {reserve} for "
+                           "speculation and 1 new token); shorten the prompt", param=param,
+                           code="context_length_exceeded")  # fmt: skip
+        max_tokens = body.max_tokens
+        if max_tokens is None:
+            max_tokens = min(self.cfg.default_max_tokens, room)
+        elif max_tokens > room:
+            raise APIError(400, f"max_tokens={max_tokens} is beyond the context: the prompt's {len(prompt_ids)} tokens "
+                           f"+ {max_tokens} + {reserve} for speculation exceed max_len={b.max_len}; ask for at most "
+                           f"{room}", param="max_tokens", code="context_length_exceeded")  # fmt: skip
+        params = SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=body.seed)
+        request = Request(prompt_ids, params, max_tokens, body.stops, prediction=prediction)
+        return Ticket(request, route_text, asyncio.get_running_loop(), forced_draft=forced, stream=body.stream,
+                      timeout_s=self.cfg.request_timeout_s)  # fmt: skip
+
+    def _longest_token(self) -> int:
+        """An upper bound on the characters one token holds: the longest vocabulary entry (a
+        byte-level BPE entry has one character per byte, at least as many as it decodes to)."""
+        if getattr(self, "_longest", None) is None:
+            self._longest = max(map(len, self.backend.tokenizer.get_vocab()))
+        return self._longest
+
+    def _prediction(self, body: Any) -> list[int] | None:
+        """The token ids of a request's ``prediction`` (OpenAI's Predicted Outputs), or None."""
+        if body.prediction is None:
+            return None
+        text = body.prediction.text()
+        return self.backend.tokenizer.encode(text, add_special_tokens=False) if text else None
+
+    def _encode(self, body: Any, chat: bool) -> tuple[list[int], str, str]:
+        """Prompt token ids, the text the router reads, and the field to blame if it is too long.
+        A text longer than max_len tokens of the longest token in the vocabulary cannot fit, and
+        is refused without being tokenized."""
+        tok = self.backend.tokenizer
+        longest = self.backend.max_len * self._longest_token()
+        texts = [m.text() for m in body.messages] if chat else [body.prompt] if isinstance(body.prompt, str) else []
+        if sum(map(len, texts)) > longest:
+            param = "messages" if chat else "prompt"
+            raise APIError(400, f"{param}: {sum(map(len, texts))} characters cannot fit in max_len={self.backend.max_len} "
+                           "tokens; shorten the prompt", param=param, code="context_length_exceeded")  # fmt: skip
+        if chat:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            try:
+                text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            except Exception as e:
+                raise APIError(400, f"messages could not be rendered with the chat template: {e}", param="messages") from None
+            users = [m["content"] for m in messages if m["role"] == "user"]
+            return tok.encode(text, add_special_tokens=False), users[-1] if users else messages[-1]["content"], "messages"
+        if isinstance(body.prompt, str):
+            return tok.encode(body.prompt, add_special_tokens=False), body.prompt, "prompt"
+        bad = [i for i in body.prompt if not 0 <= i < len(tok)]
+        if bad:
+            raise APIError(400, f"prompt token ids {bad[:5]} are outside the vocabulary [0, {len(tok)})", param="prompt")
+        return list(body.prompt), tok.decode(body.prompt, skip_special_tokens=True), "prompt"
+
+    async def _collect(self, http: HTTPRequest, ticket: Ticket, c: "_Context") -> Response:
+        disconnect = asyncio.create_task(_wait_disconnect(http))
+        get = asyncio.create_task(ticket.events.get())
+        try:
+            done, _ = await asyncio.wait({get, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+            if get not in done:
+                self.scheduler.abort(ticket)
+                c.count(499)
+                return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
+            event = get.result()
+        except asyncio.CancelledError:  # the handler itself was cancelled (shutdown, client gone): free the slot
+            if not ticket.done:
+                self.scheduler.abort(ticket)
+            c.count(499)
+            raise
+        finally:
+            get.cancel()
+            disconnect.cancel()
+        if isinstance(event, Failed):
+            c.count(event.error.status)
+            return JSONResponse(event.error.body(), status_code=event.error.status)
+        c.count(200)
+        out = event.completion
+        body = completion_body(c.id, c.model, out.text, out.finish_reason, usage(c.prompt_tokens, len(out.token_ids)),
+                               c.choral(out.stats), c.chat)  # fmt: skip
+        return JSONResponse(body)
+
+    async def _stream(self, ticket: Ticket, c: "_Context") -> AsyncIterator[bytes]:
+        detok = IncrementalDetokenizer(self.backend.tokenizer, c.body.stops)
+        created = int(time.time())
+
+        def chunk(**kw: Any) -> bytes:
+            return sse(chunk_body(c.id, c.model, created, c.chat, **kw))
+
+        try:
+            if c.chat:
+                yield chunk(role=True, text="")
+            while True:
+                event = await ticket.events.get()
+                if isinstance(event, Tokens):
+                    delta = detok.push(event.ids)
+                    if delta:
+                        yield chunk(text=delta)
+                elif isinstance(event, Finished):
+                    c.count(200)
+                    out = event.completion
+                    rest = detok.finish(out.text)
+                    n_usage = usage(c.prompt_tokens, len(out.token_ids))
+                    yield chunk(text=rest if rest or not c.chat else None, finish_reason=out.finish_reason,
+                                choral=c.choral(out.stats))  # fmt: skip
+                    if c.body.include_usage:
+                        yield chunk(usage=n_usage)
+                    yield sse("[DONE]")
+                    return
+                elif isinstance(event, Failed):
+                    # The stream began with HTTP 200; the client's answer is this error event.
+                    c.count(event.error.status)
+                    yield sse(event.error.body())
+                    yield sse("[DONE]")
+                    return
+        finally:
+            if not ticket.done:  # the client went away (or the server is stopping): free the slot
+                self.scheduler.abort(ticket)
+            c.count(499)  # no-op once counted
+
+
+ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+OPEN_PATHS = {"/health", "/metrics"}  # served without the API key (probes and scrapers), as vLLM does
+
+
+@dataclass
+class _Context:
+    endpoint: str
+    metrics: Any
+    id: str
+    model: str
+    chat: bool
+    body: Any
+    prompt_tokens: int
+    routed: Routed
+    forced: bool
+    counted: bool = False
+
+    def count(self, status: int) -> None:
+        """Count this request in ``choral_requests_total`` once, when its response ends."""
+        if not self.counted:
+            self.counted = True
+            self.metrics.requests.labels(self.endpoint, str(status)).inc()
+
+    def choral(self, stats: dict) -> dict:
+        """The extra response field: what speculation did for this request."""
+        choice = self.routed.choice
+        draft = self.routed.draft
+        return {
+            "draft": draft,
+            "forced": self.forced,
+            "acceptance_rate": stats.get("acceptance_rate", 0.0),
+            "tokens_per_target_call": stats.get("mean_accepted_length", 0.0),
+            "target_calls": stats.get("target_calls", 0),
+            "predicted_acceptance": choice.predicted_acceptance.get(draft) if choice else None,
+            "predicted_speedup": choice.predicted_speedup.get(draft) if choice else None,
+            "suggested_k": choice.k if choice else None,
+            "router_choice": choice.draft if choice else None,
+        }
+
+
+async def _wait_disconnect(http: HTTPRequest) -> None:
+    """Returns once the client has gone away (the body is already read, so the next ASGI
+    message is the disconnect)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass

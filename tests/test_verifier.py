@@ -1,0 +1,105 @@
+"""The engine's target side is a ``Verifier``: the in-process ``LocalVerifier`` is what a target
+model gets wrapped in, and a verifier that fails rows fails only their requests (the engine's
+half of distributed mode's failure semantics, here without gRPC)."""
+
+import pytest
+import torch
+
+from serving.engine import EngineConfig, Request, SpeculativeEngine
+from serving.engine.verifier import LocalVerifier, Verdict, Verifier, VerifierError
+from tests.test_engine_tiny import ragged_prompts
+
+pytestmark = pytest.mark.integration
+
+
+class Flaky(Verifier):
+    """A ``LocalVerifier`` that fails chosen rows (``lose``) or whole calls (``down``) on its Nth verify."""
+
+    def __init__(self, target, tokenizer, lose=(), down=False, at_call=2):
+        self.local = LocalVerifier(target, tokenizer)
+        self.lose, self.down, self.at_call, self.calls = list(lose), down, at_call, 0
+        self.released: list[int] = []
+
+    def bind(self, config):
+        self.local.bind(config)
+        self.vocab_size, self.eos_ids, self.max_len, self.device = (
+            self.local.vocab_size, self.local.eos_ids, self.local.max_len, self.local.device)
+
+    def prefill(self, row, prompt, params, u, *, max_new_tokens, k_max):
+        return self.local.prefill(row, prompt, params, u, max_new_tokens=max_new_tokens, k_max=k_max)
+
+    def verify(self, batch):
+        self.calls += 1
+        verdict = self.local.verify(batch)
+        if self.calls != self.at_call:
+            return verdict
+        if self.down:
+            raise VerifierError("the target went away")
+        return Verdict(verdict.n_accepted, verdict.next_token, VerifierError("rows lost", rows=self.lose))
+
+    def release(self, row):
+        self.released.append(row)
+
+
+def test_a_target_model_and_its_local_verifier_are_the_same_engine(tiny_target, tiny_draft, tokenizer):
+    requests = [Request(p, max_new_tokens=16) for p in ragged_prompts(4, seed=21)]
+    config = lambda: EngineConfig(max_batch_size=2, max_len=96, k=3)  # noqa: E731
+    by_model = SpeculativeEngine(tiny_target, tokenizer, tiny_draft, config()).generate(requests)
+    verifier = LocalVerifier(tiny_target, tokenizer)
+    engine = SpeculativeEngine(verifier, tokenizer, tiny_draft, config())
+    assert engine.verifier is verifier and isinstance(SpeculativeEngine(tiny_target, tokenizer).verifier, LocalVerifier)
+    assert [o.token_ids for o in engine.generate(requests)] == [o.token_ids for o in by_model]
+
+
+def test_a_lost_row_fails_its_request_alone(tiny_target, tiny_draft, tokenizer):
+    requests = [Request(p, max_new_tokens=16) for p in ragged_prompts(3, seed=22)]
+    expected = SpeculativeEngine(tiny_target, tokenizer, tiny_draft, EngineConfig(max_batch_size=3, max_len=96, k=3)).generate(requests)
+    flaky = Flaky(tiny_target, tokenizer, lose=[1])
+    engine = SpeculativeEngine(flaky, tokenizer, tiny_draft, EngineConfig(max_batch_size=3, max_len=96, k=3))
+    ids = [engine.add_request(r) for r in requests]
+    tokens = {i: [] for i in ids}
+    finished = {}
+
+    def step():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished is not None:
+                finished[out.request_id] = out.finished
+
+    step()  # admission + the first verify
+    with pytest.raises(VerifierError, match="rows lost") as e:
+        step()
+    assert e.value.request_ids == [ids[1]] and flaky.released == [1] and engine.num_running == 2
+    while engine.has_unfinished_requests():  # the others' tokens of the failed step come with the next
+        step()
+    assert sorted(finished) == [ids[0], ids[2]]
+    for i in (0, 2):
+        assert finished[ids[i]].token_ids == tokens[ids[i]] == expected[i].token_ids
+    assert sorted(flaky.released) == [0, 1, 2]  # every row released once
+
+
+def test_a_target_gone_fails_every_running_request_and_the_waiting_ones_go_on(tiny_target, tiny_draft, tokenizer):
+    requests = [Request(p, max_new_tokens=12) for p in ragged_prompts(3, seed=23)]
+    expected = SpeculativeEngine(tiny_target, tokenizer, tiny_draft, EngineConfig(max_batch_size=2, max_len=96, k=2)).generate(requests)
+    flaky = Flaky(tiny_target, tokenizer, down=True)
+    engine = SpeculativeEngine(flaky, tokenizer, tiny_draft, EngineConfig(max_batch_size=2, max_len=96, k=2))
+    ids = [engine.add_request(r) for r in requests]
+    engine.step()
+    with pytest.raises(VerifierError, match="went away") as e:
+        engine.step()
+    assert sorted(e.value.request_ids) == ids[:2] and engine.num_running == 0 and engine.num_waiting == 1
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs |= {o.request_id: o.finished for o in engine.step() if o.finished is not None}
+    assert list(outs) == [ids[2]] and outs[ids[2]].token_ids == expected[2].token_ids
+
+
+def test_close_aborts_everything_and_releases_the_rows(tiny_target, tokenizer):
+    flaky = Flaky(tiny_target, tokenizer, at_call=-1)
+    engine = SpeculativeEngine(flaky, tokenizer, config=EngineConfig(max_batch_size=2, max_len=96, k=0))
+    for p in ragged_prompts(3, seed=24):
+        engine.add_request(Request(p, max_new_tokens=30))
+    engine.step()
+    engine.close()
+    assert not engine.has_unfinished_requests() and sorted(flaky.released) == [0, 1]
+    assert torch.all(engine.state.done)
