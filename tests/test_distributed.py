@@ -193,3 +193,44 @@ def test_a_session_at_its_context_end_does_not_fail_larger_k_verifies(server, ti
             finished = out.finished or finished
     [expected] = fused(tiny_target, None, tokenizer, [long_request], batch=1, k=0)
     assert tokens == expected.token_ids and finished.token_ids == expected.token_ids
+
+
+def test_a_poisoned_client_fails_alone(server, tiny_target, tiny_draft, tokenizer):
+    """A client looping Verify(k=-1), NaN uniforms and negative q while a draft node decodes: its
+    calls are refused (INVALID_ARGUMENT, or an error on its own item) and the draft node's output
+    is the fused engine's (these calls once failed every session batched with them)."""
+    import grpc
+
+    from serving.distributed import verify_pb2, verify_pb2_grpc
+
+    stub = verify_pb2_grpc.VerifierStub(grpc.insecure_channel(server.address))
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Open(verify_pb2.OpenRequest(session_id="bad-open", prompt_ids=[5, 6], max_new_tokens=4, k_max=2,
+                                         u_first=float("nan")), timeout=10)  # fmt: skip
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    stub.Open(verify_pb2.OpenRequest(session_id="poison", prompt_ids=[5, 6, 7], max_new_tokens=40, k_max=2, u_first=0.5), timeout=10)
+    codes, errors, stop = [], [], threading.Event()
+
+    def poison() -> None:
+        while not stop.is_set():
+            try:
+                stub.Verify(verify_pb2.VerifyRequest(k=-1, items=[verify_pb2.VerifyItem(session_id="poison")]), timeout=10)
+            except grpc.RpcError as e:
+                codes.append(e.code())
+            reply = stub.Verify(verify_pb2.VerifyRequest(k=2, items=[verify_pb2.VerifyItem(
+                session_id="poison", length=4, pending=[0], draft_tokens=[5, 6], u_accept=[float("nan"), 0.5],
+                q=torch.full((2, tiny_target.config.vocab_size), -1.0).numpy().tobytes(), u_next=0.5)]), timeout=10)  # fmt: skip
+            errors.append(reply.results[0].error)
+
+    thread = threading.Thread(target=poison, daemon=True)
+    thread.start()
+    try:
+        requests = [Request(p, max_new_tokens=16) for p in prompts(3, seed=5)]
+        remote = remote_engine(tiny_draft, tokenizer, server.address, EngineConfig(max_batch_size=3, max_len=MAX_LEN, k=2))
+        outs = remote.generate(requests)
+    finally:
+        stop.set()
+        thread.join(10)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in fused(tiny_target, tiny_draft, tokenizer, requests, batch=3, k=2)]
+    assert codes and set(codes) == {grpc.StatusCode.INVALID_ARGUMENT}
+    assert errors and all(e for e in errors)  # its own item refused, every time

@@ -230,6 +230,8 @@ class VerifyService(verify_pb2_grpc.VerifierServicer):
         bad = grpc.StatusCode.INVALID_ARGUMENT
         if r.session_id in self.sessions:
             raise _CallError(bad, f"session {r.session_id} is already open")
+        if not 0.0 <= r.u_first < 1.0:
+            raise _CallError(bad, f"u_first={r.u_first} must be a finite number in [0, 1)")
         if not r.prompt_ids or r.max_new_tokens < 1 or not 0 <= r.k_max <= self.k_max:
             raise _CallError(
                 bad, f"need a prompt, max_new_tokens >= 1 and 0 <= k_max <= {self.k_max} (got {len(r.prompt_ids)} "
@@ -263,6 +265,13 @@ class VerifyService(verify_pb2_grpc.VerifierServicer):
         return verify_pb2.CloseReply(closed=len(known))
 
     def _verify(self, jobs: list[_Job]) -> None:
+        # A call whose K is out of range is refused alone, before it can join (and fail) a batch.
+        for j in jobs:
+            if not 0 <= j.request.k <= self.k_max:
+                log.warning("refused a Verify call: k=%d outside 0..%d", j.request.k, self.k_max)
+                j.future.set_exception(_CallError(grpc.StatusCode.INVALID_ARGUMENT,
+                                                  f"k={j.request.k} must be in 0..{self.k_max} (the target's largest K)"))  # fmt: skip
+        jobs = [j for j in jobs if not j.future.done()]
         results: list[list[verify_pb2.VerifyResult | None]] = [[None] * len(j.request.items) for j in jobs]
         groups: dict[int, list[tuple[int, int]]] = {}
         for ji, j in enumerate(jobs):
@@ -302,6 +311,12 @@ class VerifyService(verify_pb2_grpc.VerifierServicer):
             return f"q has {len(item.q)} bytes, expected float32 [{m}, {self.vocab_size}]"
         if not item.q and m > 0 and not sess.params.greedy:
             return "a sampled session needs q"
+        if not all(0.0 <= u < 1.0 for u in (*item.u_accept, item.u_next)):  # NaN fails every comparison
+            return "uniforms must be finite numbers in [0, 1)"
+        if item.q:
+            q = torch.frombuffer(bytearray(item.q), dtype=torch.float32)
+            if not bool(torch.isfinite(q).all()) or bool((q < 0).any()):
+                return "q must hold finite, non-negative probabilities"
         bad = [t for t in item.draft_tokens if not 0 <= t < self.vocab_size]
         if bad:
             return f"draft token ids {bad[:3]} are outside the vocabulary 0..{self.vocab_size - 1}"
