@@ -198,6 +198,7 @@ class _Server:
 
     def __init__(self, cfg: ServeConfig) -> None:
         self.cfg = cfg
+        self._tokenizing = threading.Lock()
         self.metrics = ServerMetrics()
         self.backend: Backend | None = None
         self.scheduler: Scheduler | None = None
@@ -254,20 +255,20 @@ class _Server:
         return await self._collect(http, ticket, context)
 
     async def _read_body(self, http: HTTPRequest) -> bytes:
-        """The request body, refused with 413 past ``max_body_bytes`` (by its Content-Length when it
-        gives one, else while it arrives), before any of it is parsed."""
+        """The request body, refused with 413 past ``max_body_bytes`` before any of it is parsed.
+        The rest of an oversized body is read and dropped (up to 16x the limit), as nginx does, so
+        the client gets to read the 413 instead of a connection reset mid-upload."""
         limit = self.cfg.max_body_bytes
-        too_big = APIError(413, f"the request body is larger than max_body_bytes={limit}; send a shorter prompt (or "
-                                "raise max_body_bytes in the server's config)", code="request_too_large")  # fmt: skip
-        declared = http.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise too_big
         chunks, size = [], 0
         async for chunk in http.stream():
             size += len(chunk)
-            if size > limit:
-                raise too_big
-            chunks.append(chunk)
+            if size <= limit:
+                chunks.append(chunk)
+            elif size > 16 * limit:
+                break
+        if size > limit:
+            raise APIError(413, f"the request body is larger than max_body_bytes={limit}; send a shorter prompt (or "
+                                "raise max_body_bytes in the server's config)", code="request_too_large")  # fmt: skip
         return b"".join(chunks)
 
     def _forced_draft(self, http: HTTPRequest, body: Any) -> str | None:
@@ -286,7 +287,8 @@ class _Server:
     def _encode_request(self, body: Any, chat: bool) -> tuple[list[int], str, str, list[int] | None]:
         """(prompt ids, the text the router reads, the field to blame, prediction ids): the
         tokenizer's work, run in a worker thread."""
-        return *self._encode(body, chat), self._prediction(body)
+        with self._tokenizing:  # one at a time: a fast tokenizer may reconfigure itself inside encode
+            return *self._encode(body, chat), self._prediction(body)
 
     def _ticket(self, body: Any, forced: str | None, prompt_ids: list[int], route_text: str, param: str,
                 prediction: list[int] | None) -> Ticket:  # fmt: skip
