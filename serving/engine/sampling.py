@@ -17,6 +17,10 @@ from dataclasses import dataclass
 import torch
 
 
+INT64_MAX = 2**63 - 1  # top_k and token ids become int64 tensors
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Decoding settings of one request.
@@ -36,9 +40,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature < float("inf"):
             raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0 (0 means greedy)")
-        if not (isinstance(self.top_k, int) and 0 <= self.top_k < 2**63):
+        if not (isinstance(self.top_k, int) and 0 <= self.top_k <= INT64_MAX):
             raise ValueError(f"top_k={self.top_k!r} must be an integer in [0, 2**63) (0 disables top-k)")
-        if self.seed is not None and not (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64):
+        if self.seed is not None and not (isinstance(self.seed, int) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
             raise ValueError(f"seed={self.seed!r} must be a 64-bit integer, in [-2**63, 2**64)")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1] (1 disables top-p)")

@@ -20,6 +20,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
+from serving.engine.sampling import INT64_MAX, SEED_RANGE  # the bounds the engine itself enforces
+
 
 class APIError(Exception):
     """An error answered as OpenAI's JSON error object with an HTTP status."""
@@ -46,8 +48,6 @@ _DEFAULT_TYPES = {
 }
 
 
-INT64_MAX = 2**63 - 1
-SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 MAX_TOKENS_LIMIT = 2**31 - 1
 
 
