@@ -97,6 +97,7 @@ def make_row(cfg: CollectConfig, prompt: Prompt, n_prompt: int, draft: str, mode
         "draft": draft,
         "draft_ref": None if draft == NONE else cfg.drafts[draft],
         "target": cfg.target,
+        "target_weights": cfg.engine.target_weights,  # the precision these measurements describe
         "mode": mode,
         "repeat": repeat,
         "k": 0 if draft == NONE else cfg.engine.k,

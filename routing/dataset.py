@@ -36,6 +36,7 @@ class Table:
     speedup: torch.Tensor | None  # [P, D] measured speedup over the target alone (None without it)
     costs: dict[str, dict[str, float]]  # per draft: draft_cost, verify_cost (relative to a target step)
     k: int  # the K the data was collected with
+    target_weights: str = "fp32"  # the target's precision in the collected rows (engine.target_weights)
 
 
 def load_table(paths: list[str], mode: str = "greedy") -> Table:
@@ -51,6 +52,10 @@ def load_table(paths: list[str], mode: str = "greedy") -> Table:
     targets = {r["target"] for r in rows}
     if len(targets) > 1:
         raise ValueError(f"the rows mix targets {sorted(targets)}: a router is for one target")
+    precisions = {r.get("target_weights", "fp32") for r in rows}  # rows from before the setting: fp32
+    if len(precisions) > 1:
+        raise ValueError(f"the rows mix target precisions {sorted(precisions)}: acceptance and step costs differ "
+                         "between them; train on rows collected with one engine.target_weights")  # fmt: skip
     drafts = sorted({r["draft"] for r in rows} - {NONE})
     if not drafts:
         raise ValueError(f"the rows hold no draft besides {NONE!r}")
@@ -87,6 +92,7 @@ def load_table(paths: list[str], mode: str = "greedy") -> Table:
         speedup=speed,
         costs=_costs(rows, drafts, has_none),
         k=max(int(r["k"]) for r in rows),
+        target_weights=precisions.pop(),
     )
 
 
@@ -116,7 +122,7 @@ def join_tables(first: Table, second: Table) -> Table:
     set collected apart from the training rows. Both must hold the same target, drafts (by name and
     reference), K and target-alone rows; the costs stay ``first``'s so that the test rows never
     shape the decision rule."""
-    for name in ("target_ref", "drafts", "draft_refs", "has_none", "k"):
+    for name in ("target_ref", "drafts", "draft_refs", "has_none", "k", "target_weights"):
         a, b = getattr(first, name), getattr(second, name)
         if a != b:
             raise ValueError(f"the test rows were collected with {name}={b!r}, the training rows with {a!r}: "

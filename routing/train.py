@@ -219,7 +219,8 @@ def train(cfg: RouterTrainConfig) -> dict:
             state_dict=state,
             costs=costs,
             k_buckets=list(cfg.k_buckets or DEFAULT_K_BUCKETS),
-            info={"trained": True, "data": list(cfg.data), "test_data": list(cfg.test_data), "mode": cfg.mode, "collected_k": table.k},
+            info={"trained": True, "data": list(cfg.data), "test_data": list(cfg.test_data), "mode": cfg.mode, "collected_k": table.k,
+                  "target_weights": table.target_weights},
         )
 
     # The decision rule (objective, costs) does not depend on the MLP: the selection and the

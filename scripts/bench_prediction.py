@@ -2,6 +2,7 @@
 ``prediction`` (the original code), against a live ``serve`` on the bundled pair.
 
     python scripts/bench_prediction.py --n 2 --max-tokens 96 --out runs/prediction
+    python scripts/bench_prediction.py --n 4 --max-tokens 160 --k-buckets 1,2,3,4,5,6,7,8,12,15 --prediction-k 15
 
 Each request of the ``edit`` prompt family (serving.prompts) runs three ways, greedy: with
 ``prediction={"type": "content", "content": <the code being edited>}``, without it (routed: the
@@ -42,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", default="8", help="engine.k: the most tokens a step drafts, or auto (per request, "
                                              "Hugging Face's heuristic over --k-buckets)")
     ap.add_argument("--k-buckets", default=None, help="engine.k_buckets, a comma list (default: the server's)")
+    ap.add_argument("--prediction-k", type=int, default=None, help="engine.prediction.k: the most tokens a prediction "
+                    "proposes per step (a prediction costs no draft steps); default: the engine's k")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default="runs/prediction")
     args = ap.parse_args(argv)
@@ -59,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
            f"engine.k={args.k}"]  # fmt: skip
     if args.k_buckets:
         cmd.append(f"engine.k_buckets=[{args.k_buckets}]")
+    if args.prediction_k:
+        cmd.append(f"engine.prediction.k={args.prediction_k}")
     print("$", " ".join(cmd), flush=True)
     with open(out / "serve.log", "w") as log:
         server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -85,10 +90,13 @@ def main(argv: list[str] | None = None) -> int:
             for name, (answer, seconds, choral, tokens) in best.items():
                 row[name] = {"seconds": seconds, "tokens_per_s": tokens / seconds, "drafter": choral.get("draft"),
                              "acceptance": choral.get("acceptance_rate"), "identical": answer == best["target alone"][0],
-                             "tokens_per_target_call": choral.get("tokens_per_target_call")}  # fmt: skip
+                             "tokens_per_target_call": choral.get("tokens_per_target_call"),
+                             "prefill_s": choral.get("prefill_s"), "decode_s": choral.get("draft_s", 0) + choral.get("verify_s", 0)}  # fmt: skip
             row["answer"] = best["target alone"][0]
             row["speedup_vs_routed"] = best["routed"][1] / best["prediction"][1]
             row["speedup_vs_target_alone"] = best["target alone"][1] / best["prediction"][1]
+            # The steps after the prompt's prefill (which every path pays alike): draft + verify time.
+            row["decode_speedup_vs_routed"] = row["routed"]["decode_s"] / max(row["prediction"]["decode_s"], 1e-9)
             rows.append(row)
             print(f"{row['id']}: prediction {row['speedup_vs_routed']:.2f}x over the same request without it "
                   f"({row['routed']['drafter']}), {row['speedup_vs_target_alone']:.2f}x over the target alone; "
@@ -97,17 +105,19 @@ def main(argv: list[str] | None = None) -> int:
         stop([server])
     command = " ".join(["python", "scripts/bench_prediction.py", *(argv if argv is not None else sys.argv[1:])])
     record = {"command": command, "date": datetime.date.today().isoformat(), "machine": describe_machine(),
-              "max_tokens": args.max_tokens, "k": args.k, "k_buckets": args.k_buckets, "rows": rows}  # fmt: skip
+              "max_tokens": args.max_tokens, "k": args.k, "k_buckets": args.k_buckets,
+              "prediction_k": args.prediction_k, "serve": cmd, "rows": rows}  # fmt: skip
     (out / "prediction.json").write_text(json.dumps(record, indent=1))
     lines = [f"`{command}` ({record['date']}, {record['machine']}); greedy, best of {args.rounds} per path.", "",
              "| prompt | tokens | with prediction tok/s | without (routed) tok/s | target alone tok/s | vs without | vs target alone "
-             "| acceptance | tokens/target call | identical |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| acceptance | tokens/target call | prefill s (prediction / without) | decode vs without | identical |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         p = r["prediction"]
         lines.append(f"| {r['id']} | {r['tokens']} | {p['tokens_per_s']:.2f} | {r['routed']['tokens_per_s']:.2f} | "
                      f"{r['target alone']['tokens_per_s']:.2f} | {r['speedup_vs_routed']:.2f}x | {r['speedup_vs_target_alone']:.2f}x | "
-                     f"{p['acceptance'] or 0:.2f} | {p['tokens_per_target_call'] or 0:.2f} "
+                     f"{p['acceptance'] or 0:.2f} | {p['tokens_per_target_call'] or 0:.2f} | "
+                     f"{p['prefill_s'] or 0:.1f} / {r['routed']['prefill_s'] or 0:.1f} | {r['decode_speedup_vs_routed']:.2f}x "
                      f"| {'yes' if p['identical'] and r['routed']['identical'] else 'NO'} |")  # fmt: skip
     (out / "prediction.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

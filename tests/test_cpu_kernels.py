@@ -273,6 +273,32 @@ def test_int8_draft_keeps_speculative_output_exact():
 
 
 @pytest.mark.integration
+@needs_rowdot
+def test_an_int8_target_gives_its_own_greedy_output_in_any_batch():
+    """target_weights=int8: the speculative output (batch of 3, ragged prompts, an int8 draft) is
+    token-identical to the int8 target decoding each prompt alone, one token a step."""
+    from serving.engine.core import EngineConfig, Request, SpeculativeEngine, use_cpu_kernels
+    from serving.engine.engine_settings import EngineSettings
+    from tests.conftest import make_tokenizer
+
+    tok = make_tokenizer()
+    target, draft = _tiny(0), _tiny(1)
+    config = EngineConfig(k=4, k_buckets=(2, 4), max_len=64, max_batch_size=3)
+    assert use_cpu_kernels([target], drafts=[draft], draft_weights="int8", target_weights="int8", device="cpu",
+                           dtype="float32", widths=config.step_widths, max_batch_size=3)  # fmt: skip
+    assert sum(isinstance(m, cpu_kernels.Int8Linear) for m in target.modules()) == 2 * 7 + 1
+    prompts = [[t % 300 for t in _ids(n, seed=n)[0].tolist()] for n in (5, 9, 13)]
+    alone = SpeculativeEngine(target, tok, None, EngineConfig(k=0, max_len=64))
+    ref = [alone.generate([Request(p, max_new_tokens=24)])[0].token_ids for p in prompts]
+    out = SpeculativeEngine(target, tok, draft, config).generate([Request(p, max_new_tokens=24) for p in prompts])
+    assert [o.token_ids for o in out] == ref
+    with pytest.raises(ValueError, match="target_weights=int8 runs on Choral's CPU kernels"):
+        EngineSettings(target_weights="int8", cpu_kernels=False)
+    with pytest.raises(ValueError, match="target_weights='int8' needs the CPU kernels"):
+        use_cpu_kernels([_tiny()], device="cpu", dtype="bfloat16", widths=(1, 5), target_weights="int8")
+
+
+@pytest.mark.integration
 def test_int8_drafts_need_the_cpu_kernels():
     from serving.engine.core import use_cpu_kernels
 
@@ -294,3 +320,22 @@ def test_auto_draft_weights_follow_the_kernels():
     if cpu_kernels.rowdot_available():
         assert use_cpu_kernels([_tiny()], drafts=[draft], draft_weights="auto", device="cpu", dtype="float32", widths=(1, 5))
         assert isinstance(draft.lm_head, cpu_kernels.Int8Linear)
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(cpu_kernels._rowdot_ext() is None, reason="rowdot kernel cannot be built here")
+def test_a_full_batch_of_verify_rows_stays_on_the_kernels():
+    """A batch of 4 rows verifying 5 tokens each runs 20 rows through every Linear: the engine's
+    kernels must take them all (not fall back to stock kernels past 16 rows), so each sequence's
+    logits equal those of the sequence run alone."""
+    from serving.engine.core import use_cpu_kernels
+
+    model = _tiny()
+    assert use_cpu_kernels([model], device="cpu", dtype="float32", widths=(1, 5), max_batch_size=4)
+    linears = [m for m in model.modules() if isinstance(m, InvariantLinear)]
+    assert linears and all(m.max_rows >= 20 for m in linears)
+    ids = torch.cat([_ids(5, seed=s) for s in range(4)])  # [4, 5]
+    with torch.no_grad():
+        together = model(ids).logits  # [4, 5, V]
+        alone = torch.cat([model(ids[i : i + 1]).logits for i in range(4)])
+    assert torch.equal(together, alone)

@@ -234,3 +234,63 @@ def test_a_poisoned_client_fails_alone(server, tiny_target, tiny_draft, tokenize
     assert [o.token_ids for o in outs] == [o.token_ids for o in fused(tiny_target, tiny_draft, tokenizer, requests, batch=3, k=2)]
     assert codes and set(codes) == {grpc.StatusCode.INVALID_ARGUMENT}
     assert errors and all(e for e in errors)  # its own item refused, every time
+
+
+def _self_signed() -> tuple[bytes, bytes]:
+    """A throwaway certificate for 127.0.0.1 and localhost: (PEM certificate, PEM private key)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))  # fmt: skip
+    pem_key = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    return cert.public_bytes(serialization.Encoding.PEM), pem_key
+
+
+def test_token_and_tls_guard_the_target(tiny_target, tiny_draft, tokenizer, tmp_path):
+    """With a token and TLS: a draft node without the token is refused (UNAUTHENTICATED, named in
+    the error), one without TLS cannot talk to it, one with both gets the fused engine's output;
+    Info names the model's folder, not its path; a message past the largest legitimate verify is
+    refused."""
+    import grpc
+
+    from serving.distributed import verify_pb2, verify_pb2_grpc
+
+    cert, key = _self_signed()
+    config = EngineConfig(max_batch_size=2, max_len=MAX_LEN, k=3)
+    requests = [Request(p, max_new_tokens=12) for p in prompts(2, seed=9)]
+    with VerifyServer(tiny_target, tokenizer, name=str(tmp_path / "models" / "tiny-target"), max_batch_size=2, max_len=MAX_LEN,
+                      k_buckets=(3,), token="s3cret", tls=(cert, key)) as server:  # fmt: skip
+        with pytest.raises(TargetUnavailable, match="UNAUTHENTICATED.*grpc.token"):
+            SpeculativeEngine(RemoteVerifier(server.address, timeout_s=5, tls_ca=cert), tokenizer, tiny_draft, config)
+        with pytest.raises(TargetUnavailable, match="UNAUTHENTICATED"):
+            SpeculativeEngine(RemoteVerifier(server.address, timeout_s=5, token="guess", tls_ca=cert), tokenizer, tiny_draft, config)
+        with pytest.raises(TargetUnavailable, match="cannot be reached"):  # plaintext to a TLS port
+            SpeculativeEngine(RemoteVerifier(server.address, timeout_s=2, token="s3cret"), tokenizer, tiny_draft, config)
+        verifier = RemoteVerifier(server.address, timeout_s=10, token="s3cret", tls_ca=cert)
+        outs = SpeculativeEngine(verifier, tokenizer, tiny_draft, config).generate(requests)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in fused(tiny_target, tiny_draft, tokenizer, requests, k=3)]
+        assert verifier.target_info.model == "tiny-target" and verifier.probe()
+
+        channel = grpc.secure_channel(server.address, grpc.ssl_channel_credentials(root_certificates=cert))
+        stub, auth = verify_pb2_grpc.VerifierStub(channel), (("authorization", "Bearer s3cret"),)
+        V = tiny_target.config.vocab_size
+        legit = 2 * 3 * V * 4  # the most q bytes a verify of this target carries
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Verify(verify_pb2.VerifyRequest(k=3, items=[verify_pb2.VerifyItem(session_id="x", q=b"\0" * (legit + (2 << 20)))]),
+                        timeout=10, metadata=auth)  # fmt: skip
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        channel.close()

@@ -60,8 +60,10 @@ def test_serve_target_and_draft_roles_end_to_end(model_dirs, router_file):
     draft = None
     try:
         draft = LiveServer([f"router={router_file}", "role=draft", f"target_address={target.address}",
-                            f"engine.max_len={MAX_LEN}", "engine.max_batch_size=2", "engine.k=4"])  # fmt: skip
+                            f"engine.max_len={MAX_LEN}", "engine.max_batch_size=2", "engine.k=4", "grpc.deadline_s=20"])  # fmt: skip
         draft.wait_ready(90)
+        engine = next(iter(draft.app.state.server.backend.engines.values()))
+        assert engine.verifier.timeout_s == 20  # grpc.deadline_s: the deadline of every call to the target
         fused = SpeculativeEngine.load(str(model_dirs["target"]), str(model_dirs["draft"]), device="cpu",
                                        config=EngineConfig(max_batch_size=1, max_len=MAX_LEN, k=4))  # fmt: skip
         prompt = "def add(a, b):"
@@ -85,8 +87,14 @@ def test_serve_target_and_draft_roles_end_to_end(model_dirs, router_file):
         with pytest.raises(openai.APIStatusError) as e:  # while it is down: 503, naming the address
             draft.client.completions.create(model=draft.model, prompt=prompt, max_tokens=8, temperature=0)
         assert e.value.status_code == 503 and target.address in e.value.message
+        with pytest.raises(openai.APIStatusError) as e:  # a stream too: 503 up front, not 200 then an error event
+            draft.client.completions.create(model=draft.model, prompt=prompt, max_tokens=8, temperature=0, stream=True)
+        assert e.value.status_code == 503 and e.value.code == "target_unavailable"
+        status, text = draft.request("GET", "/health")  # a load balancer takes the node out
+        assert status == 503 and target.address in text
 
         target = TargetProcess(model_dirs["target"], port)  # restarted: no sessions, same address
+        assert draft.request("GET", "/health")[0] == 200
         again = draft.client.completions.create(model=draft.model, prompt=prompt, max_tokens=24, temperature=0)
         assert again.choices[0].text == ref.text
     finally:

@@ -163,6 +163,27 @@ def test_a_host_drafters_own_k_between_buckets_rounds_up_to_a_bucket(tiny_target
     assert outs[0].token_ids == expected and outs[0].stats["drafted"] > 0 and outs[0].stats["mean_k"] <= 3
 
 
+def test_a_prediction_drafts_past_the_engines_k_up_to_its_own(tiny_target, tokenizer):
+    """engine.prediction.k above engine.k: a right prediction verifies 8 tokens a step while the
+    ngram row beside it keeps the engine's k of 2; both stay the target's own output."""
+    from serving.engine.engine_settings import EngineSettings, PredictionSettings
+
+    settings = EngineSettings(k=2, k_buckets=(2, 4, 8), max_batch_size=2, max_len=96, prediction=PredictionSettings(k=8))
+    config = settings.engine_config(draft=True)
+    assert config.k_max == 8 and config.verify_widths == (3,)
+    engine = SpeculativeEngine(tiny_target, tokenizer, config=config,
+                               drafters={"ngram": NgramDrafter(), "prediction": settings.host_drafter("prediction")})  # fmt: skip
+    a, b = ragged_prompts(2, seed=21)
+    expected = [hf_greedy(tiny_target, p, 24) for p in (a, b)]
+    outs = engine.generate([Request(a, max_new_tokens=24, prediction=expected[0]), Request(b, max_new_tokens=24, drafter="ngram")])
+    assert [o.token_ids for o in outs] == expected
+    assert outs[0].stats["drafter"] == "prediction" and outs[0].stats["mean_k"] > 4  # 8 a step until the end nears
+    assert outs[0].stats["target_calls"] <= 4
+    assert outs[1].stats["mean_k"] <= 2
+    with pytest.raises(ValueError, match=r"prediction.k=12 exceeds the largest of k_buckets \[2, 4, 8\]: add 12"):
+        EngineSettings(k=2, k_buckets=(2, 4, 8), prediction=PredictionSettings(k=12))
+
+
 def test_each_draft_model_drafts_over_its_own_rows_only(tiny_target, tiny_draft, tokenizer):
     """Two draft models in one batch of 4: each runs at the smallest batch bucket holding its own
     requests (one row each here), not over the engine's whole batch; outputs stay the target's."""
@@ -188,3 +209,111 @@ def test_each_draft_model_drafts_over_its_own_rows_only(tiny_target, tiny_draft,
         assert out.token_ids == hf_greedy(tiny_target, prompt, 12)
     assert rows_seen == {"a": {1}, "b": {1}}  # the engine's batch bucket was 4 throughout
     assert all(rows == [None] * 4 for rows in engine._draft_rows.values())  # every draft row freed
+
+
+class _Poisoned(NgramDrafter):
+    """An ngram drafter that raises at one stage for rows whose prompt starts with POISON."""
+
+    POISON = 377
+
+    def __init__(self, stage: str) -> None:
+        super().__init__()
+        self.stage, self.bad = stage, set()
+
+    def start(self, row, ctx):
+        if ctx.prompt[0] == self.POISON:
+            if self.stage == "start":
+                raise RuntimeError("poisoned start")
+            self.bad.add(row)
+        super().start(row, ctx)
+
+    def propose(self, row, tokens, k):
+        if self.stage == "propose" and row in self.bad:
+            raise OverflowError("poisoned propose")
+        return super().propose(row, tokens, k)
+
+    def observe(self, row, new_tokens):
+        if self.stage == "observe" and row in self.bad and len(new_tokens) and self.bad:
+            raise ValueError("poisoned observe")
+        super().observe(row, new_tokens)
+
+    def stop(self, row, finished):
+        self.bad.discard(row)
+        super().stop(row, finished)
+
+
+def _run(engine, requests):
+    """Every request through add_request/step, as the server drives it: (ids, completions by id,
+    errors by id of the requests that failed alone)."""
+    from serving.engine.core import RequestFailed
+
+    ids = [engine.add_request(r) for r in requests]
+    done, failed = {}, {}
+    while engine.has_unfinished_requests():
+        try:
+            outs = engine.step()
+        except RequestFailed as e:
+            assert e.request_ids == sorted(e.errors)
+            failed.update(e.errors)
+            continue
+        done.update({o.request_id: o.finished for o in outs if o.finished is not None})
+    return ids, done, failed
+
+
+@pytest.mark.parametrize("stage", ["start", "propose", "observe"])
+def test_a_request_that_raises_in_the_engine_fails_alone(tiny_target, tiny_draft, tokenizer, stage):
+    """A row whose admission, draft or post-commit update raises fails alone: every other row of
+    the batch (a draft model, ngram with a seeded sample, the target alone) finishes with exactly
+    its solo output, and the engine serves the next request."""
+    def engine():
+        drafters = {"small": tiny_draft, "ngram": NgramDrafter(), "poison": _Poisoned(stage), "none": None}
+        return SpeculativeEngine(tiny_target, tokenizer, config=EngineConfig(max_batch_size=4, max_len=128, k=4), drafters=drafters)
+
+    a, b, c, d = ragged_prompts(4, seed=61)
+    seeded = SamplingParams(temperature=1.0, seed=7)
+    good = [Request(a, max_new_tokens=16, drafter="small"), Request(b, params=seeded, max_new_tokens=16, drafter="ngram"),
+            Request(c, max_new_tokens=16, drafter="none")]  # fmt: skip
+    solo = [engine().generate([r])[0].token_ids for r in good]
+    bad = Request([_Poisoned.POISON, *d], max_new_tokens=16, drafter="poison")
+    e = engine()
+    ids, done, failed = _run(e, [good[0], bad, good[1], good[2]])
+    assert set(failed) == {ids[1]} and "poisoned" in str(failed[ids[1]])
+    assert [done[i].token_ids for i in (ids[0], ids[2], ids[3])] == solo
+    assert e.num_running == 0 and e.generate([good[0]])[0].token_ids == solo[0]
+
+
+def test_the_scheduler_fails_only_the_request_that_raised(tiny_target, tiny_draft, tokenizer):
+    """Through the server's scheduler: the poisoned request's ticket gets a 500 of its own
+    (code request_failed), its neighbours finish with their solo output."""
+    import asyncio
+
+    from serving.server.scheduler import Failed, Finished, Scheduler, Ticket
+
+    drafters = {"small": tiny_draft, "poison": _Poisoned("propose"), "none": None}
+    engine = SpeculativeEngine(tiny_target, tokenizer, config=EngineConfig(max_batch_size=4, max_len=128, k=4), drafters=drafters)
+    a, b, c = ragged_prompts(3, seed=71)
+    solo = [engine.generate([Request(p, max_new_tokens=12, drafter=d)])[0].token_ids for p, d in ((a, "small"), (c, "none"))]
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        scheduler = Scheduler({name: engine for name in drafters})
+        tickets = [Ticket(Request(a, max_new_tokens=12), "a", loop, forced_draft="small"),
+                   Ticket(Request([_Poisoned.POISON, *b], max_new_tokens=12), "b", loop, forced_draft="poison"),
+                   Ticket(Request(c, max_new_tokens=12), "c", loop, forced_draft="none")]  # fmt: skip
+        scheduler.start()
+        try:
+            for t in tickets:
+                scheduler.submit(t)
+            ends = []
+            for t in tickets:
+                while not isinstance(event := await asyncio.wait_for(t.events.get(), 60), (Finished, Failed)):
+                    pass
+                ends.append(event)
+            return ends
+        finally:
+            scheduler.stop()
+
+    ok_a, bad, ok_c = asyncio.run(run())
+    assert isinstance(bad, Failed) and bad.error.status == 500 and bad.error.code == "request_failed"
+    assert "poisoned propose" in bad.error.message
+    assert [ok_a.completion.token_ids, ok_c.completion.token_ids] == solo

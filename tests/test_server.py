@@ -210,6 +210,11 @@ BAD = [
     ("completions", b'{"model": "MODEL", "prompt": "x", "deep": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, None),
     ("completions", b'{"model": "MODEL", "max_tokens": 4, "prompt": "' + b"word " * 500_000 + b'"}', 413, None),
     ("completions", {"prompt": "word " * 100_000}, 400, "prompt"),  # refused by its length, not tokenized
+    # Lax coercions that answered what the client did not ask for, and features silently dropped:
+    ("completions", b'{"model": "MODEL", "prompt": "x", "max_tokens": true}', 400, "max_tokens"),
+    ("completions", b'{"model": "MODEL", "prompt": "x", "max_tokens": 4, "stream": "yes"}', 400, "stream"),
+    ("completions", {"logprobs": 2}, 400, "logprobs"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tools"),
 ]
 
 
@@ -236,6 +241,75 @@ def test_bad_input_gets_openai_error_naming_the_field(live, endpoint, body, stat
         assert param.split("[")[0] in error["message"] or param == "model"
     # ... and the server keeps serving everyone else.
     assert live.client.completions.create(model=live.model, prompt="hi", max_tokens=2).choices[0].finish_reason
+
+
+def _send(live, endpoint: str, body) -> tuple[int, str | None]:
+    """One request as a client sends it: (HTTP status, the answer's text or None)."""
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    if isinstance(body, bytes):
+        status, _ = live.request("POST", path, body.replace(b"MODEL", live.model.encode()))
+        return status, None
+    kwargs = {"model": live.model, "max_tokens": 4, **body}
+    create = live.client.chat.completions.create if endpoint == "chat" else live.client.completions.create
+    kwargs.setdefault("messages" if endpoint == "chat" else "prompt", CHAT if endpoint == "chat" else "hello")
+    try:
+        out = create(**kwargs)
+    except openai.APIStatusError as e:
+        return e.status_code, None
+    if kwargs.get("stream"):
+        chunks = list(out)
+        return 200, "".join((c.choices[0].delta.content or "") if endpoint == "chat" else c.choices[0].text for c in chunks if c.choices)
+    return 200, out.choices[0].message.content if endpoint == "chat" else out.choices[0].text
+
+
+@pytest.mark.e2e
+def test_wrong_method_is_405_with_allow(live):
+    req = urllib.request.Request(live.url + "/v1/completions", method="GET")
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(req, timeout=10)
+    assert info.value.code == 405 and info.value.headers["Allow"] == "POST"
+    assert json.loads(info.value.read())["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.e2e
+def test_two_hundred_mixed_requests_from_sixteen_clients(live):
+    """Valid requests (greedy, seeded sampled, streamed, chat) interleaved with every bad input
+    above, 200 in all from 16 concurrent clients: no 5xx, none lost, each bad one its 4xx, each
+    good one its solo output, and choral_requests_total by endpoint and status equals the
+    clients' tally exactly."""
+    good = [("completions", {"prompt": "def add(a, b):", "max_tokens": 10, "temperature": 0}),
+            ("completions", {"prompt": "The quick brown fox", "max_tokens": 10, "temperature": 0.8, "seed": 5}),
+            ("completions", {"prompt": "import os", "max_tokens": 10, "temperature": 0, "stream": True}),
+            ("chat", {"messages": CHAT, "max_tokens": 10, "temperature": 0}),
+            ("chat", {"messages": CHAT, "max_tokens": 10, "temperature": 1.1, "seed": 9, "stream": True})]  # fmt: skip
+    solo = [_send(live, endpoint, body) for endpoint, body in good]
+    assert all(status == 200 and text for status, text in solo)
+    jobs = [("good", i % len(good)) if i % 2 == 0 else ("bad", (i // 2) % len(BAD)) for i in range(200)]
+
+    def counts() -> dict[tuple[str, str], float]:
+        return {(dict(labels)["endpoint"], dict(labels)["status"]): v for (name, labels), v in live.metrics().items()
+                if name == "choral_requests_total"}  # fmt: skip
+
+    def run(job):
+        kind, i = job
+        endpoint, body = (good[i][0], good[i][1]) if kind == "good" else (BAD[i][0], BAD[i][1])
+        return endpoint, *_send(live, endpoint, body)
+
+    before = counts()
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(run, jobs))
+    after = counts()
+    assert len(results) == 200
+    tally: dict[tuple[str, str], int] = {}
+    for (kind, i), (endpoint, status, text) in zip(jobs, results):
+        tally[endpoint, str(status)] = tally.get((endpoint, str(status)), 0) + 1
+        if kind == "good":
+            assert (status, text) == solo[i], f"good request {good[i]} answered differently in the mix"
+        else:
+            assert status == BAD[i][2], f"bad request {BAD[i][:2]!r} got {status}"
+    assert not any(status.startswith("5") for _, status in tally)
+    delta = {key: after.get(key, 0) - before.get(key, 0) for key in after if after.get(key, 0) != before.get(key, 0)}
+    assert delta == tally
 
 
 @pytest.mark.e2e
@@ -390,7 +464,28 @@ def test_serve_cli_fails_fast_on_bad_config(router_file, tmp_path, capsys):
     assert "--target HOST:PORT" in capsys.readouterr().err
 
 
-@pytest.mark.e2e
+@pytest.mark.integration
+def test_serve_names_a_missing_draft_with_the_router_file(model_dirs, tmp_path, capsys, monkeypatch):
+    """A draft folder that is gone, or a hub id that is not cached while offline: one error line
+    naming the router file and the draft, before anything loads (a hub id once spent 54 s in
+    transformers' retries)."""
+    import huggingface_hub.constants
+
+    gone = tmp_path / "runs" / "code-draft" / "best"
+    router = tmp_path / "router.pt"
+    Router.create({"code": str(gone)}, str(model_dirs["target"])).save(router)
+    assert cli_serve.main(["--router", str(router)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(router) in err and "draft 'code'" in err and str(gone) in err and "does not exist" in err
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    Router.create({"chat": "choral-tests/no-such-draft"}, str(model_dirs["target"])).save(router)
+    started = time.perf_counter()
+    assert cli_serve.main(["--router", str(router)]) == 2
+    err = capsys.readouterr().err
+    assert "draft 'chat'" in err and "choral-tests/no-such-draft" in err and "HF_HUB_OFFLINE" in err
+    assert time.perf_counter() - started < 5
+
+
 @pytest.mark.e2e
 def test_predicted_outputs_and_model_free_drafters_give_the_same_answer(live, reference):
     """OpenAI's ``prediction`` drafts from the client's expected text; ``ngram`` and ``suffix``

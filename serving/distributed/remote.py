@@ -17,6 +17,7 @@ other requests keep going, and later calls reconnect by themselves.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections import deque
@@ -29,6 +30,8 @@ from serving.distributed.verify_service import MESSAGE_OPTIONS
 from serving.engine.core import EngineConfig
 from serving.engine.sampling import SamplingParams
 from serving.engine.verifier import Verdict, Verifier, VerifierError, VerifyBatch
+
+log = logging.getLogger(__name__)
 
 # The call never reached a working target (or its answer never came back): reconnect next time.
 _CONNECTION_LOST = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -44,13 +47,20 @@ class TargetUnavailable(VerifierError):
 
 
 class RemoteVerifier(Verifier):
-    def __init__(self, target_address: str, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, target_address: str, timeout_s: float = 30.0, *, token: str | None = None, tls_ca: bytes | None = None
+    ) -> None:
         """The target at ``target_address`` (HOST:PORT of ``serve --role target``). It connects when
         the engine binds it, waiting up to ``timeout_s`` for the target to come up; ``timeout_s``
-        is also the deadline of every later call."""
+        is also the deadline of every later call. ``token``: the target's shared secret, sent with
+        every call; ``tls_ca``: PEM certificate(s) to trust, to connect over TLS."""
         self.address = target_address
         self.name = f"the target at {target_address}"
         self.timeout_s = timeout_s
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._tls_ca = tls_ca
+        self.available = True  # whether the last call reached the target (a draft node's /health)
+        self._unclosed: list[str] = []  # sessions released while the channel was down: closed on reconnect
         self._channel: grpc.Channel | None = None
         self._stub: verify_pb2_grpc.VerifierStub | None = None
         self._closing: list[grpc.Future] = []
@@ -148,13 +158,36 @@ class RemoteVerifier(Verifier):
     def release(self, row: int) -> None:
         self._ended.discard(row)
         session_id, self._sessions[row] = self._sessions[row], None
-        if session_id is None or self._stub is None:
+        if session_id is None:
             return
+        if self._stub is None:  # the connection dropped with the step: close it once we are back
+            self._unclosed.append(session_id)
+            return
+        self._close([session_id])
+
+    def _close(self, session_ids: list[str]) -> None:
         self._closing = [f for f in self._closing if not f.done()]
         # Fire and forget (kept referenced so it is not cancelled); an idle session is evicted anyway.
-        self._closing.append(
-            self._stub.Close.future(verify_pb2.CloseRequest(session_ids=[session_id]), timeout=self.timeout_s)
-        )
+        self._closing.append(self._stub.Close.future(verify_pb2.CloseRequest(session_ids=session_ids), timeout=self.timeout_s,
+                                                     metadata=self._metadata))  # fmt: skip
+
+    def probe(self, timeout_s: float = 2.0) -> bool:
+        """Whether the target answers ``Info`` now, on a channel of its own (``/health`` calls it
+        from another thread while the engine may be mid-call)."""
+        channel = self._new_channel()
+        try:
+            verify_pb2_grpc.VerifierStub(channel).Info(verify_pb2.InfoRequest(), timeout=timeout_s, metadata=self._metadata)
+            return True
+        except grpc.RpcError:
+            return False
+        finally:
+            channel.close()
+
+    def _new_channel(self) -> grpc.Channel:
+        if self._tls_ca is not None:
+            return grpc.secure_channel(self.address, grpc.ssl_channel_credentials(root_certificates=self._tls_ca),
+                                       options=MESSAGE_OPTIONS)  # fmt: skip
+        return grpc.insecure_channel(self.address, options=MESSAGE_OPTIONS)
 
     def close(self) -> None:
         self._reset_channel()
@@ -164,14 +197,19 @@ class RemoteVerifier(Verifier):
     def _call(self, method: str, request, wait_for_ready: bool = False, failing: int = 0):
         """``failing``: requests besides the open sessions that fail with this call (an Open's)."""
         if self._stub is None:
-            self._channel = grpc.insecure_channel(self.address, options=MESSAGE_OPTIONS)
+            self._channel = self._new_channel()
             self._stub = verify_pb2_grpc.VerifierStub(self._channel)
         started = time.perf_counter()
         try:
-            return getattr(self._stub, method)(request, timeout=self.timeout_s, wait_for_ready=wait_for_ready)
+            reply = getattr(self._stub, method)(request, timeout=self.timeout_s, wait_for_ready=wait_for_ready,
+                                                metadata=self._metadata)  # fmt: skip
         except grpc.RpcError as e:
             code = e.code()
             if code in _CONNECTION_LOST:
+                if self.available:
+                    log.error("target %s went away (%s on %s after %.1f s): its requests fail until it is back",
+                              self.address, code.name, method, time.perf_counter() - started)
+                self.available = False
                 # A fresh channel next time: gRPC's own reconnect backoff can stretch to minutes.
                 self._reset_channel()
                 what = f"cannot be reached ({code.name} after {time.perf_counter() - started:.1f} s: {e.details()})"
@@ -184,6 +222,13 @@ class RemoteVerifier(Verifier):
                 message += (f" {failed} request(s) failed; start the target with `serve --role target` or check "
                             f"--target {self.address}. This node reconnects by itself: new requests succeed once it is back.")  # fmt: skip
             raise TargetUnavailable(message, self.address) from e
+        if not self.available:
+            log.warning("target %s is back", self.address)
+            self.available = True
+        if self._unclosed:
+            self._close(self._unclosed)
+            self._unclosed = []
+        return reply
 
     def _reset_channel(self) -> None:
         if self._channel is not None:

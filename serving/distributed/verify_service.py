@@ -21,7 +21,9 @@ who else is in the batch, bitwise so with the CPU kernels (serving.engine.cpu_ke
 
 from __future__ import annotations
 
+import hmac
 import logging
+import os
 import queue
 import threading
 import time
@@ -42,7 +44,36 @@ from serving.engine.speculative import DecodeState, StepRandom, prefill_first_to
 log = logging.getLogger(__name__)
 
 # q for a batch of a large vocabulary is tens of MB (8 x 4 x 152k floats); gRPC's default is 4 MB.
+# A draft node may send that much; the target accepts what its largest legitimate verify needs.
 MESSAGE_OPTIONS = [("grpc.max_receive_message_length", 1 << 30), ("grpc.max_send_message_length", 1 << 30)]
+
+
+def max_verify_bytes(max_batch_size: int, k_max: int, vocab_size: int, max_len: int) -> int:
+    """The largest message a legitimate draft node sends: a Verify of every slot at the largest K
+    with sampled rows' q ([B, K, V] float32), or an Open with the longest prompt; plus slack for the
+    per-item fields."""
+    return max(max_batch_size * k_max * vocab_size * 4, max_len * 10) + (1 << 20)
+
+
+class TokenCheck(grpc.ServerInterceptor):
+    """Every call must carry ``authorization: Bearer TOKEN`` metadata (a shared secret between the
+    target and its draft nodes); others are refused UNAUTHENTICATED with one log line."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+        def refuse(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token: set grpc.token (or "
+                                                           "CHORAL_GRPC_TOKEN) to the target's token")  # fmt: skip
+
+        self._refuse = grpc.unary_unary_rpc_method_handler(refuse)
+
+    def intercept_service(self, continuation, handler_call_details):
+        got = dict(handler_call_details.invocation_metadata).get("authorization", "")
+        if hmac.compare_digest(got.encode() if isinstance(got, str) else got, self._expected):
+            return continuation(handler_call_details)
+        log.warning("refused %s: missing or wrong token", handler_call_details.method)
+        return self._refuse
 
 
 class _CallError(Exception):
@@ -134,7 +165,8 @@ class VerifyService(verify_pb2_grpc.VerifierServicer):
 
     def Info(self, request, context):
         return verify_pb2.InfoReply(
-            model=self.name, vocab_size=self.vocab_size, eos_ids=self.eos_ids, max_len=self.max_len,
+            # A folder's name, never the host's path.
+            model=os.path.basename(os.path.normpath(self.name)), vocab_size=self.vocab_size, eos_ids=self.eos_ids, max_len=self.max_len,
             k_max=self.k_max, max_batch_size=self.B, instance_id=self.instance_id,
             max_position_embeddings=self.max_pos,
         )  # fmt: skip
@@ -397,8 +429,12 @@ class VerifyServer:
         session_timeout_s: float = 300.0,
         batch_window_ms: float = 2.0,
         workers: int = 32,
+        token: str | None = None,
+        tls: tuple[bytes, bytes] | None = None,
     ) -> None:
-        self.host, self.port, self.workers = host, port, workers
+        """``token``: the shared secret every call must carry (None: none asked, for loopback);
+        ``tls``: (PEM certificate chain, PEM private key) to serve TLS instead of plaintext."""
+        self.host, self.port, self.workers, self.token, self.tls = host, port, workers, token, tls
         self.service = VerifyService(
             target, tokenizer, name=name, max_batch_size=max_batch_size, max_len=max_len,
             k_max=max(k_buckets), session_timeout_s=session_timeout_s, batch_window_ms=batch_window_ms,
@@ -412,9 +448,17 @@ class VerifyServer:
     def start(self) -> int:
         # Handler threads only wait on the worker, so many of them cost little; they bound how many
         # calls (draft nodes x in-flight RPCs) can be queued at once.
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.workers), options=MESSAGE_OPTIONS)
+        s = self.service
+        limit = max_verify_bytes(s.B, s.k_max, s.vocab_size, s.max_len)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.workers),
+                             interceptors=[TokenCheck(self.token)] if self.token else [],
+                             options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", 1 << 30)])  # fmt: skip
         verify_pb2_grpc.add_VerifierServicer_to_server(self.service, server)
-        bound = server.add_insecure_port(f"{self.host}:{self.port}")
+        if self.tls is not None:
+            creds = grpc.ssl_server_credentials([(self.tls[1], self.tls[0])])  # [(private key, certificate chain)]
+            bound = server.add_secure_port(f"{self.host}:{self.port}", creds)
+        else:
+            bound = server.add_insecure_port(f"{self.host}:{self.port}")
         if bound == 0:
             raise OSError(f"cannot listen on {self.host}:{self.port}: the port is taken or the host is not local")
         self.port = bound
@@ -453,6 +497,9 @@ def serve_target(
     session_timeout_s: float = 300.0,
     batch_window_ms: float = 2.0,
     cpu_kernels: bool = True,
+    token: str | None = None,
+    tls: tuple[bytes, bytes] | None = None,
+    target_weights: str = "fp32",
 ) -> None:
     """Load the target and serve verification until interrupted (``serve --role target``)."""
     from serving.engine.core import use_cpu_kernels
@@ -463,13 +510,15 @@ def serve_target(
     tokenizer = load_tokenizer(target_ref)
     model = load_model(target_ref, dtype=dtype, device=dev)
     if cpu_kernels:  # a draft node may verify any K up to the largest (draft-confidence stops)
-        use_cpu_kernels([model], device=dev, dtype=dtype, widths=tuple(range(2, max(k_buckets) + 2)))
+        use_cpu_kernels([model], device=dev, dtype=dtype, widths=tuple(range(2, max(k_buckets) + 2)),
+                        max_batch_size=max_batch_size, target_weights=target_weights)
     server = VerifyServer(
         model, tokenizer, host=host, port=port, name=target_ref, max_batch_size=max_batch_size, max_len=max_len,
-        k_buckets=k_buckets, session_timeout_s=session_timeout_s, batch_window_ms=batch_window_ms,
+        k_buckets=k_buckets, session_timeout_s=session_timeout_s, batch_window_ms=batch_window_ms, token=token, tls=tls,
     )  # fmt: skip
     server.start()
-    print(f"target {target_ref} verifying on {host}:{server.port} ({max_batch_size} slots, K <= {max(k_buckets)})", flush=True)
+    print(f"target {target_ref} verifying on {host}:{server.port} ({max_batch_size} slots, K <= {max(k_buckets)}; "
+          f"{'TLS' if tls else 'plaintext'}, {'token required' if token else 'no token'})", flush=True)
     try:
         server.wait()
     except KeyboardInterrupt:

@@ -40,6 +40,7 @@ raises the error naming them, and hands out the other requests' tokens on the ne
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import secrets
 import time
@@ -62,6 +63,8 @@ from serving.engine.speculative import DecodeState, StepRandom, commit, draft_ha
 from serving.engine.stats import RequestStats
 from serving.engine.verifier import LocalVerifier, Verifier, VerifierError, VerifyBatch
 
+log = logging.getLogger(__name__)
+
 DRAFT_STOPS = ("token", "cumulative")  # what EngineConfig.draft_stop compares with draft_confidence
 
 
@@ -82,6 +85,8 @@ class EngineConfig:
         "cumulative" compares their running product (the block's chance of surviving whole).
     batch_buckets: the batch sizes a step can run at (compiled shapes); None: 1, 2, 4, ... up to
         ``max_batch_size``, which is always one. A step runs at the smallest that holds its rows.
+    host_k: the largest K of a model-free drafter with a K of its own (a prediction may propose
+        more than a draft model should): with a fixed k, rows of that drafter draft up to it.
     """
 
     max_batch_size: int = 1
@@ -92,6 +97,7 @@ class EngineConfig:
     draft_confidence: float | None = None
     draft_stop: str = "token"
     batch_buckets: tuple[int, ...] | None = None
+    host_k: int = 0
 
     def __post_init__(self) -> None:
         if self.draft_stop not in DRAFT_STOPS:
@@ -103,6 +109,8 @@ class EngineConfig:
         self.k_buckets = tuple(sorted(set(self.k_buckets)))
         if self.k != "auto" and self.k not in self.k_buckets and self.k != 0:
             raise ValueError(f"k={self.k!r} must be 'auto' or one of k_buckets {self.k_buckets}")
+        if not 0 <= self.host_k <= self.k_buckets[-1]:
+            raise ValueError(f"host_k={self.host_k} must be in 0..{self.k_buckets[-1]}, the largest of k_buckets")
         if self.batch_buckets is None:
             powers = [1 << i for i in range(self.max_batch_size.bit_length()) if 1 << i < self.max_batch_size]
             self.batch_buckets = (*powers, self.max_batch_size)
@@ -113,7 +121,9 @@ class EngineConfig:
 
     @property
     def k_max(self) -> int:
-        return max(self.k_buckets) if self.k == "auto" else int(self.k)
+        if self.k == "auto":
+            return max(self.k_buckets)
+        return max(int(self.k), self.host_k) if self.k else 0
 
     @property
     def verify_widths(self) -> tuple[int, ...]:
@@ -142,6 +152,8 @@ def use_cpu_kernels(
     drafts: list[PreTrainedModel] = (),
     draft_weights: str = "fp32",
     own_draft_tensors: bool = True,
+    max_batch_size: int = 1,
+    target_weights: str = "fp32",
 ) -> bool:
     """Swap in ``serving.engine.cpu_kernels`` where they apply (CPU, fp32, not quantized), so that
     verifying any of ``widths`` tokens costs about one token and rows are bitwise identical.
@@ -149,21 +161,30 @@ def use_cpu_kernels(
     them as W8A8 int8 (~2.5x cheaper steps; a draft's numerics never change the output, only how
     much of it is accepted), "auto" does so wherever the kernels apply and the C++ kernel builds,
     "fp32" keeps them as they are (``own_draft_tensors``: see ``prepare_for_cpu``'s
-    ``own_tensors``). Returns whether the kernels were applied."""
+    ``own_tensors``). ``target_weights`` "int8" stores the ``models`` as W8A8 int8 too: their
+    numerics change (the output is then the int8 target's), their rows stay batch-invariant. ``max_batch_size``: the most rows a step runs; the kernels must cover every
+    row of the widest step (rows x widest width), or a full batch would fall back to stock kernels,
+    whose rounding depends on how many rows run together. Returns whether the kernels were applied."""
     if draft_weights not in DRAFT_WEIGHTS:
         raise ValueError(f"draft_weights={draft_weights!r} must be one of {DRAFT_WEIGHTS}")
     applies = torch.device(device).type == "cpu" and resolve_dtype(dtype) == torch.float32 and quantize is None
     if draft_weights == "auto":
         draft_weights = "int8" if applies and rowdot_available() else "fp32"
+    if target_weights not in ("fp32", "int8"):
+        raise ValueError(f"target_weights={target_weights!r} must be 'fp32' or 'int8'")
+    if target_weights == "int8" and not (applies and rowdot_available()):
+        raise ValueError(f"target_weights='int8' needs the CPU kernels: device cpu, dtype float32, no quantize and the C++ "
+                         f"kernel (got device {device}, dtype {dtype}); use target_weights=fp32")  # fmt: skip
     if not applies:
         if draft_weights == "int8" and drafts:
             raise ValueError(f"draft_weights={draft_weights!r} needs the CPU kernels: device cpu, dtype float32, "
                              f"no quantize (got device {device}, dtype {dtype}); use draft_weights=fp32")
         return False
+    max_rows = max(16, max_batch_size * max(widths))  # 16: prompts that short prefill on the kernels too
     for model in models:
-        prepare_for_cpu(model, token_counts=widths)
+        prepare_for_cpu(model, token_counts=widths, max_rows=max_rows, weights=target_weights)
     for model in drafts:
-        prepare_for_cpu(model, token_counts=widths, weights=draft_weights, own_tensors=own_draft_tensors)
+        prepare_for_cpu(model, token_counts=widths, weights=draft_weights, own_tensors=own_draft_tensors, max_rows=max_rows)
     return True
 
 
@@ -400,13 +421,18 @@ class SpeculativeEngine:
         speculative step over all slots. Returns, per request that advanced, its new tokens and,
         on the step it finished, its ``Completion``. If the verifier fails requests
         (``VerifierError``), they are dropped and the error is raised with their ids in
-        ``request_ids``; the other requests' outputs of this step come with the next one."""
+        ``request_ids``; the other requests' outputs of this step come with the next one.
+        A request whose admission or step raised anything else fails alone (``RequestFailed``,
+        raised the same way): the others' outputs are unchanged by it."""
         outputs, self._carry = self._carry, []
         try:
             self._advance(outputs)
         except VerifierError as e:
             rows = [b for b, s in enumerate(self._slots) if s is not None] if e.rows is None else e.rows
             e.request_ids += self._fail(rows)
+            self._carry = [o for o in outputs if o.request_id not in e.request_ids]
+            raise
+        except RequestFailed as e:
             self._carry = [o for o in outputs if o.request_id not in e.request_ids]
             raise
         return outputs
@@ -422,23 +448,104 @@ class SpeculativeEngine:
         """The body of ``step``, appending to ``outputs`` as it goes so that what was produced
         before a ``VerifierError`` is still handed out."""
         slots = self._slots
+        broken: dict[int, BaseException] = {}  # request id -> what failed it alone
         for b in range(len(slots)):
             while slots[b] is None and self._waiting:
                 request_id, request = self._waiting.popleft()
-                admitted = self._admit(b, request_id, request)
+                try:
+                    admitted = self._admit(b, request_id, request)
+                except VerifierError:
+                    raise
+                except Exception as e:  # this request alone: its prefill, drafter or stop check
+                    self._unadmit(b)
+                    broken[request_id] = e
+                    continue
                 if admitted is None:  # the target has no room now: retry on a later step
                     self._waiting.appendleft((request_id, request))
                     break
                 slots[b], finished = admitted
                 outputs.append(self._emit(b, finished))
         if any(s is not None for s in slots):
-            finished, failed = self._step(slots)
+            finished, failed = self._step_or_isolate(slots, broken)
             lost = failed.rows if failed is not None else ()
             for b, slot in enumerate(slots):
                 if slot is not None and b not in lost:
                     outputs.append(self._emit(b, b in finished))
             if failed is not None:  # the target lost these rows: step() fails their requests
+                if broken:
+                    log.error("requests %s failed alone: %s", sorted(broken), _describe(broken))
                 raise failed
+        if broken:
+            raise RequestFailed(broken)
+
+    def _step_or_isolate(
+        self, slots: list[_Slot | None], broken: dict[int, BaseException]
+    ) -> tuple[list[int], VerifierError | None]:
+        """``_step`` over every running slot. If it raises (anything but the verifier's error),
+        nothing was committed: each row then runs the step alone, from the random state it had
+        before, and only the rows that raise again fail (into ``broken``); the others advance
+        exactly as they would have in the batch (the kernels are batch-invariant, and every row
+        draws from its own generator)."""
+        before = {b: s.generator.get_state() for b, s in enumerate(slots) if s is not None}
+        try:
+            return self._step(slots)
+        except VerifierError:
+            raise
+        except _Committed as e:  # rows failed after the commit: the others' step stands
+            for b, error in e.rows.items():
+                broken[slots[b].index] = error
+            self._fail(list(e.rows))
+            return e.finished, e.failed
+        except Exception as e:
+            if len(before) == 1:
+                [b] = before
+                broken[slots[b].index] = e
+                self._fail([b])
+                return [], None
+            first = e
+        log.warning("a step over rows %s raised %s: %s; running each row alone", sorted(before), type(first).__name__, first)
+        finished, failed_rows, failed = [], [], None
+        done = self.state.done.clone()  # [B] the running rows' flags; each lone run updates its own
+        try:
+            for b in before:
+                self.state.done.fill_(True)  # the other rows sit this run out: nothing of theirs moves
+                self.state.done[b] = done[b]
+                slots[b].generator.set_state(before[b])
+                self._sampling = None
+                try:
+                    f, v = self._step([slot if i == b else None for i, slot in enumerate(slots)])
+                    finished += f
+                    if v is not None:
+                        failed = failed or v
+                        failed.rows = sorted({*(failed.rows or []), *(v.rows or [b])})
+                except _Committed as c:
+                    failed_rows.append(b)
+                    broken[slots[b].index] = c.rows[b]
+                except VerifierError:
+                    raise
+                except Exception as lone:
+                    failed_rows.append(b)
+                    broken[slots[b].index] = lone
+                done[b] = self.state.done[b]
+        finally:
+            self.state.done.copy_(done)
+        self._sampling = None
+        self._fail(failed_rows)
+        return [b for b in finished if b not in failed_rows], failed
+
+    def _unadmit(self, b: int) -> None:
+        """Undo what a failed admission into slot ``b`` may have set up (no slot was made)."""
+        self.state.done[b] = True
+        for rows in self._draft_rows.values():
+            if b in rows:
+                rows[rows.index(b)] = None
+        for drafter in self.host_drafters.values():
+            try:
+                drafter.stop(b, finished=False)
+            except Exception:  # a drafter that never started this row
+                pass
+        self.verifier.release(b)
+        self._sampling = None
 
     def enable_compile(self, backend: str | None = None) -> None:
         """Compile the draft and verify forwards (the device's backend unless named) and warm
@@ -744,7 +851,7 @@ class SpeculativeEngine:
         rows = torch.cat([n_acc[:, None], n_new[:, None], s.done[:, None].long(), n_draft[:, None], committed], 1)
         rows = rows.tolist()
 
-        finished = []
+        finished, after_commit = [], {}
         lo, hi = self.config.k_buckets[0], self.config.k_buckets[-1]
         for b, slot in enumerate(slots):
             if slot is None or b in lost:
@@ -755,13 +862,43 @@ class SpeculativeEngine:
             slot.stats.record_step(drafted, accepted, new, times.get("draft", 0.0), times.get("target", 0.0))
             if self.config.k == "auto" and k_rows[b]:  # Hugging Face's heuristic, per request: +2 after a full accept, else -1
                 slot.k_value = min(hi, slot.k_value + 2) if accepted == drafted else max(lo, slot.k_value - 1)
-            # Stop strings first: a step that also reaches the length limit must still cut at the stop.
-            stopped = self._hit_stop(slot, before)
+            try:
+                # Stop strings first: a step that also reaches the length limit must still cut at the stop.
+                stopped = self._hit_stop(slot, before)
+                if slot.drafter in self.host_drafters and len(slot.generated) > before:  # what the row kept
+                    self.host_drafters[slot.drafter].observe(b, slot.generated[before:])
+            except Exception as e:  # committed already: this row fails, the step stands for the others
+                after_commit[b] = e
+                continue
             if done or stopped:
                 finished.append(b)
-            if slot.drafter in self.host_drafters and len(slot.generated) > before:  # what the row kept
-                self.host_drafters[slot.drafter].observe(b, slot.generated[before:])
+        if after_commit:
+            raise _Committed(after_commit, finished, verdict.failed)
         return finished, verdict.failed
+
+
+class RequestFailed(RuntimeError):
+    """Requests that failed alone: their admission or their row of a step raised. ``errors``:
+    request id -> the exception. ``step`` drops them, hands out the other requests' outputs on
+    the next call and raises this with their ids in ``request_ids``; the engine goes on."""
+
+    def __init__(self, errors: dict[int, BaseException]) -> None:
+        super().__init__(_describe(errors))
+        self.errors = errors
+        self.request_ids = sorted(errors)
+
+
+class _Committed(Exception):
+    """Rows of a step failed after the step committed (their stop check or drafter update):
+    ``rows`` slot -> error; ``finished`` and ``failed`` are the step's results for the others."""
+
+    def __init__(self, rows: dict[int, BaseException], finished: list[int], failed: VerifierError | None) -> None:
+        super().__init__("; ".join(f"slot {b}: {type(e).__name__}: {e}" for b, e in sorted(rows.items())))
+        self.rows, self.finished, self.failed = rows, finished, failed
+
+
+def _describe(errors: dict[int, BaseException]) -> str:
+    return "; ".join(f"request {i}: {type(e).__name__}: {e}" for i, e in sorted(errors.items()))
 
 
 def step_uniforms(generators: list[torch.Generator | None], k_rows: list[int], k: int, device) -> StepRandom:

@@ -4,9 +4,10 @@
 C++ kernel ("rowdot", the source is `rowdot.cpp` next to this file, built on first use and cached),
 and, for Hugging Face models, the attention for a row-wise SDPA. Afterwards row i of an N-token
 forward is bitwise equal to the 1-token forward of the same token on the same cache, so greedy
-speculative output equals the target alone. `weights="int8"` stores a draft as W8A8 int8
-(`Int8Linear`, AVX-512 VNNI dot products). Invariance holds for steps of at most `max_rows` tokens
-(default 16); longer inputs (the prefill) use plain F.linear / SDPA. Inference only: with autograd
+speculative output equals the target alone. `weights="int8"` stores a model as W8A8 int8
+(`Int8Linear`, VNNI integer dot products; AVX2 where there is no VNNI): a draft, or a target whose
+output is then the int8 target's. Invariance holds for inputs of at most `max_rows` rows (tokens x
+sequences; default 16); longer inputs (the prefill) use plain F.linear / SDPA. Inference only: with autograd
 needed, the modules fall back to F.linear.
 
 Why, the alternatives tried and their measurements: docs/architecture.md, "CPU kernels".
@@ -123,10 +124,11 @@ class Int8Linear(nn.Module):
     multiplies them with VNNI's integer dot products. A draft step reads a quarter of the fp32
     bytes and does next to no float work, so it runs near the memory-bandwidth limit.
 
-    For drafts only: int8 changes a model's numerics, so a target's greedy output would no
-    longer be the fp32 model's. A draft's numerics only decide how often its proposals are
-    accepted; the target's verification keeps the output exact whatever the draft computes.
-    Integer sums are exact, so rows are batch-invariant anyway. Steps longer than ``max_rows``
+    int8 changes a model's numerics. A draft's numerics only decide how often its proposals are
+    accepted; the target's verification keeps the output exact whatever the draft computes. A
+    target in int8 (``target_weights=int8``) gives the int8 target's output, no longer the fp32
+    model's. Integer sums are exact and each input row is scaled on its own, so rows are
+    batch-invariant: speculative output equals that int8 target's own greedy output. Steps longer than ``max_rows``
     (prefill) run F.linear on the dequantized weights.
     """
 
@@ -235,7 +237,8 @@ def prepare_for_cpu(
     token_counts: the step sizes that must agree with each other (checked on every distinct
       Linear shape; a shape that fails falls back to F.linear with a warning).
     kernel: "rowdot" (the C++ kernel), "mkl" (packed sgemm, no compiler needed) or "auto".
-    max_rows: steps longer than this (prefill) use the library kernels.
+    max_rows: inputs of more rows than this (tokens x sequences: a prefill) use the library
+      kernels; a batched step must fit, or its rows would round with the batch.
     attention: also switch a Hugging Face model to the row-wise SDPA.
     weights: "fp32" keeps the model's numerics (for the target); "int8" stores every Linear as
       W8A8 int8 (`Int8Linear`, needs the C++ kernel): ~2.4x cheaper steps, different numerics,
@@ -280,7 +283,8 @@ def prepare_for_cpu(
     if weights == "int8" and own_tensors:
         _own_tensors(model)
     if attention and hasattr(model, "set_attn_implementation"):
-        _rowwise_sdpa.max_rows = max_rows
+        # Attention sees one sequence's query rows at a time: the widest step, not rows x batch.
+        _rowwise_sdpa.max_rows = max(16, counts[-1])
         _use_rowwise_attention(model)
     return model
 

@@ -76,6 +76,23 @@ class SuffixSettings:
             raise ValueError(f"suffix.k={self.k} must be >= 1 (or null for the engine's k)")
 
 
+@dataclass
+class PredictionSettings:
+    """OpenAI's Predicted Outputs: the drafter of requests that carry a ``prediction``."""
+
+    k: int | None = field(default=None, metadata=doc(
+        "tokens proposed per step at most; null: the engine's k. A prediction that holds costs no "
+        "draft steps, so a K above the draft models' pays (it must not exceed the largest k_buckets)"))
+    min_n: int = field(default=1, metadata=doc("shortest answer tail aligned with the prediction"))
+    max_n: int = field(default=8, metadata=doc("longest answer tail aligned with the prediction"))
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_n <= self.max_n:
+            raise ValueError(f"prediction: need 1 <= min_n <= max_n, got min_n={self.min_n}, max_n={self.max_n}")
+        if self.k is not None and self.k < 1:
+            raise ValueError(f"prediction.k={self.k} must be >= 1 (or null for the engine's k)")
+
+
 HOST_DRAFTERS = ("ngram", "suffix")  # built-in drafter references that need no model
 NONE = "none"
 
@@ -91,9 +108,13 @@ class EngineSettings:
     cpu_kernels: bool = field(default=True, metadata=doc(
         "on a CPU in fp32, Choral's batch-invariant kernels: verifying K+1 tokens costs about one, rows "
         "are bitwise identical (eager only: off while compile_backend is set)"))
+    target_weights: Literal["fp32", "int8"] = field(default="fp32", metadata=doc(
+        "the target's precision on Choral's CPU kernels: fp32 as loaded, or int8 (W8A8 like int8 drafts: a "
+        "step reads about a quarter of the bytes). Integer sums keep every row batch-invariant, so greedy "
+        "speculative output equals this int8 target's own greedy output (not the fp32 target's)"))
     draft_weights: Literal["auto", "fp32", "int8"] = field(default="auto", metadata=doc(
-        "int8: drafts run as W8A8 int8 on the CPU kernels (~2.5x cheaper draft steps; the target stays "
-        "fp32, so outputs are unchanged, only acceptance may move); auto: int8 wherever the CPU kernels run"))
+        "int8: drafts run as W8A8 int8 on the CPU kernels (~2.5x cheaper draft steps; the target keeps "
+        "target_weights, so outputs are unchanged, only acceptance may move); auto: int8 wherever the CPU kernels run"))
     compile_backend: str | None = field(default=None, metadata=doc(
         "torch.compile backend of the step shapes (inductor, neuron), or auto for the device's; "
         "null: eager. Compiled shapes are warmed up at load"))
@@ -120,6 +141,8 @@ class EngineSettings:
         "rows. null: 1, 2, 4, ... up to max_batch_size"))
     ngram: NgramSettings = field(default_factory=NgramSettings, metadata=doc("the ngram drafter"))
     suffix: SuffixSettings = field(default_factory=SuffixSettings, metadata=doc("the suffix drafter"))
+    prediction: PredictionSettings = field(default_factory=PredictionSettings, metadata=doc(
+        "the prediction drafter (requests with OpenAI's prediction field)"))
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -133,10 +156,18 @@ class EngineSettings:
             raise ValueError(f"k={self.k!r} must be a positive integer or 'auto'")
         if self.k != "auto" and self.k not in self.k_buckets:
             raise ValueError(f"k={self.k} is not one of k_buckets {list(self.k_buckets)}: add it to k_buckets")
+        for name in ("ngram", "suffix", "prediction"):
+            own = getattr(self, name).k
+            if own is not None and own > self.k_buckets[-1]:
+                raise ValueError(f"{name}.k={own} exceeds the largest of k_buckets {list(self.k_buckets)}: add {own} to "
+                                 f"k_buckets (engine.k_buckets=[...,{own}]) or lower {name}.k")
         if self.draft_confidence is not None and not 0.0 <= self.draft_confidence <= 1.0:
             raise ValueError(f"draft_confidence={self.draft_confidence} must be in [0, 1] (or null)")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads={self.threads} must be >= 1 (or null for torch's default)")
+        if self.target_weights == "int8" and (not self.uses_cpu_kernels or self.dtype != "float32" or self.quantize):
+            raise ValueError("target_weights=int8 runs on Choral's CPU kernels from an fp32 model: set cpu_kernels=true, "
+                             "compile_backend=null, dtype=float32 and quantize=null, or target_weights=fp32")  # fmt: skip
         if self.draft_weights == "int8" and not self.uses_cpu_kernels:
             raise ValueError("draft_weights=int8 runs on Choral's CPU kernels: set cpu_kernels=true and "
                              "compile_backend=null, or draft_weights=auto/fp32")  # fmt: skip
@@ -166,10 +197,17 @@ class EngineSettings:
             draft_confidence=s.draft_confidence if draft else None,
             draft_stop=s.draft_stop,
             batch_buckets=s.batch_buckets,
+            host_k=max((x.k or 0 for x in (s.ngram, s.suffix, s.prediction)), default=0) if draft else 0,
         )
 
     def host_drafter(self, ref: str):
-        """A new model-free drafter for a built-in reference (``ngram`` or ``suffix``)."""
+        """A new model-free drafter for a built-in reference (``ngram``, ``suffix``, or
+        ``prediction``, which every drafting engine holds for requests with a prediction)."""
+        if ref == "prediction":
+            from serving.engine.drafters.prediction import PredictionDrafter
+
+            x = self.prediction
+            return PredictionDrafter(k=x.k, min_n=x.min_n, max_n=x.max_n)
         if ref == "ngram":
             from serving.engine.drafters.ngram import NgramDrafter
 
@@ -217,7 +255,7 @@ def load_engine(
     drafting = any(ref is not None and ref != NONE for ref in drafters.values())
     config = settings.engine_config(draft=drafting, device=device)
     widths = config.step_widths if drafting else (1,)
-    if drafting and any(r in HOST_DRAFTERS for r in drafters.values()):  # short proposals round up to a K bucket
+    if drafting:  # a host drafter's (or a prediction's) short proposal rounds up to a K bucket
         widths = tuple(sorted({*widths, *(k + 1 for k in config.k_buckets if k <= config.k_max)}))
     refs = [r for r in drafters.values() if is_model_ref(r)]
     tokenizer, target_model, by_ref = load_models(
@@ -227,6 +265,8 @@ def load_engine(
     kernels = prepare_kernels(settings, [target_model] if target_model is not None else [], [], widths)
     built = {name: (by_ref[ref] if is_model_ref(ref) else settings.host_drafter(ref) if ref in HOST_DRAFTERS else None)
              for name, ref in drafters.items()}  # fmt: skip
+    if drafting and "prediction" not in built:  # the engine's drafter of requests with a prediction, as configured
+        built["prediction"] = settings.host_drafter("prediction")
     engine = SpeculativeEngine(verifier or target_model, tokenizer, config=config, drafters=built, default_drafter=default)
     drafts = {name: by_ref[ref] for name, ref in drafters.items() if is_model_ref(ref)}
     return LoadedEngine(tokenizer, target_model, drafts, engine, kernels)
@@ -289,8 +329,8 @@ def prepare_kernels(
     if not settings.uses_cpu_kernels:
         return False
     return use_cpu_kernels(
-        list(targets), drafts=list(drafts), draft_weights=settings.draft_weights,
+        list(targets), drafts=list(drafts), draft_weights=settings.draft_weights, target_weights=settings.target_weights,
         device=device if device is not None else resolve_device(settings.device),
         dtype=dtype if dtype is not None else settings.dtype, widths=tuple(sorted(set(widths))), quantize=settings.quantize,
-        own_draft_tensors=own_draft_tensors,
+        own_draft_tensors=own_draft_tensors, max_batch_size=settings.max_batch_size,
     )  # fmt: skip

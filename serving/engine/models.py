@@ -39,6 +39,38 @@ def resolve_model_ref(ref: str | Path) -> str:
     return ref
 
 
+def check_model_ref(ref: str | Path, hub_timeout_s: float = 10.0) -> None:
+    """Raise ``FileNotFoundError`` naming ``ref`` when it cannot load: a path (absolute, ``./``,
+    ``~``, or more than one ``/``) that does not exist, or a hub id that is not in the Hugging
+    Face cache while the hub cannot be reached (one short call, instead of transformers' minute
+    of retries)."""
+    ref = str(ref)
+    if is_bundled_name(ref):
+        return
+    path = Path(ref).expanduser()
+    if path.exists():
+        resolve_model_ref(ref)  # a folder without config.json is refused there
+        return
+    if ref.startswith(("/", ".", "~")) or ref.count("/") > 1 or "\\" in ref:
+        raise FileNotFoundError(f"model folder {ref} does not exist")
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.constants import HF_HUB_OFFLINE
+
+    if isinstance(try_to_load_from_cache(ref, "config.json"), str):
+        return  # cached: loads without the network
+    if HF_HUB_OFFLINE:
+        raise FileNotFoundError(f"model {ref!r} is neither a folder, a bundled name nor in the Hugging Face cache, "
+                                "and HF_HUB_OFFLINE is set: pass a local folder")  # fmt: skip
+    from huggingface_hub import model_info
+
+    try:
+        model_info(ref, timeout=hub_timeout_s)
+    except Exception as e:  # unreachable, unknown or gated: say which
+        raise FileNotFoundError(f"model {ref!r} is neither a folder, a bundled name nor in the Hugging Face cache, and the "
+                                f"hub did not serve it ({type(e).__name__}: {str(e).splitlines()[0][:200]}): pass a local "
+                                "folder, or check the id and the network") from None  # fmt: skip
+
+
 def load_tokenizer(ref: str | Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(resolve_model_ref(ref))
 

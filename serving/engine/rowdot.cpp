@@ -132,6 +132,32 @@ static inline void qblock(const int8_t* w, int64_t KP, const uint8_t* x, const f
   }
   for (int i = 0; i < NB; ++i)
     for (int r = 0; r < R; ++r) dot[i][r] = _mm512_reduce_add_epi32(acc[i][r]);
+#elif defined(__AVX2__)
+  // No VNNI: widen both to int16 and multiply-add pairs into int32 (vpmaddwd). u8 x s8 pairs sum to
+  // at most 2 * 255 * 127, so nothing saturates and the integer dot equals the VNNI path's exactly.
+  // Four weight rows at a time keep the accumulators in the 16 ymm registers.
+  constexpr int G = NB < 4 ? NB : 4;
+  for (int i0 = 0; i0 < NB; i0 += G) {
+    __m256i acc[G][R];
+    for (int g = 0; g < G; ++g)
+      for (int r = 0; r < R; ++r) acc[g][r] = _mm256_setzero_si256();
+    for (int64_t k = 0; k < KP; k += 16) {
+      __m256i wv[G];
+      for (int g = 0; g < G; ++g)
+        wv[g] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (i0 + g) * KP + k)));
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + r * KP + k)));
+        for (int g = 0; g < G; ++g) acc[g][r] = _mm256_add_epi32(acc[g][r], _mm256_madd_epi16(xv, wv[g]));
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int r = 0; r < R; ++r) {
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(acc[g][r]), _mm256_extracti128_si256(acc[g][r], 1));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+        dot[i0 + g][r] = _mm_cvtsi128_si32(t);
+      }
+  }
 #else
   for (int i = 0; i < NB; ++i)
     for (int r = 0; r < R; ++r) {

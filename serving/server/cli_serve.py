@@ -20,6 +20,8 @@ from serving.cli import Command, Flag
 from serving.config import ConfigError
 from serving.server.serve_config import ServeConfig
 
+log = logging.getLogger(__name__)
+
 CLI = Command("serve", ServeConfig, __doc__, flags=[
     Flag("--router", "router"),
     Flag("--role", "role"),
@@ -61,7 +63,8 @@ def _serve_target(cfg: ServeConfig) -> int:
         target_ref, host=cfg.host, port=cfg.port, device=e.device, dtype=e.dtype,
         max_batch_size=e.max_batch_size, max_len=e.max_len, k_buckets=e.k_buckets,
         session_timeout_s=cfg.session_timeout_s, batch_window_ms=cfg.batch_window_ms,
-        cpu_kernels=e.uses_cpu_kernels,
+        cpu_kernels=e.uses_cpu_kernels, token=cfg.grpc.resolved_token(), target_weights=e.target_weights,
+        tls=(cfg.grpc.read("tls_cert"), cfg.grpc.read("tls_key")) if cfg.grpc.tls_cert else None,
     )  # fmt: skip
     return 0
 
@@ -78,11 +81,35 @@ def _check(cfg: ServeConfig) -> None:
         from routing.router import RouterError, read_router_file
 
         try:  # every role: the same checks and messages, before any model loads
-            read_router_file(cfg.router)
+            saved = read_router_file(cfg.router)
         except RouterError as e:
             raise ConfigError(str(e)) from None
+        from serving.engine.engine_settings import is_model_ref
+        from serving.engine.models import check_model_ref
+
+        # What this node loads, each named with where it was named: the target (every role loads
+        # it or its tokenizer) and, but on the target node, the router's drafts.
+        refs = {"the target": cfg.target_model or saved["target_ref"]}
+        if cfg.role != "target":
+            refs |= {f"draft {name!r}": ref for name, ref in (saved.get("draft_refs") or {}).items() if is_model_ref(ref)}
+        for what, ref in refs.items():
+            try:
+                check_model_ref(ref)
+            except FileNotFoundError as e:
+                where = "target_model" if what == "the target" and cfg.target_model else f"router file {cfg.router}"
+                raise ConfigError(f"{where} names {what} = {ref}: {e}; retrain the router (train-router) or put the "
+                                  "model back where it is named") from None  # fmt: skip
     if cfg.role == "draft" and not cfg.target_address:
         raise ConfigError("role=draft needs the target service's address: pass --target HOST:PORT")
+    for which in ("tls_cert", "tls_key", "tls_ca"):
+        if getattr(cfg.grpc, which) is not None:
+            try:
+                cfg.grpc.read(which)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+    if cfg.role == "target" and cfg.host not in ("127.0.0.1", "localhost", "::1") and cfg.grpc.resolved_token() is None:
+        log.warning("serve --role target listens on %s without a token: any client that reaches the port can open "
+                    "sessions; set grpc.token (or CHORAL_GRPC_TOKEN) on the target and every draft node", cfg.host)
     if cfg.role == "target" and cfg.router is None and cfg.target_model is None:
         raise ConfigError("role=target needs the target model: pass --router router.pt or target_model=REF")
     if cfg.role == "target" and cfg.engine.quantize is not None:

@@ -5,9 +5,10 @@ every problem becomes the OpenAI error shape that clients expect,
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "top_p", "code": null}}
 
-with the offending field in ``param``. Fields the server does not implement (logprobs, penalties,
-tools, ...) are ignored like unknown keys, except those whose silent loss would change the answer
-(``n`` > 1, ``best_of`` > 1, ``echo``).
+with the offending field in ``param``. Fields the server does not implement (penalties, user, ...)
+are ignored like unknown keys, except those whose silent loss would change the answer or what the
+client reads (``n`` > 1, ``best_of`` > 1, ``echo``, ``logprobs``, ``top_logprobs``, ``tools``,
+``tool_choice``): those are refused with a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, ValidationError, field_validator, model_validator
 
 from serving.engine.sampling import INT64_MAX, SEED_RANGE  # the bounds the engine itself enforces
 
@@ -40,6 +41,7 @@ _DEFAULT_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "invalid_request_error",
+    405: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
@@ -92,15 +94,30 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    max_tokens: int | None = None
+    # Strict integers and booleans: pydantic's lax mode reads max_tokens=true as 1 and
+    # stream="yes" as true, answers a client did not ask for.
+    max_tokens: StrictInt | None = None
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: StrictInt = 0
     stop: str | list[str] | None = None
-    seed: int | None = None
-    n: int = 1
-    stream: bool = False
+    seed: StrictInt | None = None
+    n: StrictInt = 1
+    stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
+    # Not implemented, and refused when asked for: a client that sends tools expects tool calls,
+    # one that asks for logprobs reads them; silence would hand either a wrong answer.
+    logprobs: Any = None
+    top_logprobs: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+
+    @field_validator("logprobs", "top_logprobs", "tools", "tool_choice")
+    @classmethod
+    def _unsupported(cls, v: Any, info) -> Any:
+        if v not in (None, False, [], "none", 0):
+            raise ValueError(f"{info.field_name} is not supported by this server; omit it")
+        return v
     draft: str | None = None  # Choral: force a drafter name, or "none" for the target alone
     prediction: Prediction | None = None  # the text the client expects the answer to repeat
 
@@ -173,8 +190,8 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int]
-    echo: bool = False
-    best_of: int | None = None
+    echo: StrictBool = False
+    best_of: StrictInt | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -228,7 +245,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None  # newer clients' name for max_tokens
+    max_completion_tokens: StrictInt | None = None  # newer clients' name for max_tokens
 
     @field_validator("messages")
     @classmethod

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from serving.engine import Completion, Request, StepOutput
+from serving.engine import Completion, Request, RequestFailed, StepOutput
 from serving.server.metrics import ServerMetrics
 from serving.server.openai_api import APIError
 
@@ -260,6 +260,15 @@ class Scheduler:
         started = time.perf_counter()
         try:
             outputs = engine.step()
+        except RequestFailed as e:
+            # Requests that failed alone (the engine found their rows); the others go on next step.
+            log.error("engine %r: %s", name, e)
+            for rid, error in e.errors.items():
+                ticket = self._tickets.get((key, rid))
+                if ticket is not None:
+                    self._fail(ticket, APIError(500, f"the request failed in the engine: {type(error).__name__}: {error}",
+                                                code="request_failed"), "error")  # fmt: skip
+            return
         except self.unavailable as e:
             # The engine names the requests its remote target failed (the others go on next step); a
             # failure that names none takes the whole engine's requests with it.

@@ -25,6 +25,44 @@ def doc(text: str) -> dict:
 
 
 @dataclass
+class GrpcSettings:
+    """The distributed mode's link between draft nodes and the target (``--role target`` and
+    ``--role draft``): a shared token, optional TLS and the deadline of each call."""
+
+    token: str | None = field(default=None, metadata=doc(
+        "shared secret: the target refuses calls without 'authorization: Bearer TOKEN' metadata and draft "
+        "nodes send it; default: the CHORAL_GRPC_TOKEN environment variable, else none (loopback only)"))
+    tls_cert: str | None = field(default=None, metadata=doc(
+        "role=target: PEM certificate chain; with tls_key the target serves TLS only"))
+    tls_key: str | None = field(default=None, metadata=doc("role=target: the PEM private key of tls_cert"))
+    tls_ca: str | None = field(default=None, metadata=doc(
+        "role=draft: PEM certificate(s) to trust for the target (its own certificate, or the CA that "
+        "signed it); set, the draft node connects over TLS"))
+    deadline_s: float = field(default=30.0, metadata=doc(
+        "role=draft: the deadline of every call to the target (a frozen target fails its requests after this)"))
+
+    def resolved_token(self) -> str | None:
+        import os
+
+        return self.token or os.environ.get("CHORAL_GRPC_TOKEN") or None
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError(f"grpc.tls_cert={self.tls_cert} and grpc.tls_key={self.tls_key}: give both (TLS) or neither")
+        if not self.deadline_s > 0:
+            raise ValueError(f"grpc.deadline_s={self.deadline_s} must be > 0")
+
+    def read(self, which: str) -> bytes:
+        """The bytes of a PEM file setting, with an error that names it."""
+        path = getattr(self, which)
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as e:
+            raise ValueError(f"grpc.{which}={path}: cannot read it ({e.strerror})") from None
+
+
+@dataclass
 class ServeConfig:
     role: Literal["fused", "target", "draft"] = field(default="fused", metadata=doc(
         "fused: router, drafts and target in one process; target: the gRPC verification service; "
@@ -57,6 +95,7 @@ class ServeConfig:
         "role=target: evict a session's KV cache after this long without a verify call"))
     batch_window_ms: float = field(default=2.0, metadata=doc(
         "role=target: how long to collect verify calls from many sessions into one batch"))
+    grpc: GrpcSettings = field(default_factory=GrpcSettings, metadata=doc("the distributed mode's gRPC link"))
     log_level: Literal["critical", "error", "warning", "info", "debug"] = field(default="info", metadata=doc(
         "uvicorn's log level"))
     engine: EngineSettings = field(default_factory=lambda: EngineSettings(max_batch_size=8))

@@ -79,7 +79,10 @@ def build_engines(cfg: ServeConfig, router: Any) -> tuple[Any, dict[str, Engine]
     if cfg.role == "draft":  # the same engine, verifying on the target service
         from serving.distributed.remote import RemoteVerifier, TargetUnavailable
 
-        verifier, unavailable = RemoteVerifier(cfg.target_address), (TargetUnavailable,)
+        g = cfg.grpc
+        verifier = RemoteVerifier(cfg.target_address, timeout_s=g.deadline_s, token=g.resolved_token(),
+                                  tls_ca=g.read("tls_ca") if g.tls_ca else None)  # fmt: skip
+        unavailable = (TargetUnavailable,)
     loaded = load_engine(
         cfg.engine, cfg.target_model or router.target_ref, drafters | {NONE: None},
         default=router.draft_names[0] if router.draft_names else NONE, verifier=verifier,
@@ -95,6 +98,11 @@ def load_backend(cfg: ServeConfig) -> Backend:
     if cfg.router is None:
         raise ValueError(f"role={cfg.role} needs a router: pass --router router.pt (or router=... in the config)")
     router = Router.load(cfg.router, device="cpu")
+    trained_at = router.info.get("target_weights")
+    if trained_at is not None and trained_at != cfg.engine.target_weights:
+        log.warning("router %s was trained on rows collected with target_weights=%s, and this server runs the target "
+                    "at %s: its acceptance and cost predictions describe the other precision", cfg.router, trained_at,
+                    cfg.engine.target_weights)  # fmt: skip
     tokenizer, engines, unavailable = build_engines(cfg, router)
     target_ref = cfg.target_model or router.target_ref
     configs = {name: getattr(e, "config", None) for name, e in engines.items()}
@@ -151,7 +159,8 @@ def create_app(
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
         error = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
-        return JSONResponse(error.body(), status_code=exc.status_code)
+        # Starlette's 405 carries the Allow header the client needs; keep every header it set.
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def internal_error(request: HTTPRequest, exc: Exception) -> JSONResponse:
@@ -181,6 +190,9 @@ def create_app(
     @app.get("/health")
     async def health() -> Response:
         if server.ready:
+            if not await server._target_up(always_probe=True):
+                return JSONResponse({"status": "error", "error": f"the target at {server.cfg.target_address} is unavailable"},
+                                    status_code=503)  # fmt: skip
             return JSONResponse({"status": "ok"})
         if server.error is not None:
             return JSONResponse({"status": "error", "error": server.error}, status_code=503)
@@ -222,6 +234,16 @@ class _Server:
             if on_error is not None:
                 on_error(e)
 
+    async def _target_up(self, always_probe: bool = False) -> bool:
+        """Whether the target answers: always in fused mode; on a draft node, what its last call
+        saw, asked again (an ``Info`` call, off the event loop) when that failed or ``always_probe``."""
+        verifier = getattr(next(iter(self.backend.engines.values())), "verifier", None)
+        if self.cfg.role != "draft" or verifier is None or not hasattr(verifier, "probe"):
+            return True
+        if verifier.available and not always_probe:
+            return True
+        return await asyncio.to_thread(verifier.probe)
+
     def not_ready(self) -> JSONResponse:
         why = f"loading failed: {self.error}" if self.error else "the server is still loading its models; retry when /health is 200"
         return JSONResponse(APIError(503, why, code="not_ready").body(), status_code=503)
@@ -236,6 +258,9 @@ class _Server:
                 return self.not_ready()
             body = parse_request(await self._read_body(http), ChatCompletionRequest if chat else CompletionRequest)
             forced = self._forced_draft(http, body)
+            if not await self._target_up():  # a stream would start 200 and then fail: answer 503 now
+                raise APIError(503, f"the target at {self.cfg.target_address} is unavailable; retry later",
+                               code="target_unavailable")  # fmt: skip
             # Tokenizing a long prompt takes seconds: off the event loop, so /health and every
             # stream keep being served meanwhile.
             encoded = await asyncio.to_thread(self._encode_request, body, chat)
@@ -453,6 +478,10 @@ class _Context:
             "acceptance_rate": stats.get("acceptance_rate", 0.0),
             "tokens_per_target_call": stats.get("mean_accepted_length", 0.0),
             "target_calls": stats.get("target_calls", 0),
+            # Where the request's time went: the prompt's prefill, then the draft and verify steps.
+            "prefill_s": stats.get("prefill_time_s", 0.0),
+            "draft_s": stats.get("draft_time_s", 0.0),
+            "verify_s": stats.get("target_time_s", 0.0),
             "predicted_acceptance": choice.predicted_acceptance.get(draft) if choice else None,
             "predicted_speedup": choice.predicted_speedup.get(draft) if choice else None,
             "suggested_k": choice.k if choice else None,

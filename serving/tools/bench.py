@@ -203,7 +203,7 @@ def markdown(report: dict) -> str:
         "",
         f"{cfg['dtype']} on {cfg['device']} ({cfg['machine']}), greedy, {cfg['max_new_tokens']} new tokens, "
         f"K={cfg['k']}, draft confidence stop: {cfg.get('draft_confidence')} ({cfg.get('draft_stop', 'token')}), {cfg['prompts_per_domain']} prompts per domain, Choral CPU kernels: "
-        f"{cfg.get('choral_cpu_kernels')}, Choral's draft weights: {cfg.get('draft_weights', 'fp32')}, HF assisted kernels: {cfg['hf_kernels']} "
+        f"{cfg.get('choral_cpu_kernels')}, Choral's target weights: {cfg.get('target_weights', 'fp32')}, draft weights: {cfg.get('draft_weights', 'fp32')}, HF assisted kernels: {cfg['hf_kernels']} "
         f"(draft weights: {cfg.get('draft_weights', 'fp32') if cfg['hf_kernels'] == 'choral' else cfg.get('hf_draft_weights', 'fp32')}). Command: `{cfg['command']}`",
         "",
         "| domain | target tok/s | HF assisted tok/s | Choral tok/s | Choral speedup | Choral / HF | acceptance "
@@ -281,6 +281,7 @@ CLI = Command("spec-bench", BenchConfig, __doc__, flags=[
     Flag("--dtype", "engine.dtype"),
     Flag("--quantize", "engine.quantize"),
     Flag("--draft-weights", "engine.draft_weights"),
+    Flag("--target-weights", "engine.target_weights"),
     Flag("--compile", "engine.compile_backend", const="auto", help="compile the step shapes"),
     Flag("--no-cpu-kernels", "engine.cpu_kernels", const=False, help="Choral on stock PyTorch CPU kernels"),
     Flag("--hf-kernels", "hf_kernels"),

@@ -68,6 +68,7 @@ CLI = Command("spec-generate", GenerateConfig, __doc__, flags=[
     Flag("--dtype", "engine.dtype"),
     Flag("--quantize", "engine.quantize"),
     Flag("--draft-weights", "engine.draft_weights"),
+    Flag("--target-weights", "engine.target_weights"),
     Flag("--no-cpu-kernels", "engine.cpu_kernels", const=False,
          help="use stock PyTorch kernels on the CPU instead of Choral's batch-invariant ones"),
     Flag(("--batch-size", "--max-batch-size"), "engine.max_batch_size", help="prompts decoded together"),
