@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     timings: dict[str, float] = {}
     started = time.perf_counter()
 
-    peak_gb: dict[str, float] = {}
+    peak_gib: dict[str, float] = {}
 
     def stage(name: str, fn) -> None:
         t0 = time.perf_counter()
@@ -156,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         timings[name] = time.perf_counter() - t0
         # The largest single process so far (this one, or any finished command it ran): the stage
         # at which this number jumps is the one that set the job's peak.
-        peak_gb[name] = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) / 2**20
-        print(f"[{name}] done in {timings[name] / 60:.1f} min; peak RSS so far {peak_gb[name]:.1f} GB", flush=True)
+        peak_gib[name] = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) / 2**20
+        print(f"[{name}] done in {timings[name] / 60:.1f} min; peak RSS so far {peak_gib[name]:.1f} GiB", flush=True)
 
     draft_dir, data, router_dir = out / "draft-code", out / "router-data" / "rows.jsonl", out / "router"
 
@@ -193,16 +193,16 @@ def main(argv: list[str] | None = None) -> int:
     stage("router", router)
     stage("serve", lambda: answers.extend(serve_and_ask(router_dir / "router.pt", out, log, args.max_tokens)))
     total = time.perf_counter() - started
-    record = {"profile": args.profile, "stage_seconds": timings, "peak_rss_gb_after_stage": peak_gb,
+    record = {"profile": args.profile, "stage_seconds": timings, "peak_rss_gib_after_stage": peak_gib,
               "total_seconds": total, "answers": answers,
               "machine": {"cpus": os.cpu_count(), "platform": sys.platform}}  # fmt: skip
     tmp = out / "main_job.json.tmp"
     tmp.write_text(json.dumps(record, indent=2))
     os.replace(tmp, out / "main_job.json")
-    print("\n| stage | minutes | peak RSS so far (GB) |\n|---|---|---|")
+    print("\n| stage | minutes | peak RSS so far (GiB) |\n|---|---|---|")
     for name, seconds in timings.items():
-        print(f"| {name} | {seconds / 60:.1f} | {peak_gb[name]:.1f} |")
-    print(f"| total | {total / 60:.1f} | {max(peak_gb.values()):.1f} |")
+        print(f"| {name} | {seconds / 60:.1f} | {peak_gib[name]:.1f} |")
+    print(f"| total | {total / 60:.1f} | {max(peak_gib.values()):.1f} |")
     print_summary(answers, router_dir, out)
     return 0
 

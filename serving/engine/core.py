@@ -39,7 +39,6 @@ raises the error naming them, and hands out the other requests' tokens on the ne
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import secrets
@@ -774,11 +773,9 @@ class SpeculativeEngine:
             fill = owner[own[0]]  # rows of the bucket without a request read any real row, draft nothing
             index = torch.tensor([b if b is not None else fill for b in owner[:n_rows]], device=self.device)  # [n]
             budget = torch.tensor([k_rows[b] if b is not None else 0 for b in owner[:n_rows]], device=self.device)  # [n]
-            sub_state = DecodeState(state.tokens[index], state.lengths[index], state.limits[index], state.done[index] | (budget == 0),
-                                    state.eos_ids)  # fmt: skip
-            sub_sampling = dataclasses.replace(sampling, temperature=sampling.temperature[index], top_k=sampling.top_k[index],
-                                               top_p=sampling.top_p[index])  # fmt: skip
-            sub_rand = StepRandom(rand.draft[index], rand.accept[index], rand.next[index])
+            sub_state = state.rows(index)
+            sub_state.done |= budget == 0  # rows of the bucket without a budget draft nothing
+            sub_sampling, sub_rand = sampling.rows(index), rand.rows(index)
             tokens, q, n = draft_half(runner, sub_state, sub_sampling, sub_rand, int(max(k_rows[owner[r]] for r in own)), V,
                                       self.config.draft_confidence, self.config.draft_stop, budget)  # fmt: skip
             # Back to the engine's rows: [n, K] -> [B, K] (rows not this draft's stay zero, masked).

@@ -12,6 +12,8 @@ which keeps compiled steps free of RNG state and makes seeded output independent
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +78,10 @@ class SamplingTensors:
             filters=any(p.filters for p in params),
             all_greedy=all(p.greedy for p in params),
         )
+
+    def rows(self, index: torch.Tensor) -> "SamplingTensors":
+        """Rows ``index`` ([n] long); the flags stay the batch's (a superset is always safe)."""
+        return dataclasses.replace(self, temperature=self.temperature[index], top_k=self.top_k[index], top_p=self.top_p[index])
 
 
 def probs_from_logits(logits: torch.Tensor, s: SamplingTensors) -> torch.Tensor:

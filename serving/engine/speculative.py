@@ -35,6 +35,10 @@ class DecodeState:
     done: torch.Tensor  # [B] bool: finished rows stay in the batch, frozen
     eos_ids: torch.Tensor  # [E] long
 
+    def rows(self, index: torch.Tensor) -> "DecodeState":
+        """A copy of rows ``index`` ([n] long), in that order (a draft model's own rows)."""
+        return DecodeState(self.tokens[index], self.lengths[index], self.limits[index], self.done[index], self.eos_ids)
+
 
 @dataclass
 class StepRandom:
@@ -43,6 +47,9 @@ class StepRandom:
     draft: torch.Tensor  # [B, K] draws for the draft tokens
     accept: torch.Tensor  # [B, K] accept tests
     next: torch.Tensor  # [B] residual or bonus draw
+
+    def rows(self, index: torch.Tensor) -> "StepRandom":
+        return StepRandom(self.draft[index], self.accept[index], self.next[index])
 
 
 def speculative_step(
@@ -77,7 +84,7 @@ def speculative_step(
                                           draft_stop, k_rows)  # fmt: skip
     if clock is not None:
         clock("draft")
-    n_accepted, _, n_new = verify_half(target, state, sampling, rand, draft_tokens, q, clock, n_draft)
+    n_accepted, _, n_new = verify_half(target, state, sampling, rand, draft_tokens, q, n_draft, clock)
     return n_accepted, n_new, draft_tokens.shape[1]
 
 
@@ -172,8 +179,8 @@ def verify_half(
     rand: StepRandom,
     draft_tokens: torch.Tensor,  # [B, K] long
     q: torch.Tensor,  # [B, K, V] the distributions the draft tokens were sampled from
-    clock: Callable[[str], None] | None = None,
     n_draft: torch.Tensor | None = None,  # [B] long: real draft tokens per row (None: all K)
+    clock: Callable[[str], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Steps 2-4: ``verify_tokens``, then ``commit``. Mutates ``state``; returns (n_accepted [B],
     next_token [B], n_new [B]): a draft node that holds its own copy of the state commits
