@@ -145,3 +145,18 @@ def test_half_written_leftover_is_ignored(fake):
     calls = []
     bundled._resolve(spec, home, convert=_recording_convert(calls))
     assert len(calls) == 1
+
+
+def test_bundled_gguf_joins_once_and_refuses_a_bad_join(fake, monkeypatch):
+    """The original GGUF for peers (llama.cpp): joined and checked once, then found; a part that
+    changed leaves no file behind."""
+    spec, joined, by_dist, home = fake
+    monkeypatch.setitem(bundled._SPECS, spec.name, spec)
+    path = bundled.bundled_gguf(spec.name, home=home)
+    assert path == home / "gguf" / "fake.gguf" and path.read_bytes() == joined
+    by_dist["fake-part1"].write_bytes(b"ALPHA-" * 1000)  # the file exists: not read again
+    assert bundled.bundled_gguf(spec.name, home=home) == path
+    path.unlink()
+    with pytest.raises(BundledModelError, match="sha256"):
+        bundled.bundled_gguf(spec.name, home=home)
+    assert list((home / "gguf").iterdir()) == []

