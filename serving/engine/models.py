@@ -56,7 +56,11 @@ def check_model_ref(ref: str | Path, hub_timeout_s: float = 10.0) -> None:
     from huggingface_hub import try_to_load_from_cache
     from huggingface_hub.constants import HF_HUB_OFFLINE
 
-    if isinstance(try_to_load_from_cache(ref, "config.json"), str):
+    try:
+        cached = try_to_load_from_cache(ref, "config.json")
+    except Exception as e:  # not even a valid hub id (HFValidationError)
+        raise FileNotFoundError(f"model {ref!r} is neither a folder, a bundled name nor a valid hub id ({e})") from None
+    if isinstance(cached, str):
         return  # cached: loads without the network
     if HF_HUB_OFFLINE:
         raise FileNotFoundError(f"model {ref!r} is neither a folder, a bundled name nor in the Hugging Face cache, "
