@@ -511,7 +511,7 @@ def serve_target(
     model = load_model(target_ref, dtype=dtype, device=dev)
     if cpu_kernels:  # a draft node may verify any K up to the largest (draft-confidence stops)
         use_cpu_kernels([model], device=dev, dtype=dtype, widths=tuple(range(2, max(k_buckets) + 2)),
-                        max_batch_size=max_batch_size, target_weights=target_weights)
+                        target_weights=target_weights)
     server = VerifyServer(
         model, tokenizer, host=host, port=port, name=target_ref, max_batch_size=max_batch_size, max_len=max_len,
         k_buckets=k_buckets, session_timeout_s=session_timeout_s, batch_window_ms=batch_window_ms, token=token, tls=tls,

@@ -151,7 +151,6 @@ def use_cpu_kernels(
     drafts: list[PreTrainedModel] = (),
     draft_weights: str = "fp32",
     own_draft_tensors: bool = True,
-    max_batch_size: int = 1,
     target_weights: str = "fp32",
 ) -> bool:
     """Swap in ``serving.engine.cpu_kernels`` where they apply (CPU, fp32, not quantized), so that
@@ -161,9 +160,8 @@ def use_cpu_kernels(
     much of it is accepted), "auto" does so wherever the kernels apply and the C++ kernel builds,
     "fp32" keeps them as they are (``own_draft_tensors``: see ``prepare_for_cpu``'s
     ``own_tensors``). ``target_weights`` "int8" stores the ``models`` as W8A8 int8 too: their
-    numerics change (the output is then the int8 target's), their rows stay batch-invariant. ``max_batch_size``: the most rows a step runs; the kernels must cover every
-    row of the widest step (rows x widest width), or a full batch would fall back to stock kernels,
-    whose rounding depends on how many rows run together. Returns whether the kernels were applied."""
+    numerics change (the output is then the int8 target's), their rows stay batch-invariant.
+    Returns whether the kernels were applied."""
     if draft_weights not in DRAFT_WEIGHTS:
         raise ValueError(f"draft_weights={draft_weights!r} must be one of {DRAFT_WEIGHTS}")
     applies = torch.device(device).type == "cpu" and resolve_dtype(dtype) == torch.float32 and quantize is None
@@ -179,11 +177,10 @@ def use_cpu_kernels(
             raise ValueError(f"draft_weights={draft_weights!r} needs the CPU kernels: device cpu, dtype float32, "
                              f"no quantize (got device {device}, dtype {dtype}); use draft_weights=fp32")
         return False
-    max_rows = max(16, max_batch_size * max(widths))  # 16: prompts that short prefill on the kernels too
     for model in models:
-        prepare_for_cpu(model, token_counts=widths, max_rows=max_rows, weights=target_weights)
+        prepare_for_cpu(model, token_counts=widths, weights=target_weights)
     for model in drafts:
-        prepare_for_cpu(model, token_counts=widths, weights=draft_weights, own_tensors=own_draft_tensors, max_rows=max_rows)
+        prepare_for_cpu(model, token_counts=widths, weights=draft_weights, own_tensors=own_draft_tensors)
     return True
 
 

@@ -6,9 +6,9 @@ and, for Hugging Face models, the attention for a row-wise SDPA. Afterwards row 
 forward is bitwise equal to the 1-token forward of the same token on the same cache, so greedy
 speculative output equals the target alone. `weights="int8"` stores a model as W8A8 int8
 (`Int8Linear`, VNNI integer dot products; AVX2 where there is no VNNI): a draft, or a target whose
-output is then the int8 target's. Invariance holds for inputs of at most `max_rows` rows (tokens x
-sequences; default 16); longer inputs (the prefill) use plain F.linear / SDPA. Inference only: with autograd
-needed, the modules fall back to F.linear.
+output is then the int8 target's. Invariance holds for steps of at most `max_rows` tokens per
+sequence (default 16), however many sequences run together; longer inputs (the prefill) use plain
+F.linear / SDPA. Inference only: with autograd needed, the modules fall back to F.linear.
 
 Why, the alternatives tried and their measurements: docs/architecture.md, "CPU kernels".
 """
@@ -61,6 +61,13 @@ def rowdot_available() -> bool:
     return _rowdot_ext() is not None
 
 
+def step_tokens(x: torch.Tensor, in_features: int) -> int:
+    """Tokens per sequence of a Linear's input: ``x.shape[-2]`` of a [B, T, D] step (a batch of
+    short steps is still a step; the kernels' rows are invariant to how many run together), every
+    row of a 2-D input. What ``max_rows`` is compared with, to tell a step from a prefill."""
+    return x.shape[-2] if x.dim() >= 3 else x.numel() // in_features
+
+
 class InvariantLinear(nn.Module):
     """Drop-in for nn.Linear whose rows do not depend on how many rows run together.
 
@@ -99,7 +106,7 @@ class InvariantLinear(nn.Module):
     def _fast_ok(self, x: torch.Tensor) -> bool:
         return (self.enabled and x.dtype == torch.float32 and self.weight.dtype == torch.float32
                 and x.device.type == "cpu" and self.weight.is_contiguous()
-                and 0 < x.numel() // self.in_features <= self.max_rows
+                and 0 < step_tokens(x, self.in_features) <= self.max_rows
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -128,8 +135,8 @@ class Int8Linear(nn.Module):
     accepted; the target's verification keeps the output exact whatever the draft computes. A
     target in int8 (``target_weights=int8``) gives the int8 target's output, no longer the fp32
     model's. Integer sums are exact and each input row is scaled on its own, so rows are
-    batch-invariant: speculative output equals that int8 target's own greedy output. Steps longer than ``max_rows``
-    (prefill) run F.linear on the dequantized weights.
+    batch-invariant: speculative output equals that int8 target's own greedy output. Steps of
+    more than ``max_rows`` tokens per sequence (prefill) run F.linear on the dequantized weights.
     """
 
     def __init__(self, linear: nn.Linear | None, max_rows: int):
@@ -166,8 +173,7 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, w8a8"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        if x.dtype != torch.float32 or x.device.type != "cpu" or not 0 < rows <= self.max_rows:
+        if x.dtype != torch.float32 or x.device.type != "cpu" or not 0 < step_tokens(x, self.in_features) <= self.max_rows:
             return F.linear(x, self.dequantized().to(x.dtype), self.bias)
         y = _rowdot_ext().rowdot_linear_w8a8(x.reshape(-1, self.in_features), self.qweight, self.scale,
                                              self.row_sums, self.bias)
@@ -237,8 +243,8 @@ def prepare_for_cpu(
     token_counts: the step sizes that must agree with each other (checked on every distinct
       Linear shape; a shape that fails falls back to F.linear with a warning).
     kernel: "rowdot" (the C++ kernel), "mkl" (packed sgemm, no compiler needed) or "auto".
-    max_rows: inputs of more rows than this (tokens x sequences: a prefill) use the library
-      kernels; a batched step must fit, or its rows would round with the batch.
+    max_rows: steps of more tokens per sequence than this (prefill) use the library kernels; a
+      batch of shorter steps stays on the kernels however many sequences it holds.
     attention: also switch a Hugging Face model to the row-wise SDPA.
     weights: "fp32" keeps the model's numerics (for the target); "int8" stores every Linear as
       W8A8 int8 (`Int8Linear`, needs the C++ kernel): ~2.4x cheaper steps, different numerics,
@@ -283,8 +289,7 @@ def prepare_for_cpu(
     if weights == "int8" and own_tensors:
         _own_tensors(model)
     if attention and hasattr(model, "set_attn_implementation"):
-        # Attention sees one sequence's query rows at a time: the widest step, not rows x batch.
-        _rowwise_sdpa.max_rows = max(16, counts[-1])
+        _rowwise_sdpa.max_rows = max_rows
         _use_rowwise_attention(model)
     return model
 

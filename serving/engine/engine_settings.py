@@ -332,5 +332,5 @@ def prepare_kernels(
         list(targets), drafts=list(drafts), draft_weights=settings.draft_weights, target_weights=settings.target_weights,
         device=device if device is not None else resolve_device(settings.device),
         dtype=dtype if dtype is not None else settings.dtype, widths=tuple(sorted(set(widths))), quantize=settings.quantize,
-        own_draft_tensors=own_draft_tensors, max_batch_size=settings.max_batch_size,
+        own_draft_tensors=own_draft_tensors,
     )  # fmt: skip
