@@ -238,11 +238,10 @@ class _Server:
         """Whether the target answers: always in fused mode; on a draft node, what its last call
         saw, asked again (an ``Info`` call, off the event loop) when that failed or ``always_probe``."""
         verifier = getattr(next(iter(self.backend.engines.values())), "verifier", None)
-        if self.cfg.role != "draft" or verifier is None or not hasattr(verifier, "probe"):
+        probe = getattr(verifier, "probe", None)  # a RemoteVerifier's; a local target is always up
+        if probe is None or (verifier.available and not always_probe):
             return True
-        if verifier.available and not always_probe:
-            return True
-        return await asyncio.to_thread(verifier.probe)
+        return await asyncio.to_thread(probe)
 
     def not_ready(self) -> JSONResponse:
         why = f"loading failed: {self.error}" if self.error else "the server is still loading its models; retry when /health is 200"
