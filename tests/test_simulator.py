@@ -297,3 +297,22 @@ def test_from_router_data_reads_collect_rows_with_the_target_alone(tmp_path):
     p = from_router_data(path)
     assert set(p.drafts) == {"base"}
     assert p.target.ms(1, 1) == pytest.approx(100.0, rel=1e-3) and p.target.ms(1, 5) == pytest.approx(140.0, rel=1e-3)
+
+
+def test_pools_take_only_their_drafters_requests_and_none_is_free(tmp_path):
+    """Specialised pools (one drafter per server group, as vLLM replicas run): the router sends
+    each domain to the pool of its best drafter, and 'none' (the target alone) drafts nothing."""
+    p = reference_profile()
+    p.drafts = {"code-draft": DraftProfile(cost=CostModel(base_ms=100), acceptance={"code": iid_curve(0.9, 8), "all": iid_curve(0.05, 8)})}
+    pools = "targets=[{count: 2, speed: 20, max_batch: 16, pool: none}, {count: 3, speed: 20, max_batch: 16, pool: code-draft}]"
+    r = simulate(small(tmp_path, "architecture=fused", "draft.policy=router", "duration_s=30", pools), p)
+    assert r["per_domain_draft"]["code"] == "code-draft"
+    assert r["per_domain_draft"]["chat"] == "none"  # a draft accepted 5% of the time loses to the target alone
+    pools = r["per_pool"]
+    assert set(pools["code-draft"]["domains"]) == {"code"} and "code" not in pools["none"]["domains"]
+    assert pools["none"]["servers"] == 2 and pools["none"]["requests"] > 0 and pools["code-draft"]["utilisation_mean"] > 0
+    alone = simulate(small(tmp_path, "architecture=fused", "draft.policy=fixed", "draft.name=none", "duration_s=30",
+                           "targets=[{count: 5, speed: 20, max_batch: 16}]"), p)["summary"]  # fmt: skip
+    assert alone["acceptance_rate"] == 0.0 and alone["tokens_per_target_call"] == 1.0  # nothing drafted
+    with pytest.raises(ConfigError, match="pool='big-draft' is neither 'none' nor a draft"):
+        simulate(small(tmp_path, "targets=[{count: 1, pool: big-draft}]"), p)

@@ -53,6 +53,9 @@ from simpy.events import Event, Timeout
 from serving.config import ConfigError, to_dict
 from serving.fleet.profile import CostModel, LengthDist, Link, Profile, doc
 
+NONE = "none"  # the target alone, as a drafter name: no draft forwards, one token per step
+_FREE = CostModel(base_ms=0.0)
+
 
 @dataclass
 class DeviceClass:
@@ -73,6 +76,10 @@ class TargetGroup:
     draft_speed: float | None = field(default=None, metadata=doc("fused: draft forwards this many times faster than on the profile's machine (null: speed)"))
     static_batch: bool = field(default=False, metadata=doc("every forward runs all max_batch rows (Choral's engine: static shapes); prefills run one by one"))
     step_overhead_ms: float = field(default=0.0, metadata=doc("fixed time added to every batch (scheduling, streaming, a draft node's round trip)"))
+    pool: str | None = field(default=None, metadata=doc(
+        "the one drafter these servers run, as a vLLM replica pool does ('none' or a draft of the profile); requests "
+        "go to a server that runs their draft (the router's choice among the pools there are); null: any drafter per "
+        "request (Choral's own engine)"))
 
     def __post_init__(self) -> None:
         if self.count < 1 or self.max_batch < 1:
@@ -251,12 +258,11 @@ class Simulation:
         self._check()
         self.k_top = max(cfg.k.k, cfg.k.k_max if cfg.k.kind == "adaptive" else cfg.k.k)
         self._setup_workload()
+        self.targets = [_Target(i, g, profile, cfg.k.k) for i, g in enumerate(g for g in cfg.targets for _ in range(g.count))]
         self._setup_drafts()
         self._setup_clients()
-        self.targets = [_Target(i, g, profile, cfg.k.k) for i, g in enumerate(g for g in cfg.targets for _ in range(g.count))]
-        self._rr = 0
+        self._rr: dict[int, int] = {}  # per server list: its round-robin position
         self._wrr = [0.0] * len(self.targets)
-        self._wsum = sum(t.capacity for t in self.targets)
         # Measurements.
         self.records: list[tuple] = []  # (arrival, ttft, e2e, tokens, class, domain, target, draft, client wait); latencies from `sent`
         self.window_tokens = 0
@@ -271,10 +277,13 @@ class Simulation:
 
     def _check(self) -> None:
         cfg, p = self.cfg, self.profile
-        if cfg.draft.policy == "fixed" and cfg.draft.name is not None and cfg.draft.name not in p.drafts:
+        if cfg.draft.policy == "fixed" and cfg.draft.name not in (None, NONE) and cfg.draft.name not in p.drafts:
             raise ConfigError(f"draft.name={cfg.draft.name!r} is not a draft of the profile (it has: {', '.join(p.drafts)})")
+        for g in cfg.targets:
+            if g.pool is not None and g.pool != NONE and g.pool not in p.drafts:
+                raise ConfigError(f"targets[].pool={g.pool!r} is neither 'none' nor a draft of the profile (it has: {', '.join(p.drafts)})")
         for domain, name in cfg.draft.table.items():
-            if name not in p.drafts:
+            if name not in p.drafts and name != NONE:
                 raise ConfigError(f"draft.table.{domain}={name!r} is not a draft of the profile (it has: {', '.join(p.drafts)})")
         for domain, w in cfg.workload.domains.items():
             if w < 0:
@@ -307,10 +316,16 @@ class Simulation:
         accepted length of a step is ``bisect_left(negc, -u)`` for one uniform ``u``."""
         p, cfg = self.profile, self.cfg
         self.draft_names = list(p.drafts)
+        # "none", the target alone, is a drafter too where a pool or the config names it: K = 0, no cost.
+        uses_none = NONE in {g.pool for g in cfg.targets} | set(cfg.draft.table.values()) | {cfg.draft.name}
+        self.none = len(self.draft_names) if uses_none and NONE not in p.drafts else None
+        self.draft_names += [NONE] if self.none is not None else []
+        self.dcost = [(p.drafts[n].cost, p.drafts[n].cost.prefill_per_token_ms) if n in p.drafts else (_FREE, 0.0)
+                      for n in self.draft_names]  # fmt: skip
         self.negc: dict[tuple[int, int], list[float]] = {}
         for i, name in enumerate(self.draft_names):
             for j, d in enumerate(self.domains):
-                curve = _extend(p.drafts[name].curve(d), self.k_top)
+                curve = _extend(p.drafts[name].curve(d), self.k_top) if i != self.none else [0.0] * self.k_top
                 self.negc[i, j] = [-c for c in curve]
         if cfg.draft.policy == "fixed":
             fixed = self.draft_names.index(cfg.draft.name) if cfg.draft.name else 0
@@ -321,19 +336,36 @@ class Simulation:
                 for j, d in enumerate(self.domains)
             ]
         # Draft forward cost in seconds for one row on the profile's machine (device speed applies).
-        self.draft_step_s = [p.drafts[n].cost.ms(1, 1) / 1e3 for n in self.draft_names]
-        self.draft_prefill_s = [p.drafts[n].cost.prefill_per_token_ms / 1e3 for n in self.draft_names]
+        self.draft_step_s = [c.ms(1, 1) / 1e3 if i != self.none else 0.0 for i, (c, _) in enumerate(self.dcost)]
+        self.draft_prefill_s = [pre / 1e3 for _, pre in self.dcost]
+        self._setup_pools()
 
-    def _predicted_best(self, j: int) -> int:
+    def _setup_pools(self) -> None:
+        """Which servers can take a request of each draft: with pools, those of the draft's pool
+        (a domain whose chosen draft has no pool goes to the best predicted pool there is)."""
+        groups = [g for g in self.cfg.targets for _ in range(g.count)]
+        pool_of = [None if g.pool is None else self.draft_names.index(g.pool) for g in groups]
+        served = {d for d in pool_of if d is not None}
+        if None not in pool_of:
+            self.draft_of_domain = [d if d in served else self._predicted_best(j, served)
+                                    for j, d in enumerate(self.draft_of_domain)]  # fmt: skip
+        self.servers_of = {d: [i for i, q in enumerate(pool_of) if q in (None, d)] for d in set(self.draft_of_domain)}
+
+    def _k(self, draft: int) -> int:
+        return 0 if draft == self.none else self.cfg.k.k
+
+    def _predicted_best(self, j: int, among: set[int] | None = None) -> int:
         """The router's pick: highest expected tokens per second of a lone step, from the
-        predicted acceptance (the profile's curve) and the measured costs."""
-        k, t = self.cfg.k.k, self.profile.target
+        predicted acceptance (the profile's curve) and the measured costs (``none``: one token
+        per plain target step)."""
+        t = self.profile.target
 
         def rate(i: int) -> float:
+            k = self._k(i)
             tokens = 1 + sum(-c for c in self.negc[i, j][:k])
-            return tokens / (k * self.profile.drafts[self.draft_names[i]].cost.ms(1, 1) + t.ms(1, k + 1))
+            return tokens / (k * self.dcost[i][0].ms(1, 1) + t.ms(1, k + 1))
 
-        return max(range(len(self.draft_names)), key=rate)
+        return max(sorted(among) if among is not None else range(len(self.draft_names)), key=rate)
 
     def _setup_clients(self) -> None:
         cfg = self.cfg
@@ -396,7 +428,7 @@ class Simulation:
     def _start(self, client: int, req: _Request) -> None:
         self.busy[client] = 1
         req.sent = self.env.now
-        t = self._pick_target()
+        t = self._pick_target(self.servers_of[self.draft_of_domain[req.domain]])
         t.sessions += 1
         if self.cfg.architecture == "fused":
             self._admit_fused(client, req, t)
@@ -419,11 +451,12 @@ class Simulation:
         if self.cfg.arrivals.kind == "closed":
             self._schedule_closed(client)
 
-    def _pick_target(self) -> _Target:
-        ts, policy = self.targets, self.cfg.balancer
+    def _pick_target(self, among: list[int]) -> _Target:
+        """A server among ``among`` (indices: every server, or a pool's) by the balancer."""
+        ts, policy = [self.targets[i] for i in among], self.cfg.balancer
         if policy == "round_robin":
-            self._rr = (self._rr + 1) % len(ts)
-            return ts[self._rr]
+            rr = self._rr[id(among)] = (self._rr.get(id(among), -1) + 1) % len(ts)
+            return ts[rr]
         if policy == "jsq":
             return min(ts, key=lambda t: t.sessions)
         if policy == "jsq2":
@@ -435,11 +468,12 @@ class Simulation:
             return ta if ta.sessions <= tb.sessions else tb
         # Smooth weighted round robin (nginx): deterministic, proportional to capacity, spread out.
         w = self._wrr
-        for i, t in enumerate(ts):
-            w[i] += t.capacity
-        i = max(range(len(ts)), key=w.__getitem__)
-        w[i] -= self._wsum
-        return ts[i]
+        total = sum(t.capacity for t in ts)
+        for t in ts:
+            w[t.idx] += t.capacity
+        best = max(ts, key=lambda t: w[t.idx])
+        w[best.idx] -= total
+        return best
 
     # -- distributed: client sessions and verify servers --------------------------------------
 
@@ -456,7 +490,7 @@ class Simulation:
         draft = self.draft_of_domain[req.domain]
         negc = self.negc[draft, req.domain]
         step_s = self.draft_step_s[draft] / dspeed
-        adaptive, k, k_min, k_max = cfg.k.kind == "adaptive", cfg.k.k, cfg.k.k_min, cfg.k.k_max
+        adaptive, k, k_min, k_max = cfg.k.kind == "adaptive" and draft != self.none, self._k(draft), cfg.k.k_min, cfg.k.k_max
         warm, out = cfg.warmup_s, req.output
         down = lat + resp_b * per_byte
 
@@ -552,8 +586,8 @@ class Simulation:
     def _admit_fused(self, client: int, req: _Request, t: _Target) -> None:
         s = _Fused()
         cls = self.client_class[client]
-        s.client, s.req, s.k, s.committed, s.new = client, req, self.cfg.k.k, 0, True
         s.draft = self.draft_of_domain[req.domain]
+        s.client, s.req, s.k, s.committed, s.new = client, req, self._k(s.draft), 0, True
         s.negc = self.negc[s.draft, req.domain]
         s.sent, s.ttft = req.sent, -1.0  # set when its first tokens go out
         lat, per_byte, jitter, _ = self.links[cls]
@@ -573,7 +607,7 @@ class Simulation:
         q = t.queue
         active: list[_Fused] = []
         adaptive, k_min, k_max = cfg.k.kind == "adaptive", cfg.k.k_min, cfg.k.k_max
-        dcost = [(p.drafts[n].cost, p.drafts[n].cost.prefill_per_token_ms) for n in self.draft_names]
+        dcost = self.dcost
         while True:
             while q and len(active) < t.max_batch:
                 active.append(q.popleft())
@@ -632,7 +666,7 @@ class Simulation:
                     self.verify_tokens += a + 1
                     self.drafted += kk
                     self.accepted += a
-                    if adaptive:
+                    if adaptive and s.draft != self.none:
                         s.k = min(s.k + 2, k_max) if a == kk else max(s.k - 1, k_min)
                 self.total_tokens += new
                 if warm:
@@ -772,10 +806,26 @@ class Simulation:
             "per_class": per_class,
             "per_domain_draft": {d: self.draft_names[self.draft_of_domain[j]] for j, d in enumerate(self.domains)},
             "per_target": {"utilisation": busy, "mean_batch_rows": [t.rows / max(1, t.batches) for t in self.targets]},
+            "per_pool": self._per_pool(rec, busy),
             "timeseries": self.series,
             "config": to_dict(cfg),
             "profile": self.profile.meta,
         }
+
+    def _per_pool(self, rec: list[tuple], busy: list[float]) -> dict:
+        """Per server group's pool ('any' where servers run every drafter): servers, requests
+        by domain, tokens and mean utilisation over the measured window."""
+        pool_of = [g.pool or "any" for g in self.cfg.targets for _ in range(g.count)]
+        out: dict[str, dict] = {}
+        for name in dict.fromkeys(pool_of):
+            idx = [i for i, q in enumerate(pool_of) if q == name]
+            mine = [r for r in rec if pool_of[r[6]] == name]
+            domains: dict[str, int] = {}
+            for r in mine:
+                domains[self.domains[r[5]]] = domains.get(self.domains[r[5]], 0) + 1
+            out[name] = {"servers": len(idx), "requests": len(mine), "tokens": int(sum(r[3] for r in mine)),
+                         "domains": domains, "utilisation_mean": float(np.mean([busy[i] for i in idx]))}  # fmt: skip
+        return out
 
 
 def simulate(cfg: SimulateConfig, profile: Profile, progress: bool = False) -> dict:

@@ -4,6 +4,7 @@
     serve --router router.pt --config configs/serve.yaml port=8001 engine.max_batch_size=4
     serve --role target --router router.pt port=50051                 # gRPC verification service
     serve --role draft --target 127.0.0.1:50051 --router router.pt    # HTTP API + drafts
+    serve --backend vllm --fleet configs/fleet.yaml --router router.pt  # routes among vLLM replica pools
     serve --describe                                                  # every config key
 
 Flags are shorthands for config keys (``--router X`` is ``router=X``, ``--target`` is
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from serving.cli import Command, Flag
 from serving.config import ConfigError
@@ -29,6 +31,8 @@ CLI = Command("serve", ServeConfig, __doc__, flags=[
     Flag("--host", "host"),
     Flag("--port", "port"),
     Flag("--api-key", "api_key"),
+    Flag("--backend", "backend"),
+    Flag("--fleet", "fleet", help="backend=vllm: the fleet file"),
 ], errors=(FileNotFoundError,))  # fmt: skip
 
 
@@ -71,9 +75,9 @@ def _serve_target(cfg: ServeConfig) -> int:
 
 def _check(cfg: ServeConfig) -> None:
     """Fail fast, before any model loads, on what the config alone shows to be wrong."""
-    from pathlib import Path
-
-    if cfg.role in ("fused", "draft") and cfg.router is None:
+    if cfg.backend == "vllm":
+        _check_fleet(cfg)
+    elif cfg.role in ("fused", "draft") and cfg.router is None:
         raise ConfigError(f"role={cfg.role} needs a router: pass --router router.pt")
     if cfg.router is not None and not Path(cfg.router).is_file():
         raise ConfigError(f"router file {cfg.router} does not exist; build one with train-router")
@@ -90,7 +94,9 @@ def _check(cfg: ServeConfig) -> None:
         # What this node loads, each named with where it was named: the target (every role loads
         # it or its tokenizer) and, but on the target node, the router's drafts.
         refs = {"the target": cfg.target_model or saved["target_ref"]}
-        if cfg.role != "target":
+        if cfg.backend == "vllm":  # the replicas load the models; the front loads only the router
+            refs = {}
+        elif cfg.role != "target":
             refs |= {f"draft {name!r}": ref for name, ref in (saved.get("draft_refs") or {}).items() if is_model_ref(ref)}
         for what, ref in refs.items():
             try:
@@ -115,6 +121,25 @@ def _check(cfg: ServeConfig) -> None:
     if cfg.role == "target" and cfg.engine.quantize is not None:
         raise ConfigError(f"role=target verifies with the target as loaded: engine.quantize={cfg.engine.quantize} "
                           "is not supported there; drop it (the drafts' own precision is engine.draft_weights)")  # fmt: skip
+
+
+def _check_fleet(cfg: ServeConfig) -> None:
+    """backend=vllm: the fleet file parses and its pools' drafters are names the router knows."""
+    from serving.config import load_config
+    from serving.fleet.fleet_file import FleetConfig
+
+    fleet = load_config(FleetConfig, cfg.fleet)  # a ConfigError names the file and the key
+    if cfg.router is not None and Path(cfg.router).is_file():
+        from routing.router import NONE, RouterError, read_router_file
+
+        try:
+            known = set(read_router_file(cfg.router)["draft_names"]) | {NONE}
+        except RouterError as e:
+            raise ConfigError(str(e)) from None
+        for pool in fleet.pools:
+            if pool.drafter not in known:
+                raise ConfigError(f"{cfg.fleet}: pool {pool.name!r} has drafter={pool.drafter!r}, which router file "
+                                  f"{cfg.router} does not know; use one of {', '.join(sorted(known))}")  # fmt: skip
 
 
 def _serve_http(cfg: ServeConfig) -> int:

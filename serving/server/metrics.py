@@ -49,6 +49,17 @@ class ServerMetrics:
                              buckets=_LATENCY, registry=r)  # fmt: skip
         self.step_time = Histogram("choral_engine_step_seconds", "one engine step (admissions + speculative step)",
                                    ["draft"], buckets=_TOKEN_LATENCY + (5.0, 10.0), registry=r)  # fmt: skip
+        # backend=vllm: the pools of vLLM replicas (serving/server/vllm_backend.py).
+        self.pool_requests = Counter("choral_pool_requests", "requests forwarded to a pool, by pool and status",
+                                     ["pool", "status"], registry=r)  # fmt: skip
+        self.pool_tokens = Counter("choral_pool_generated_tokens", "completion tokens a pool generated", ["pool"], registry=r)
+        self.pool_fallbacks = Counter("choral_pool_fallbacks", "times a pool was passed over for a request it ranked "
+                                      "above the one that took it, by reason (down, saturated)", ["pool", "reason"],
+                                      registry=r)  # fmt: skip
+        self.replica_up = Gauge("choral_replica_up", "1 while a replica answers /health and serves the fleet's config",
+                                ["pool", "replica"], registry=r)  # fmt: skip
+        self.replica_load = Gauge("choral_replica_load", "a replica's load: requests on it (this front's count or vLLM's "
+                                  "running + waiting, whichever is larger)", ["pool", "replica"], registry=r)  # fmt: skip
         self.acceptance = Histogram("choral_request_acceptance_rate", "per-request acceptance rate, by draft",
                                     ["draft"], buckets=_RATE, registry=r)  # fmt: skip
 

@@ -67,6 +67,11 @@ class ServeConfig:
     role: Literal["fused", "target", "draft"] = field(default="fused", metadata=doc(
         "fused: router, drafts and target in one process; target: the gRPC verification service; "
         "draft: router, drafts and the HTTP API, verifying on a remote target"))
+    backend: Literal["choral", "vllm"] = field(default="choral", metadata=doc(
+        "choral: Choral's own engine runs the target and the drafters; vllm: forward each request to a pool "
+        "of vLLM replicas listed in the fleet file, the pool whose drafter the router ranks first"))
+    fleet: str | None = field(default=None, metadata=doc(
+        "backend=vllm: the fleet file (serving/fleet/fleet_file.py: pools, their speculative config, replica URLs)"))
     router: str | None = field(default=None, metadata=doc(
         "router.pt from train-router (fused and draft roles): names the target and the drafts"))
     target_model: str | None = field(default=None, metadata=doc(
@@ -117,5 +122,9 @@ class ServeConfig:
             raise ValueError(f"request_timeout_s={self.request_timeout_s} must be > 0")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens={self.default_max_tokens} must be >= 1")
+        if self.backend == "vllm" and self.role != "fused":
+            raise ValueError(f"backend=vllm with role={self.role}: the vLLM replicas are the targets; drop role")
+        if self.backend == "vllm" and self.fleet is None:
+            raise ValueError("backend=vllm needs a fleet file: pass --fleet fleet.yaml")
         if not 0 < self.port < 65536:
             raise ValueError(f"port={self.port} must be in 1..65535")

@@ -127,15 +127,18 @@ def create_app(
     on_load_error: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
     """The FastAPI app; ``load`` runs on a background thread once the app starts."""
-    server = _Server(cfg)
+    if cfg.backend == "vllm":  # the same front, forwarding to pools of vLLM replicas
+        from serving.server.vllm_backend import FleetServer
+
+        server: Any = FleetServer(cfg)
+    else:
+        server = _Server(cfg)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        thread = threading.Thread(target=server.load, args=(load, on_load_error), name="choral-load", daemon=True)
-        thread.start()
+        await server.start(load, on_load_error)
         yield
-        if server.scheduler is not None:
-            await asyncio.to_thread(server.scheduler.stop)
+        await server.stop()
 
     # The interactive docs expose every route and schema to whoever can reach the port: off unless asked for.
     docs = {} if cfg.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
@@ -180,19 +183,18 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> Response:
-        if server.backend is None:
-            return server.not_ready()
-        b = server.backend
-        entry = {"id": b.model_name, "object": "model", "created": server.started, "owned_by": "choral",
-                 "choral": {"drafts": list(b.engines), "max_len": b.max_len}}  # fmt: skip
+        if not server.ready:
+            return not_ready(server.error)
+        entry = {"id": server.model_name, "object": "model", "created": server.started, "owned_by": "choral",
+                 "choral": server.model_info()}  # fmt: skip
         return JSONResponse({"object": "list", "data": [entry]})
 
     @app.get("/health")
     async def health() -> Response:
         if server.ready:
-            if not await server._target_up(always_probe=True):
-                return JSONResponse({"status": "error", "error": f"the target at {server.cfg.target_address} is unavailable"},
-                                    status_code=503)  # fmt: skip
+            down = await server.unavailable()
+            if down is not None:
+                return JSONResponse({"status": "error", "error": down}, status_code=503)
             return JSONResponse({"status": "ok"})
         if server.error is not None:
             return JSONResponse({"status": "error", "error": server.error}, status_code=503)
@@ -217,6 +219,27 @@ class _Server:
         self.ready = False
         self.error: str | None = None
         self.started = int(time.time())
+
+    @property
+    def model_name(self) -> str:
+        return self.backend.model_name
+
+    def model_info(self) -> dict:
+        return {"drafts": list(self.backend.engines), "max_len": self.backend.max_len}
+
+    async def start(self, load: Callable[[ServeConfig], Backend], on_error: Callable[[BaseException], None] | None) -> None:
+        """Load the models on a background thread: /health answers "loading" meanwhile."""
+        threading.Thread(target=self.load, args=(load, on_error), name="choral-load", daemon=True).start()
+
+    async def stop(self) -> None:
+        if self.scheduler is not None:
+            await asyncio.to_thread(self.scheduler.stop)
+
+    async def unavailable(self) -> str | None:
+        """Why the server cannot answer now (the remote target is down), or None."""
+        if not await self._target_up(always_probe=True):
+            return f"the target at {self.cfg.target_address} is unavailable"
+        return None
 
     def load(self, load: Callable[[ServeConfig], Backend], on_error: Callable[[BaseException], None] | None) -> None:
         try:
@@ -243,10 +266,6 @@ class _Server:
             return True
         return await asyncio.to_thread(probe)
 
-    def not_ready(self) -> JSONResponse:
-        why = f"loading failed: {self.error}" if self.error else "the server is still loading its models; retry when /health is 200"
-        return JSONResponse(APIError(503, why, code="not_ready").body(), status_code=503)
-
     # ---- generation ----------------------------------------------------------------------------
 
     async def generate(self, http: HTTPRequest, chat: bool) -> Response:
@@ -254,8 +273,8 @@ class _Server:
         try:
             if not self.ready:
                 self.metrics.requests.labels(endpoint, "503").inc()
-                return self.not_ready()
-            body = parse_request(await self._read_body(http), ChatCompletionRequest if chat else CompletionRequest)
+                return not_ready(self.error)
+            body = parse_request(await read_body(http, self.cfg.max_body_bytes), ChatCompletionRequest if chat else CompletionRequest)
             forced = self._forced_draft(http, body)
             if not await self._target_up():  # a stream would start 200 and then fail: answer 503 now
                 raise APIError(503, f"the target at {self.cfg.target_address} is unavailable; retry later",
@@ -277,23 +296,6 @@ class _Server:
         if body.stream:
             return StreamingResponse(self._stream(ticket, context), media_type="text/event-stream")
         return await self._collect(http, ticket, context)
-
-    async def _read_body(self, http: HTTPRequest) -> bytes:
-        """The request body, refused with 413 past ``max_body_bytes`` before any of it is parsed.
-        The rest of an oversized body is read and dropped (up to 16x the limit), as nginx does, so
-        the client gets to read the 413 instead of a connection reset mid-upload."""
-        limit = self.cfg.max_body_bytes
-        chunks, size = [], 0
-        async for chunk in http.stream():
-            size += len(chunk)
-            if size <= limit:
-                chunks.append(chunk)
-            elif size > 16 * limit:
-                break
-        if size > limit:
-            raise APIError(413, f"the request body is larger than max_body_bytes={limit}; send a shorter prompt (or "
-                                "raise max_body_bytes in the server's config)", code="request_too_large")  # fmt: skip
-        return b"".join(chunks)
 
     def _forced_draft(self, http: HTTPRequest, body: Any) -> str | None:
         """The drafter the request forces (body ``draft`` or the X-Choral-Draft header), checked
@@ -379,7 +381,7 @@ class _Server:
         return list(body.prompt), tok.decode(body.prompt, skip_special_tokens=True), "prompt"
 
     async def _collect(self, http: HTTPRequest, ticket: Ticket, c: "_Context") -> Response:
-        disconnect = asyncio.create_task(_wait_disconnect(http))
+        disconnect = asyncio.create_task(wait_disconnect(http))
         get = asyncio.create_task(ticket.events.get())
         try:
             done, _ = await asyncio.wait({get, disconnect}, return_when=asyncio.FIRST_COMPLETED)
@@ -488,8 +490,30 @@ class _Context:
         }
 
 
-async def _wait_disconnect(http: HTTPRequest) -> None:
+async def wait_disconnect(http: HTTPRequest) -> None:
     """Returns once the client has gone away (the body is already read, so the next ASGI
     message is the disconnect)."""
     while (await http.receive())["type"] != "http.disconnect":
         pass
+
+
+async def read_body(http: HTTPRequest, limit: int) -> bytes:
+    """The request body, refused with 413 past ``max_body_bytes`` before any of it is parsed.
+    The rest of an oversized body is read and dropped (up to 16x the limit), as nginx does, so
+    the client gets to read the 413 instead of a connection reset mid-upload."""
+    chunks, size = [], 0
+    async for chunk in http.stream():
+        size += len(chunk)
+        if size <= limit:
+            chunks.append(chunk)
+        elif size > 16 * limit:
+            break
+    if size > limit:
+        raise APIError(413, f"the request body is larger than max_body_bytes={limit}; send a shorter prompt (or "
+                            "raise max_body_bytes in the server's config)", code="request_too_large")  # fmt: skip
+    return b"".join(chunks)
+
+
+def not_ready(error: str | None) -> JSONResponse:
+    why = f"loading failed: {error}" if error else "the server is still loading; retry when /health is 200"
+    return JSONResponse(APIError(503, why, code="not_ready").body(), status_code=503)

@@ -1,0 +1,112 @@
+"""A stand-in for one vLLM replica, for the fleet front's tests where vLLM is not installed: the
+endpoints and metric names the front reads (``/health``, ``/v1/models``, ``/metrics`` with
+``vllm:num_requests_running``/``waiting`` and, when it "drafts", ``vllm:spec_decode_num_drafts``),
+and completions whose text names the replica, one token per ``--delay`` seconds.
+
+    python -m tests.fleet_stub --port 8101 --model /models/target --name plain [--spec] [--delay 0.01]
+
+The real thing runs in the ``vllm`` test tier (tests/test_vllm_fleet.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+
+def create_app(model: str, name: str, spec: bool, delay: float) -> FastAPI:
+    app = FastAPI()
+    state = {"running": 0, "served": 0}
+
+    @app.get("/health")
+    async def health():
+        return PlainTextResponse("")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model, "object": "model", "owned_by": "vllm"}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        lines = [
+            "# TYPE vllm:num_requests_running gauge", f'vllm:num_requests_running{{model_name="{model}"}} {state["running"]}',
+            "# TYPE vllm:num_requests_waiting gauge", f'vllm:num_requests_waiting{{model_name="{model}"}} 0',
+        ]  # fmt: skip
+        if spec:
+            lines += ["# TYPE vllm:spec_decode_num_drafts counter", f'vllm:spec_decode_num_drafts_total{{model_name="{model}"}} 0']
+        return PlainTextResponse("\n".join(lines) + "\n")
+
+    async def generate(request: Request, chat: bool):
+        body = await request.json()
+        if body.get("model") != model:
+            return JSONResponse({"error": {"message": f"The model `{body.get('model')}` does not exist.", "type": "NotFoundError",
+                                           "param": None, "code": 404}}, status_code=404)  # fmt: skip
+        n = int(body.get("max_tokens") or 16)
+        if n > 1000:
+            return JSONResponse({"error": {"message": "max_tokens is too large", "type": "BadRequestError", "param": None,
+                                           "code": 400}}, status_code=400)  # fmt: skip
+        state["running"] += 1
+        words = [f"{name}{i} " for i in range(n)]
+        kind = "chat.completion" if chat else "text_completion"
+
+        def choice(text: str, finish: str | None) -> dict:
+            if chat:
+                return {"index": 0, "delta" if body.get("stream") else "message": {"role": "assistant", "content": text},
+                        "finish_reason": finish}  # fmt: skip
+            return {"index": 0, "text": text, "finish_reason": finish}
+
+        if not body.get("stream"):
+            try:
+                await asyncio.sleep(delay * n)
+            finally:
+                state["running"] -= 1
+            usage = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3}
+            return {"id": "x", "object": kind, "created": int(time.time()), "model": model,
+                    "choices": [choice("".join(words), "length")], "usage": usage}  # fmt: skip
+
+        async def events():
+            try:
+                for i, w in enumerate(words):
+                    await asyncio.sleep(delay)
+                    chunk = {"id": "x", "object": f"{kind}.chunk", "created": 0, "model": model,
+                             "choices": [choice(w, "length" if i == n - 1 else None)]}  # fmt: skip
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                if (body.get("stream_options") or {}).get("include_usage"):
+                    usage = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3}
+                    yield f"data: {json.dumps({'id': 'x', 'object': kind + '.chunk', 'model': model, 'choices': [], 'usage': usage})}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                state["running"] -= 1
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await generate(request, chat=True)
+
+    return app
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--spec", action="store_true")
+    ap.add_argument("--delay", type=float, default=0.005)
+    a = ap.parse_args()
+    uvicorn.run(create_app(a.model, a.name, a.spec, a.delay), host="127.0.0.1", port=a.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()
