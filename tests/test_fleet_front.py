@@ -18,12 +18,12 @@ import openai
 import pytest
 import yaml
 
-from routing.router import Router
 from serving.config import ConfigError, load_config
 from serving.fleet.fleet_file import FleetConfig, PoolSettings
 from serving.server import cli_serve
 from serving.server.vllm_backend import Replica, Route, pool_speedup
 from tests.test_server import LiveServer
+from tests.test_server import router_file as fleet_router  # noqa: F401 (a fixture: an untrained router, drafters code and chat)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,15 +59,6 @@ class Stub:
 
 def write_fleet(path: Path, model: str, pools: list[dict], **extra) -> Path:
     path.write_text(yaml.safe_dump({"model": model, "health_interval_s": 0.2, "pools": pools, **extra}))
-    return path
-
-
-@pytest.fixture(scope="module")
-def fleet_router(model_dirs, tmp_path_factory) -> Path:
-    """An untrained router that knows the drafters 'code' and 'chat' (and 'none')."""
-    path = tmp_path_factory.mktemp("fleet-router") / "router.pt"
-    draft = str(model_dirs["draft"])
-    Router.create({"code": draft, "chat": draft}, str(model_dirs["target"])).save(path)
     return path
 
 
