@@ -27,6 +27,7 @@ from serving.engine.engine_settings import EngineSettings, load_engine
 from serving.engine.models import load_tokenizer
 from serving.engine.sampling import SamplingParams
 from serving.prompts import Prompt, encode_prompt, load_prompts, read_prompt_file
+from serving.workload import FAMILIES, load_workload
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -52,12 +53,18 @@ def shard_output(output: str | Path, shard: tuple[int, int] | None) -> Path:
     return path if shard is None else path.with_name(f"{path.stem}.shard{shard[0]}of{shard[1]}{path.suffix}")
 
 
-def load_sources(cfg: CollectConfig) -> list[Prompt]:
-    """All prompts of the config's sources, in order; prompt ids must be unique (they key rows)."""
+def load_sources(cfg: CollectConfig, splits: dict[str, str] | None = None) -> list[Prompt]:
+    """All prompts of the config's sources, in order; prompt ids must be unique (they key rows).
+    ``splits``, if given, receives the workload split of each prompt taken from a ``family``."""
     prompts: list[Prompt] = []
     for src in cfg.sources:
         if src.domain is not None:
             got = load_prompts(src.domain, src.n, offset=src.offset, seed=src.seed)
+        elif src.family is not None:
+            families = list(FAMILIES) if src.family == "all" else [src.family]
+            got = load_workload(src.split, src.n, families=families, offset=src.offset, seed=src.seed)
+            if splits is not None:
+                splits.update((p.id, src.split) for p in got)
         else:
             if not Path(src.file).is_file():
                 raise FileNotFoundError(f"prompt file {src.file} does not exist (sources[].file)")
@@ -86,11 +93,13 @@ def sampling(cfg: CollectConfig, mode: str, prompt_id: str, repeat: int) -> Samp
     return SamplingParams(d.temperature, d.top_k, d.top_p, seed=request_seed(d.seed, prompt_id, repeat))
 
 
-def make_row(cfg: CollectConfig, prompt: Prompt, n_prompt: int, draft: str, mode: str, repeat: int, out, speedup) -> dict:
+def make_row(cfg: CollectConfig, prompt: Prompt, n_prompt: int, draft: str, mode: str, repeat: int, out, speedup,
+             split: str | None = None) -> dict:  # fmt: skip
     s = out.stats
     return {
         "prompt_id": prompt.id,
         "domain": prompt.domain,
+        "split": split,  # the workload's fixed split, for prompts of a `family` source
         "text": prompt.text,
         "use_chat_template": prompt.use_chat_template,
         "prompt_tokens": n_prompt,
@@ -130,7 +139,8 @@ def collect(
     file, skipping rows already there. ``on_row`` is called after each row is durably written.
     Returns the file's path."""
     shard = shard or env_shard()
-    prompts = load_sources(cfg)
+    splits: dict[str, str] = {}
+    prompts = load_sources(cfg, splits)
     if shard is not None:
         prompts = prompts[shard[0] :: shard[1]]
     store = RowStore(shard_output(cfg.output, shard))
@@ -169,7 +179,7 @@ def collect(
                         outs = engines[name].generate(reqs)
                         for p, out in zip(pending, outs):
                             speedup = _speedup(store, p.id, name, mode, repeat, out.stats["tokens_per_second"])
-                            row = make_row(cfg, p, len(ids[p.id]), name, mode, repeat, out, speedup)
+                            row = make_row(cfg, p, len(ids[p.id]), name, mode, repeat, out, speedup, splits.get(p.id))
                             store.append(row)
                             bar.update(1)
                             if on_row is not None:

@@ -19,22 +19,30 @@ def doc(text: str) -> dict:
 
 @dataclass
 class SourceConfig:
-    """One prompt source: a built-in domain (``serving.prompts.load_prompts``) or a file."""
+    """One prompt source: a built-in domain (``serving.prompts.load_prompts``), a family of the
+    routing workload (``serving.workload``: one split of it) or a file."""
 
     domain: Literal["code", "chat", "math", "edit", "extract", "summarize", "quoted", "grounded"] | None = field(
         default=None, metadata=doc("built-in prompts: code = HumanEval, chat = ShareGPT, math = mathematics-dataset; "
                                    "edit, extract, summarize, quoted: input-grounded prompts; grounded: `n` of each of those four")
     )
+    family: Literal["chat", "code", "edit", "extract", "math", "quoted", "all"] | None = field(default=None, metadata=doc(
+        "a family of the six-family routing workload (serving.workload), instead of `domain`; all: `n` of each"))
+    split: Literal["train", "val", "test"] | None = field(default=None, metadata=doc(
+        "with `family`: the workload's fixed split to take prompts from (required)"))
     file: str | None = field(default=None, metadata=doc(".txt (one prompt a line) or .jsonl prompt file, instead of `domain`"))
     n: int | None = field(default=None, metadata=doc("prompts to take (null: all of a file; required for a domain)"))
     offset: int = field(default=0, metadata=doc("first row to take"))
     seed: int = field(default=0, metadata=doc("math question generator seed"))
 
     def __post_init__(self) -> None:
-        if (self.domain is None) == (self.file is None):
-            raise ValueError("sources: each source needs exactly one of `domain` or `file`")
-        if self.domain is not None and self.n is None:
-            raise ValueError(f"sources: domain {self.domain!r} needs `n` (how many prompts)")
+        given = [k for k in ("domain", "family", "file") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"sources: each source needs exactly one of `domain`, `family` or `file`, got {given or 'none'}")
+        if self.file is None and self.n is None:
+            raise ValueError(f"sources: {given[0]} {getattr(self, given[0])!r} needs `n` (how many prompts)")
+        if (self.family is None) != (self.split is None):
+            raise ValueError("sources: `family` and `split` go together (e.g. {family: all, split: train, n: 8})")
         if self.n is not None and self.n < 1:
             raise ValueError(f"sources: n={self.n} must be >= 1")
         if self.offset < 0:
@@ -189,6 +197,9 @@ class RouterTrainConfig:
     test_data: list[str] = field(default_factory=list, metadata=doc(
         "collected JSONL files of other prompts to score on instead of a held-out split of `data`: "
         "then every `data` prompt trains (split.test_fraction is unused); [] : split `data`"))
+    served: list[str] = field(default_factory=list, metadata=doc(
+        "request logs of serve (routing.log_requests): each row measured only the drafter its request ran with, and "
+        "the MLP learns from that entry too (a masked loss); the baselines and the evaluation use the collected rows"))
     mode: Literal["greedy", "sampled", "all"] = field(default="greedy", metadata=doc("which collected rows to learn from"))
     objective: Literal["acceptance", "speedup"] = field(
         default="acceptance", metadata=doc("choose by predicted acceptance, or by predicted speedup (may choose none)")

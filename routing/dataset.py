@@ -37,6 +37,8 @@ class Table:
     costs: dict[str, dict[str, float]]  # per draft: draft_cost, verify_cost (relative to a target step)
     k: int  # the K the data was collected with
     target_weights: str = "fp32"  # the target's precision in the collected rows (engine.target_weights)
+    splits: list[str | None] | None = None  # per prompt, the workload's fixed split (serving.workload), if any
+    step_model: dict[str, float] | None = None  # target forward ms = base_ms + per_token_ms * tokens (batch 1)
 
 
 def load_table(paths: list[str], mode: str = "greedy") -> Table:
@@ -93,7 +95,58 @@ def load_table(paths: list[str], mode: str = "greedy") -> Table:
         costs=_costs(rows, drafts, has_none),
         k=max(int(r["k"]) for r in rows),
         target_weights=precisions.pop(),
+        splits=[info[p].get("split") for p in ids],
+        step_model=_step_model(rows) if has_none else None,
     )
+
+
+def _step_model(rows: list[dict]) -> dict[str, float] | None:
+    """The target's forward cost as ``base_ms + per_token_ms * tokens`` at batch 1, from the
+    medians of its one-token steps (the target alone) and of its K+1-token verifications (rows of
+    model drafts, which always propose K); None when either is missing or the fit is not positive."""
+    one = [r["target_step_ms"] for r in rows if r["draft"] == NONE and r.get("target_step_ms")]
+    wide = [(r["target_step_ms"], int(r["k"])) for r in rows if r["draft"] != NONE and r.get("draft_step_ms")
+            and r.get("target_step_ms") and int(r["k"]) > 0]  # fmt: skip
+    if not one or not wide:
+        return None
+    t1 = statistics.median(one)
+    t = statistics.median((ms - t1) / k for ms, k in wide)
+    if t <= 0 or t1 - t <= 0:
+        return None
+    return {"base_ms": t1 - t, "per_token_ms": t}
+
+
+@dataclass
+class Served:
+    """Served requests' rows: one measured drafter per prompt (the one the router chose)."""
+
+    texts: list[str]
+    acceptance: torch.Tensor  # [S, D] measured acceptance of the drafter that ran, NaN for the others
+
+
+def load_served(paths: list[str], table: Table, mode: str = "greedy") -> Served:
+    """The rows of serve's request logs, by prompt text, as entries of ``table``'s drafts (a row
+    of a drafter the table lacks, or of the target alone, teaches nothing and is skipped)."""
+    rows = []
+    for path in paths:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"request log {path} does not exist; serve with routing.log_requests={path} first")
+        rows += read_rows(path)
+    rows = [r for r in rows if (mode == "all" or r["mode"] == mode) and r["draft"] in table.drafts]
+    for r in rows:
+        if r.get("target_weights", "fp32") != table.target_weights or r["target"] != table.target_ref:
+            raise ValueError(f"served row {r['prompt_id']} ran target {r['target']} at {r.get('target_weights', 'fp32')}; "
+                             f"the collected rows {table.target_ref} at {table.target_weights}: serve and collect one target")  # fmt: skip
+    by_text: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        by_text[r["text"]][r["draft"]].append(float(r["acceptance_rate"]))
+    texts = sorted(by_text)
+    acc = torch.full((len(texts), len(table.drafts)), float("nan"))  # [S, D]
+    for i, t in enumerate(texts):
+        for j, d in enumerate(table.drafts):
+            if by_text[t][d]:
+                acc[i, j] = sum(by_text[t][d]) / len(by_text[t][d])
+    return Served(texts, acc)
 
 
 def _mean(rows: list[dict], key: str) -> float:
@@ -138,6 +191,7 @@ def join_tables(first: Table, second: Table) -> Table:
         domains=first.domains + second.domains,
         acceptance=torch.cat([first.acceptance, second.acceptance]),  # [P1 + P2, D]
         speedup=None if first.speedup is None else torch.cat([first.speedup, second.speedup]),
+        splits=(first.splits or [None] * len(first.prompt_ids)) + (second.splits or [None] * len(second.prompt_ids)),
     )
 
 

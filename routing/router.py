@@ -17,6 +17,16 @@ step and v = verification step / target step, both measured during collection. T
 the measured acceptance *rate* at the collected K_c (accepted / drafted = mean of a^i, i = 1..K_c,
 which is lower than a), so ``speedups`` first solves for the per-token a behind that rate.
 
+Load (the goodput view of SmartSpec and TurboSpec): a verify of 8 rows costs more than of 1, so a
+draft is worth less in a full batch. With a step model (``info["step_model"]``: a target forward
+costs ``base_ms + per_token_ms * tokens`` over all rows, fitted by train-router to the collected
+steps), the verification cost at occupancy b and K is v + g(b, K) - g(1, K_c), where
+g(b, K) = (T(b) + b K t) / T(b) is a step in which all b rows verify K + 1 tokens relative to one
+in which they verify one, T(b) = base + b t: the verify step at (b, K) plus the per-call overhead
+that the calibrated v holds beyond the verify step it was measured with. ``choose_batch(...,
+occupancy=b)`` chooses for the batch the server has when it admits the request; at b = 1 and
+K = K_c this is the plain model.
+
 ``Router.create`` builds an untrained but valid router (random MLP, identity normalisation) from
 draft references alone, for tests and for wiring a server up before any data is collected.
 """
@@ -61,6 +71,17 @@ class Choice:
     predicted_acceptance: dict[str, float]  # per draft name; "none" -> 0.0
     predicted_speedup: dict[str, float]  # per draft name (at its best K), "none" -> 1.0
     k: int  # suggested K for the chosen draft; 0 for "none"
+    occupancy: int = 1  # the batch occupancy the choice was made for
+    break_even: float = 0.0  # the chosen draft's acceptance rate at K below which it loses to "none"
+    expected_rate: float = 0.0  # the chosen draft's predicted acceptance rate at K (accepted / drafted)
+
+    def fallback_floor(self, ratio: float) -> float:
+        """The running acceptance below which the request should leave its drafter mid-request:
+        the lower of the break-even rate and ``ratio`` of the prediction (so a drafter predicted
+        near break-even is not dropped on the first unlucky tokens). 0 for "none"."""
+        if self.draft == NONE:
+            return 0.0
+        return min(self.break_even, ratio * self.expected_rate)
 
 
 class RouterMLP(nn.Module):
@@ -317,21 +338,52 @@ class Router:
         x = (x.to(self.device) - self.mean) / self.std
         return torch.sigmoid(self.mlp(x)).float().cpu()  # [N, D]
 
-    def speedups(self, acceptance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def verify_shift(self, ks: torch.Tensor, occupancy: int) -> torch.Tensor:
+        """g(b, K) - g(1, K_c) for each K of ``ks`` (the module docstring); zeros without a step model."""
+        model = self.info.get("step_model")
+        if not model or model.get("per_token_ms", 0.0) <= 0:
+            return torch.zeros_like(ks)
+        base, t = float(model["base_ms"]), float(model["per_token_ms"])
+        kc = float(self.info.get("collected_k") or 4)
+
+        def g(b: float, k: torch.Tensor) -> torch.Tensor:
+            return (base + b * t + b * k * t) / (base + b * t)
+
+        return g(float(occupancy), ks) - g(1.0, torch.tensor(kc))
+
+    def speedups(self, acceptance: torch.Tensor, occupancy: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """Best predicted speedup [N, D] of each draft over ``k_buckets`` and the K [N, D] at it,
-        from acceptance rates [N, D]."""
+        from acceptance rates [N, D], for a batch of ``occupancy`` rows."""
         ks = torch.tensor(self.k_buckets, dtype=torch.float32)  # [Kb]
         c = torch.tensor([self.costs[n]["draft_cost"] for n in self.drafts])[:, None]  # [D, 1]
         v = torch.tensor([self.costs[n]["verify_cost"] for n in self.drafts])[:, None]  # [D, 1]
         a = per_token_acceptance(acceptance.float(), int(self.info.get("collected_k") or 4))  # [N, D]
-        s = expected_tokens(a[:, :, None], ks) / (ks * c + v)  # [N, D, Kb]
+        s = expected_tokens(a[:, :, None], ks) / (ks * c + v + self.verify_shift(ks, occupancy))  # [N, D, Kb]
         best, idx = s.max(dim=2)  # [N, D]
         return best, ks[idx].long()
 
-    def decide(self, acceptance: torch.Tensor) -> list[Choice]:
+    def rate_at(self, rate: float, k: int) -> float:
+        """A predicted acceptance rate (at the collected K) as the rate it means at K = ``k``."""
+        a = float(per_token_acceptance(torch.tensor([float(rate)]), int(self.info.get("collected_k") or 4)))
+        return sum(a**i for i in range(1, k + 1)) / k if k else 0.0
+
+    def break_even(self, draft: str, k: int, occupancy: int = 1) -> float:
+        """The acceptance rate (accepted / drafted at K = ``k``) at which ``draft`` is predicted
+        to be exactly as fast as the target alone: below it, drafting loses."""
+        kt = torch.tensor([float(k)])
+        cost = float(k * self.costs[draft]["draft_cost"] + self.costs[draft]["verify_cost"] + self.verify_shift(kt, occupancy))
+        lo, hi = 0.0, 1.0  # per-token acceptance a; E(a, K) grows with a
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if float(expected_tokens(torch.tensor(mid), kt)) < cost else (lo, mid)
+        a = (lo + hi) / 2
+        return sum(a**i for i in range(1, k + 1)) / k
+
+    def decide(self, acceptance: torch.Tensor, occupancy: int = 1) -> list[Choice]:
         """The choices the objective makes from acceptance rates [N, D] (predicted by the MLP,
-        or by anything else: train-router scores its baselines with the same rule)."""
-        speed, best_k = self.speedups(acceptance)  # [N, D]
+        or by anything else: train-router scores its baselines with the same rule), for a batch
+        of ``occupancy`` rows."""
+        speed, best_k = self.speedups(acceptance, occupancy)  # [N, D]
         choices = []
         for i in range(acceptance.shape[0]):
             pa = {n: float(acceptance[i, j]) for j, n in enumerate(self.drafts)}
@@ -344,16 +396,21 @@ class Router:
             else:  # the target alone unless some draft is predicted to beat it
                 j = int(speed[i].argmax())
                 draft, k = (self.drafts[j], int(best_k[i, j])) if float(speed[i, j]) > 1.0 else (NONE, 0)
-            choices.append(Choice(draft, pa, ps, k))
+            even = self.break_even(draft, k, occupancy) if draft != NONE else 0.0
+            rate = self.rate_at(pa[draft], k) if draft != NONE else 0.0
+            choices.append(Choice(draft, pa, ps, k, occupancy, even, rate))
         return choices
 
-    def choose(self, prompt: str) -> Choice:
-        return self.choose_batch([prompt])[0]
+    def choose(self, prompt: str, occupancy: int = 1) -> Choice:
+        return self.choose_batch([prompt], occupancy)[0]
 
-    def choose_batch(self, prompts: list[str]) -> list[Choice]:
+    def choose_batch(self, prompts: list[str], occupancy: int = 1) -> list[Choice]:
+        """Choices for prompts that join a batch of ``occupancy`` rows (themselves included)."""
         if isinstance(prompts, str):
             raise TypeError("choose_batch takes a list of prompts; use choose() for one")
-        return self.decide(self.predict_acceptance(list(prompts)))
+        if occupancy < 1:
+            raise ValueError(f"occupancy={occupancy} must be >= 1 (the batch the request joins, itself included)")
+        return self.decide(self.predict_acceptance(list(prompts)), occupancy)
 
 
 def read_router_file(path: str | Path) -> dict:

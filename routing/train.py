@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from routing.config import MLPConfig, RouterTrainConfig
-from routing.dataset import Table, join_tables, load_table, split_prompts
+from routing.dataset import Table, join_tables, load_served, load_table, split_prompts
 from routing.evaluate import evaluate, metric_values, objective_metric, options, write_report
 from routing.features import Featurizer
 from routing.router import DEFAULT_K_BUCKETS, NONE, Router, RouterMLP, calibrated_verify_cost
@@ -71,16 +71,19 @@ def fit_mlp(
     m: MLPConfig, x: torch.Tensor, y: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor, progress: bool = True
 ) -> tuple[dict, dict]:
     """Full-batch AdamW on normalised features x [N, F] -> acceptance y [N, D] (binary
-    cross-entropy against the rates); keeps the epoch with the lowest validation loss (the last
-    one without validation prompts). Returns (state_dict, history)."""
+    cross-entropy against the rates, over the entries that were measured: NaN marks a drafter a
+    served prompt did not run); keeps the epoch with the lowest validation loss (the last one
+    without validation prompts). Returns (state_dict, history)."""
     torch.manual_seed(m.seed)
     mlp = RouterMLP(x.shape[1], y.shape[1], hidden=m.hidden, layers=m.layers, dropout=m.dropout)
     opt = torch.optim.AdamW(mlp.parameters(), lr=m.lr, weight_decay=m.weight_decay)
     best = (float("inf"), None, -1)
     history = {"train_loss": [], "val_loss": []}
+    seen = ~torch.isnan(y)  # [N, D]
+    y = torch.nan_to_num(y)
     for epoch in tqdm(range(m.epochs), desc="train-router", unit="epoch", leave=False, disable=not progress):
         mlp.train()
-        loss = F.binary_cross_entropy_with_logits(mlp(x), y)
+        loss = F.binary_cross_entropy_with_logits(mlp(x)[seen], y[seen])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -176,7 +179,19 @@ def train(cfg: RouterTrainConfig) -> dict:
     table = load_table(cfg.data, cfg.mode)
     if cfg.objective == "speedup" and not table.has_none:
         print(f"train-router: the target alone ({NONE!r}) was not collected: speedups come from the cost model")
-    if cfg.test_data:  # a test set collected apart: every data prompt trains (but the val ones)
+    fixed = table.splits is not None and all(s in ("train", "val") for s in table.splits)
+    if table.splits is not None and "test" in table.splits:
+        raise ValueError(f"{cfg.data} hold prompts of the workload's test split: collect them apart and pass them as "
+                         "test_data, so that nothing is fit or tuned on them")  # fmt: skip
+    if fixed and not cfg.test_data:
+        raise ValueError("the rows are workload rows (train and val splits): pass the test split's rows as test_data")
+    if fixed:  # the workload's fixed split: train and val as collected, test from test_data
+        train_idx = [i for i, s in enumerate(table.splits) if s == "train"]
+        val_idx = [i for i, s in enumerate(table.splits) if s == "val"]
+        n_data = len(table.prompt_ids)
+        table = join_tables(table, load_table(cfg.test_data, cfg.mode))
+        test_idx = list(range(n_data, len(table.prompt_ids)))
+    elif cfg.test_data:  # a test set collected apart: every data prompt trains (but the val ones)
         train_idx, val_idx, _ = split_prompts(table, 0.0, cfg.split.val_fraction, cfg.split.seed)
         n_data = len(table.prompt_ids)
         table = join_tables(table, load_table(cfg.test_data, cfg.mode))
@@ -219,8 +234,8 @@ def train(cfg: RouterTrainConfig) -> dict:
             state_dict=state,
             costs=costs,
             k_buckets=list(cfg.k_buckets or DEFAULT_K_BUCKETS),
-            info={"trained": True, "data": list(cfg.data), "test_data": list(cfg.test_data), "mode": cfg.mode, "collected_k": table.k,
-                  "target_weights": table.target_weights},
+            info={"trained": True, "data": list(cfg.data), "served": list(cfg.served), "test_data": list(cfg.test_data), "mode": cfg.mode, "collected_k": table.k,
+                  "target_weights": table.target_weights, "step_model": table.step_model},
         )
 
     # The decision rule (objective, costs) does not depend on the MLP: the selection and the
@@ -240,8 +255,16 @@ def train(cfg: RouterTrainConfig) -> dict:
     means = domain_means(policies.y[fit_idx], fit_domains)
     y_fit = shrink_to_domain(policies.y[fit_idx], fit_domains, shrink, means)  # [len(fit), D]
     y_val = shrink_to_domain(policies.y[val], [table.domains[i] for i in val], shrink, means)  # [len(val), D]
+    x_fit = x[fit_idx]
+    if cfg.served:  # served requests: one measured drafter each, shrunk toward the served rows' mean
+        served = load_served(cfg.served, table, cfg.mode)
+        m = torch.nanmean(served.acceptance, dim=0)  # [D]; NaN for a drafter no served request ran
+        y_served = torch.where(torch.isnan(m), served.acceptance, (1 - shrink) * served.acceptance + shrink * m)  # [S, D]
+        x_fit = torch.cat([x_fit, (featurizer(served.texts) - mean) / std])
+        y_fit = torch.cat([y_fit, y_served])
+        print(f"train-router: + {len(served.texts)} served prompts ({int((~torch.isnan(y_served)).sum())} measured entries)")
     with one_thread():
-        state, history = fit_mlp(mlp_cfg, x[fit_idx], y_fit, x[val], y_val)
+        state, history = fit_mlp(mlp_cfg, x_fit, y_fit, x[val], y_val)
     router = make_router(mlp_cfg, state)
     router.info["shrink"] = shrink
     if cv:

@@ -5,6 +5,9 @@
 
 Sections (each from the file named, skipped with a note when the file is missing):
 
+* workload: the six-family workload's test split, per family: the target alone, every single
+  drafter, the routed policy (drafter and K per prompt) and the per-prompt oracle, measured live
+  (``--workload-router``; saved as ``workload.json``, re-rendered with ``--workload-json``);
 * routed: per domain, the target alone, Hugging Face assisted generation with the bundled 0.5B,
   Choral with the generic 0.5B draft and Choral with the router's draft per prompt, interleaved
   prompt by prompt on the same spec-bench prompts (``--router``; saved as ``routed.json``);
@@ -156,6 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-confidence", type=float, default=0.4)
     ap.add_argument("--draft-weights", choices=["fp32", "int8"], default="fp32",
                     help="Choral's drafts in fp32 or W8A8 int8 (HF assisted keeps the fp32 generic draft)")
+    ap.add_argument("--workload-router", help="router.pt: measure the workload section now")
+    ap.add_argument("--workload-json", help="re-render a saved workload.json instead of measuring")
+    ap.add_argument("--workload-split", default="test", choices=["train", "val", "test"])
+    ap.add_argument("--per-family", type=int, default=5, help="workload prompts per family")
+    ap.add_argument("--workload-max-new-tokens", type=int, default=48)
+    ap.add_argument("--workload-k", type=int, default=4, help="the single drafters' fixed K (engine.k)")
+    ap.add_argument("--target-weights", choices=["fp32", "int8"], default="int8", help="the workload section's target precision")
     ap.add_argument("--bench", default="runs/bench-conf/bench.json", help="a spec-bench bench.json")
     ap.add_argument("--router-eval", default=None, help="eval.md of train-router (default: next to --router)")
     ap.add_argument("--load-test", nargs="*", default=[], help="load_test.py JSON results")
@@ -168,6 +178,27 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     parts = ["# Choral benchmark report\n\n"]
+    workload = None
+    if args.workload_json:
+        workload = json.loads(Path(args.workload_json).read_text())
+    elif args.workload_router:
+        from routing import workload_eval
+        from serving.engine.engine_settings import EngineSettings
+
+        settings = EngineSettings(target_weights=args.target_weights, k=args.workload_k, request_k_max=8, max_batch_size=1)
+        from serving.workload import load_workload
+
+        prompts = load_workload(args.workload_split, args.per_family)
+        workload = workload_eval.measure({"routed": Router.load(args.workload_router)}, prompts,
+                                         max_new_tokens=args.workload_max_new_tokens, settings=settings)  # fmt: skip
+        workload["config"] |= {"router": args.workload_router, "split": args.workload_split, "per_family": args.per_family}
+        workload_eval.save(workload, out / "workload.json")
+    if workload:
+        from routing import workload_eval
+
+        workload_eval.plot(workload, out / "workload.png")
+        parts.append("## Workload (six families, routed vs single drafters)\n\n" + workload_eval.markdown(workload)
+                     + "\n![workload](workload.png)\n\n")  # fmt: skip
     routed = None
     if args.routed_json:
         routed = json.loads(Path(args.routed_json).read_text())
@@ -219,7 +250,8 @@ def write_page(page: Path, body: str, argv: list[str], out: Path) -> None:
             f"| Figures | `{out}/` (not in the repository) |\n\n"]  # fmt: skip
     page.parent.mkdir(parents=True, exist_ok=True)
     tmp = page.with_suffix(".tmp")
-    tmp.write_text("".join(head) + body.replace("![routed](routed.png)", f"Plot: `{out}/routed.png`."))
+    tmp.write_text("".join(head) + body.replace("![routed](routed.png)", f"Plot: `{out}/routed.png`.").replace(
+        "![workload](workload.png)", f"Plot: `{out}/workload.png`."))
     os.replace(tmp, page)
 
 

@@ -74,7 +74,8 @@ def test_serve_target_and_draft_roles_end_to_end(model_dirs, router_file):
         assert out.model_extra["choral"]["draft"] == "code" and out.model_extra["choral"]["target_calls"] >= 1
 
         # Mid-stream: the target dies after the first tokens; the stream ends with an error event.
-        budget = MAX_LEN - len(ids) - 6
+        reserve = draft.app.state.server.backend.reserve["none"]  # K + 1 of the largest K a request may draft
+        budget = MAX_LEN - len(ids) - reserve - 1
         stream = draft.client.completions.create(model=draft.model, prompt=prompt, max_tokens=budget, temperature=0,
                                                  stream=True, extra_body={"draft": "none"})  # fmt: skip
         received = []

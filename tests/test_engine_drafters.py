@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from serving.engine.core import EngineConfig, Request, SpeculativeEngine, step_uniforms
+from serving.engine.drafters.base import HostDrafter
 from serving.engine.drafters.ngram import NgramDrafter
 from serving.engine.drafters.suffix import SuffixDrafter
 from serving.engine.sampling import SamplingParams
@@ -317,3 +318,67 @@ def test_the_scheduler_fails_only_the_request_that_raised(tiny_target, tiny_draf
     assert isinstance(bad, Failed) and bad.error.status == 500 and bad.error.code == "request_failed"
     assert "poisoned propose" in bad.error.message
     assert [ok_a.completion.token_ids, ok_c.completion.token_ids] == solo
+
+
+# ---- per-request K and mid-request fallback (the router's choices) ----------------------------
+
+
+def test_each_request_drafts_its_own_k_in_one_batch(tiny_target, tiny_draft, tokenizer):
+    prompts = ragged_prompts(6, seed=53)
+    drafters = {"small": tiny_draft, "ngram": NgramDrafter(), "none": None}
+    config = EngineConfig(max_batch_size=4, max_len=128, k=2, request_k_max=6)
+    engine = SpeculativeEngine(tiny_target, tokenizer, config=config, drafters=drafters)
+    ks = [1, 6, None, 3, 5, 2]
+    outs = engine.generate([Request(p, max_new_tokens=20, drafter="small", k=k) for p, k in zip(prompts, ks)])
+    for p, k, out in zip(prompts, ks, outs):
+        assert out.token_ids == hf_greedy(tiny_target, p, 20)
+        assert len(out.stats["per_position_acceptance"]) == (k or 2)  # its own K, whatever the batch drafts
+    with pytest.raises(ValueError, match=r"k=7 \(num_speculative_tokens\) must be in 0..6"):
+        engine.add_request(Request(prompts[0], max_new_tokens=4, k=7))
+
+
+class _Wrong(HostDrafter):
+    """Proposes the target's own greedy answer (rows in ``right``) or a token off it (the rest)."""
+
+    def __init__(self, answers, right):
+        self.answers, self.right, self.prompts = answers, right, {}
+
+    def start(self, row, ctx):
+        self.prompts[row] = ctx.request_id
+
+    def propose(self, row, tokens, k):
+        rid = self.prompts[row]
+        at = len(tokens) - self.answers[rid][0]
+        out = list(self.answers[rid][1][at : at + k])
+        return out if rid in self.right else [(t + 7) % 300 + 3 for t in out]
+
+
+def test_a_row_whose_drafter_stops_paying_falls_back_without_changing_its_output(tiny_target, tokenizer):
+    from serving.engine.core import Fallback
+
+    prompts = ragged_prompts(4, seed=59)
+    answers = {i: (len(p), hf_greedy(tiny_target, p, 40)) for i, p in enumerate(prompts)}
+    drafter = _Wrong(answers, right={3})
+    engine = SpeculativeEngine(tiny_target, tokenizer, config=EngineConfig(max_batch_size=4, max_len=160, k=4),
+                               drafters={"wrong": drafter, "none": None})
+    rule = Fallback(min_acceptance=0.3, after_drafted=8)
+    # Rows 0 and 2 draft wrong tokens with the rule, row 1 without it, row 3 right ones with it.
+    outs = engine.generate([Request(p, max_new_tokens=40, fallback=rule if i != 1 else None)
+                            for i, p in enumerate(prompts)])  # fmt: skip
+    for i, (p, out) in enumerate(zip(prompts, outs)):
+        assert out.token_ids == answers[i][1]
+        assert out.stats["drafter"] == "wrong"
+        if i in (0, 2):  # two rejected 4-token drafts (one token each), then one verified token a step
+            assert out.stats["fallback"] == {"to": "none", "at_token": 3}
+            assert out.stats["drafted"] == 8 and out.stats["target_calls"] == 39
+        else:
+            assert "fallback" not in out.stats and out.stats["drafted"] > 8
+
+
+def test_a_bad_fallback_rule_names_the_bad_value():
+    from serving.engine.core import Fallback
+
+    with pytest.raises(ValueError, match="min_acceptance=1.5"):
+        Fallback(min_acceptance=1.5)
+    with pytest.raises(ValueError, match="after_drafted=0"):
+        Fallback(min_acceptance=0.2, after_drafted=0)

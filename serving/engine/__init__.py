@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "SpeculativeEngine": "core", "EngineConfig": "core", "Request": "core", "Completion": "core", "StepOutput": "core",
-    "RequestFailed": "core", "Verifier": "verifier", "LocalVerifier": "verifier", "VerifierError": "verifier",
+    "RequestFailed": "core", "Fallback": "core", "Verifier": "verifier", "LocalVerifier": "verifier", "VerifierError": "verifier",
 }  # fmt: skip
-__all__ = ["Completion", "EngineConfig", "LocalVerifier", "Request", "RequestFailed", "SpeculativeEngine", "StepOutput",
+__all__ = ["Completion", "EngineConfig", "Fallback", "LocalVerifier", "Request", "RequestFailed", "SpeculativeEngine", "StepOutput",
            "Verifier", "VerifierError"]  # fmt: skip
 
 if TYPE_CHECKING:
-    from serving.engine.core import Completion, EngineConfig, Request, RequestFailed, SpeculativeEngine, StepOutput
+    from serving.engine.core import Completion, EngineConfig, Fallback, Request, RequestFailed, SpeculativeEngine, StepOutput
     from serving.engine.verifier import LocalVerifier, Verifier, VerifierError
 
 

@@ -86,6 +86,8 @@ class EngineConfig:
         ``max_batch_size``, which is always one. A step runs at the smallest that holds its rows.
     host_k: the largest K of a model-free drafter with a K of its own (a prediction may propose
         more than a draft model should): with a fixed k, rows of that drafter draft up to it.
+    request_k_max: the largest K a request may set for itself (``Request.k``, vLLM's
+        ``num_speculative_tokens`` per request, e.g. the router's choice); 0: requests use ``k``.
     """
 
     max_batch_size: int = 1
@@ -97,6 +99,7 @@ class EngineConfig:
     draft_stop: str = "token"
     batch_buckets: tuple[int, ...] | None = None
     host_k: int = 0
+    request_k_max: int = 0
 
     def __post_init__(self) -> None:
         if self.draft_stop not in DRAFT_STOPS:
@@ -108,8 +111,9 @@ class EngineConfig:
         self.k_buckets = tuple(sorted(set(self.k_buckets)))
         if self.k != "auto" and self.k not in self.k_buckets and self.k != 0:
             raise ValueError(f"k={self.k!r} must be 'auto' or one of k_buckets {self.k_buckets}")
-        if not 0 <= self.host_k <= self.k_buckets[-1]:
-            raise ValueError(f"host_k={self.host_k} must be in 0..{self.k_buckets[-1]}, the largest of k_buckets")
+        for name in ("host_k", "request_k_max"):
+            if not 0 <= getattr(self, name) <= self.k_buckets[-1]:
+                raise ValueError(f"{name}={getattr(self, name)} must be in 0..{self.k_buckets[-1]}, the largest of k_buckets")
         if self.batch_buckets is None:
             powers = [1 << i for i in range(self.max_batch_size.bit_length()) if 1 << i < self.max_batch_size]
             self.batch_buckets = (*powers, self.max_batch_size)
@@ -122,7 +126,7 @@ class EngineConfig:
     def k_max(self) -> int:
         if self.k == "auto":
             return max(self.k_buckets)
-        return max(int(self.k), self.host_k) if self.k else 0
+        return max(int(self.k), self.host_k, self.request_k_max) if self.k else 0
 
     @property
     def verify_widths(self) -> tuple[int, ...]:
@@ -184,6 +188,23 @@ def use_cpu_kernels(
     return True
 
 
+@dataclass(frozen=True)
+class Fallback:
+    """When a request's drafter stops paying, mid-request: once ``after_drafted`` tokens were
+    drafted, a running acceptance (accepted / drafted so far) below ``min_acceptance`` switches
+    the row to the target alone for the rest of the request. Its output does not change (every
+    token is the target's either way); only the drafting it no longer pays for stops."""
+
+    min_acceptance: float
+    after_drafted: int = 16
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.min_acceptance <= 1.0:
+            raise ValueError(f"fallback min_acceptance={self.min_acceptance} must be in [0, 1]")
+        if self.after_drafted < 1:
+            raise ValueError(f"fallback after_drafted={self.after_drafted} must be >= 1")
+
+
 @dataclass
 class Request:
     prompt_ids: list[int]
@@ -192,6 +213,8 @@ class Request:
     stop: tuple[str, ...] = ()
     drafter: str | None = None  # a drafter name of the engine; None: "prediction" with a prediction, else the default
     prediction: list[int] | None = None  # token ids of the text the client expects (Predicted Outputs)
+    k: int | None = None  # this request's K (num_speculative_tokens), up to the engine's k_max; None: the engine's
+    fallback: Fallback | None = None  # switch to the target alone when the drafter stops paying
 
 
 @dataclass
@@ -222,6 +245,8 @@ class _Slot:
     k_value: float = 0.0  # this request's own K ("auto" moves it by the request's own acceptance)
     emitted: int = 0  # tokens of ``generated`` already handed out by step()
     draft_row: int | None = None  # a model drafter's row of its own KV cache (``_draft_rows``)
+    fell_back_at: int | None = None  # tokens generated when the row switched to the target alone
+    routed_drafter: str | None = None  # the drafter the request started with, when it fell back
 
 
 NONE = "none"  # the drafter name of the target alone
@@ -578,7 +603,7 @@ class SpeculativeEngine:
         if not self.drafting:
             return (1,)
         widths = set(self.config.verify_widths)
-        if self.host_drafters:
+        if self.host_drafters or self.config.request_k_max:  # proposals of any length up to k_max
             widths |= {1} | {k + 1 for k in self.config.k_buckets if k <= self.config.k_max}
         return tuple(sorted(widths))
 
@@ -591,6 +616,8 @@ class SpeculativeEngine:
             raise ValueError(f"max_new_tokens={r.max_new_tokens} must be >= 1")
         if r.drafter is not None and r.drafter not in self.drafter_names:
             raise ValueError(f"unknown drafter {r.drafter!r}; this engine has {', '.join(self.drafter_names)}")
+        if r.k is not None and not 0 <= r.k <= self.config.k_max:
+            raise ValueError(f"k={r.k} (num_speculative_tokens) must be in 0..{self.config.k_max}, this engine's largest K")
         k_max = self.config.k_max if self.drafting else 0
         need = len(r.prompt_ids) + r.max_new_tokens + k_max + 1
         if need > self.config.max_len:
@@ -672,7 +699,10 @@ class SpeculativeEngine:
             reason = "length"
         slot.stats.new_tokens = len(tokens)
         slot.stats.total_time_s = time.perf_counter() - slot.started
-        return Completion(tokens, text, reason, slot.stats.to_dict() | {"drafter": slot.drafter})
+        stats = slot.stats.to_dict() | {"drafter": slot.routed_drafter or slot.drafter}
+        if slot.fell_back_at is not None:
+            stats["fallback"] = {"to": slot.drafter, "at_token": slot.fell_back_at}
+        return Completion(tokens, text, reason, stats)
 
     def _emit(self, b: int, finished: bool) -> StepOutput:
         slot = self._slots[b]
@@ -736,6 +766,8 @@ class SpeculativeEngine:
         reaches."""
         if slot is None or slot.drafter == NONE or not self.drafting:
             return 0
+        if slot.request.k is not None:
+            return min(slot.request.k, self.config.k_max)
         host = self.host_drafters.get(slot.drafter)
         if host is not None and host.k is not None:
             return min(host.k, self.config.k_max)
@@ -866,9 +898,21 @@ class SpeculativeEngine:
                 continue
             if done or stopped:
                 finished.append(b)
+            elif slot.request.fallback is not None and k_rows[b]:
+                self._maybe_fall_back(b, slot)
         if after_commit:
             raise _Committed(after_commit, finished, verdict.failed)
         return finished, verdict.failed
+
+    def _maybe_fall_back(self, b: int, slot: _Slot) -> None:
+        """Switch the row to the target alone if its drafter's running acceptance fell below the
+        request's floor (``Fallback``); the next step verifies one token for it."""
+        rule, s = slot.request.fallback, slot.stats
+        if s.drafted >= rule.after_drafted and s.accepted < rule.min_acceptance * s.drafted:
+            self._stop_drafter(b, slot, finished=False)
+            slot.routed_drafter, slot.drafter = slot.drafter, NONE
+            slot.draft_row = None
+            slot.fell_back_at = len(slot.generated)
 
 
 class RequestFailed(RuntimeError):

@@ -136,6 +136,9 @@ class EngineSettings:
     threads: int | None = field(default=None, metadata=doc(
         "torch intra-op threads of the process; null: torch's default (one per core). On a CPU shared "
         "with other busy processes, 1 avoids threads waiting on each other"))
+    request_k_max: int | None = field(default=None, metadata=doc(
+        "the largest K a request may set for itself (num_speculative_tokens per request; the router's K "
+        "when serving); null: requests draft k tokens (serve with a router: the router's largest K bucket)"))
     batch_buckets: tuple[int, ...] | None = field(default=None, metadata=doc(
         "batch sizes a step can run at (compiled shapes); a step runs at the smallest holding its "
         "rows. null: 1, 2, 4, ... up to max_batch_size"))
@@ -161,6 +164,9 @@ class EngineSettings:
             if own is not None and own > self.k_buckets[-1]:
                 raise ValueError(f"{name}.k={own} exceeds the largest of k_buckets {list(self.k_buckets)}: add {own} to "
                                  f"k_buckets (engine.k_buckets=[...,{own}]) or lower {name}.k")
+        if self.request_k_max is not None and not 1 <= self.request_k_max <= self.k_buckets[-1]:
+            raise ValueError(f"request_k_max={self.request_k_max} must be in 1..{self.k_buckets[-1]}, the largest of "
+                             "k_buckets (or null)")
         if self.draft_confidence is not None and not 0.0 <= self.draft_confidence <= 1.0:
             raise ValueError(f"draft_confidence={self.draft_confidence} must be in [0, 1] (or null)")
         if self.threads is not None and self.threads < 1:
@@ -198,6 +204,7 @@ class EngineSettings:
             draft_stop=s.draft_stop,
             batch_buckets=s.batch_buckets,
             host_k=max((x.k or 0 for x in (s.ngram, s.suffix, s.prediction)), default=0) if draft else 0,
+            request_k_max=(s.request_k_max or 0) if draft else 0,
         )
 
     def host_drafter(self, ref: str):

@@ -62,6 +62,20 @@ class ServerMetrics:
                                   "running + waiting, whichever is larger)", ["pool", "replica"], registry=r)  # fmt: skip
         self.acceptance = Histogram("choral_request_acceptance_rate", "per-request acceptance rate, by draft",
                                     ["draft"], buckets=_RATE, registry=r)  # fmt: skip
+        # The router's view against what served requests got: a drift alarm per drafter.
+        self.predicted_acceptance = Histogram("choral_router_predicted_acceptance", "the router's predicted acceptance "
+                                              "of routed requests that drafted, by draft (compare with "
+                                              "choral_request_acceptance_rate)", ["draft"], buckets=_RATE, registry=r)  # fmt: skip
+        self.acceptance_error = Gauge("choral_router_acceptance_error", "live minus predicted acceptance of routed "
+                                      "requests, by draft: a moving average over the last ~20 requests; far from 0 "
+                                      "means the traffic drifted from the router's training data", ["draft"], registry=r)  # fmt: skip
+        self.fallbacks = Counter("choral_drafter_fallbacks", "requests switched to the target alone mid-request because "
+                                 "their drafter's running acceptance fell below what pays, by the drafter they left",
+                                 ["draft"], registry=r)  # fmt: skip
+        self.chosen_k = Histogram("choral_chosen_k", "the K (num_speculative_tokens) routed requests drafted with, by draft",
+                                  ["draft"], buckets=(1, 2, 3, 4, 5, 6, 7, 8, 12, 16), registry=r)  # fmt: skip
+        self.logged_rows = Counter("choral_logged_requests", "served requests written to the request log (log_requests)",
+                                   registry=r)  # fmt: skip
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -13,9 +13,11 @@ work: they take turns.) Engines are not thread-safe, so everything that touches 
 the scheduler's thread; asyncio handlers talk to it through a thread-safe inbox and get events
 back via ``loop.call_soon_threadsafe``.
 
-Between steps the thread routes new requests (one ``choose_batch`` for all that arrived), checks
-the queue limit, aborts cancelled and timed-out requests, then runs one step of the next engine
-with work and hands each request its new tokens.
+Between steps the thread routes new requests (one ``choose_batch`` for all that arrived, for the
+batch they join), checks the queue limit, aborts cancelled and timed-out requests, then runs one
+step of the next engine with work and hands each request its new tokens. A routed request drafts
+with the router's drafter and K and carries its fallback floor (``RoutingSettings``); when it
+finishes, its row goes to the request log, if there is one.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from serving.engine import Completion, Request, RequestFailed, StepOutput
+from serving.engine.core import NONE, Fallback
 from serving.server.metrics import ServerMetrics
 from serving.server.openai_api import APIError
+from serving.server.serve_config import RoutingSettings
 
 log = logging.getLogger("choral.scheduler")
 
@@ -55,6 +59,7 @@ class Engine(Protocol):
 class Routed:
     draft: str
     choice: Any  # routing.Choice, or None without a router
+    k: int | None = None  # the K the request drafts with (the router's); None: the engine's
 
 
 @dataclass
@@ -82,12 +87,15 @@ class Ticket:
     loop: asyncio.AbstractEventLoop
     forced_draft: str | None = None
     stream: bool = False
+    chat: bool = True  # the prompt came as chat messages (for the request log)
     timeout_s: float = 300.0
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrived: float = field(default_factory=time.perf_counter)
     # Set on the scheduler thread:
     draft: str | None = None
     request_id: int | None = None
+    choice: Any = None  # the router's Choice
+    occupancy: int = 1  # the batch the request joined (itself included), as the router saw it
     first_token: float | None = None
     last_token: float | None = None
     done: bool = False
@@ -109,11 +117,14 @@ class Scheduler:
         max_batch_size: int = 8,
         queue_limit: int = 64,
         unavailable: tuple[type[BaseException], ...] = (),
+        routing: RoutingSettings | None = None,
+        request_log: Any = None,
     ) -> None:
         """engines: drafter name -> engine ("none": the target alone); names may share an engine.
         router: a routing.Router whose choices name drafters (None: every request goes to the
         first name unless forced).
-        unavailable: exceptions of ``step`` that mean the remote target is down (HTTP 503)."""
+        unavailable: exceptions of ``step`` that mean the remote target is down (HTTP 503).
+        routing: how a choice applies (K, load, fallback); request_log: a ``RequestLog`` or None."""
         if not engines:
             raise ValueError("the scheduler needs at least one engine")
         self.engines = engines
@@ -122,6 +133,9 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.queue_limit = queue_limit
         self.unavailable = unavailable
+        self.routing = routing or RoutingSettings()
+        self.request_log = request_log
+        self._drift: dict[str, float] = {}  # per draft: moving average of live - predicted acceptance
         self._inbox: queue.SimpleQueue[tuple[str, Ticket | None]] = queue.SimpleQueue()
         self._tickets: dict[tuple[int, int], Ticket] = {}  # (id of the engine, request id) -> ticket
         self._order = list(engines)
@@ -203,9 +217,14 @@ class Scheduler:
         choices: list[Any] = [None] * len(tickets)
         # Forced requests skip the router: embedding their prompts would only delay the next step.
         routed = [i for i, t in enumerate(tickets) if t.forced_draft is None]
+        occupancy = 1
+        if self.routing.load_aware:  # the batch these requests join: what runs and waits, and themselves
+            load = sum(e.num_running + e.num_waiting for _, e in self._distinct.values())
+            occupancy = max(1, min(self.max_batch_size, load + len(routed)))
         if self.router is not None and routed:
             try:
-                for i, c in zip(routed, self.router.choose_batch([tickets[i].route_text for i in routed])):
+                texts = [tickets[i].route_text for i in routed]
+                for i, c in zip(routed, self.router.choose_batch(texts, occupancy)):
                     choices[i] = c
             except Exception as e:  # a broken router must not take the server down
                 log.exception("routing failed")
@@ -226,6 +245,9 @@ class Scheduler:
                 continue
             if draft in getattr(engine, "drafter_names", ()):
                 ticket.request.drafter = draft  # the row drafts with it inside the shared batch
+            if choice is not None and ticket.forced_draft is None and draft != NONE:
+                self._apply_choice(ticket.request, engine, choice)
+            ticket.choice, ticket.occupancy = choice, occupancy
             try:
                 ticket.request_id = engine.add_request(ticket.request)
             except ValueError as e:
@@ -235,7 +257,19 @@ class Scheduler:
             self._tickets[(id(engine), ticket.request_id)] = ticket
             self.metrics.draft_choices.labels(draft, str(ticket.forced_draft is not None).lower()).inc()
             self.metrics.prompt_tokens.inc(len(ticket.request.prompt_ids))
-            ticket.send(Routed(draft, choice))
+            ticket.send(Routed(draft, choice, ticket.request.k))
+
+    def _apply_choice(self, request: Request, engine: Engine, choice: Any) -> None:
+        """The router's K (within what the engine can verify) and the fallback floor: the lower of
+        the drafter's break-even acceptance and ``fallback_ratio`` of its prediction."""
+        k_max = getattr(getattr(engine, "config", None), "k_max", 0)
+        if self.routing.apply_k and choice.k and k_max:
+            request.k = min(int(choice.k), k_max)
+        ratio = self.routing.fallback_ratio
+        if ratio is not None:
+            floor = choice.fallback_floor(ratio)
+            if floor > 0:
+                request.fallback = Fallback(min_acceptance=floor, after_drafted=self.routing.fallback_after)
 
     def _has_room(self, engine: Engine) -> bool:
         """A request may join if its engine has a free slot for it or fewer than ``queue_limit``
@@ -316,9 +350,33 @@ class Scheduler:
         m.target_calls.labels(draft).inc(s.get("target_calls", 0))
         if s.get("drafted"):
             m.acceptance.labels(draft).observe(s["acceptance_rate"])
+        if s.get("fallback"):
+            m.fallbacks.labels(draft).inc()
+        choice = ticket.choice if ticket.forced_draft is None else None
+        if choice is not None and draft != NONE and s.get("drafted"):
+            predicted = choice.expected_rate if ticket.request.k else choice.predicted_acceptance.get(draft, 0.0)
+            m.predicted_acceptance.labels(draft).observe(predicted)
+            m.chosen_k.labels(draft).observe(ticket.request.k or s.get("mean_k", 0.0))
+            drift = self._drift.get(draft, 0.0) * 0.95 + 0.05 * (s["acceptance_rate"] - predicted)  # ~20-request average
+            self._drift[draft] = drift
+            m.acceptance_error.labels(draft).set(drift)
         m.e2e.observe(now - ticket.arrived)
         m.finished.labels(completion.finish_reason).inc()
+        if self.request_log is not None and choice is not None:
+            self._log(ticket, completion)
         ticket.send(Finished(completion))
+
+    def _log(self, ticket: Ticket, completion: Completion) -> None:
+        """Append the request's row; a log that cannot be written costs the row, never the request."""
+        r = ticket.request
+        try:
+            self.request_log.append(self.request_log.row(
+                text=ticket.route_text, chat=ticket.chat, draft=ticket.draft, choice=ticket.choice, k=r.k or 0,
+                occupancy=ticket.occupancy, prompt_tokens=len(r.prompt_ids), greedy=r.params.greedy,
+                completion=completion))  # fmt: skip
+            self.metrics.logged_rows.inc()
+        except Exception:
+            log.exception("could not write the request log's row")
 
     def _cancel(self, ticket: Ticket) -> None:
         if ticket.done or ticket.request_id is None:

@@ -4,8 +4,9 @@
 
 ``describe(ServeConfig)`` (``serve --describe``) prints every key with its default and doc. The
 engines' settings are the ``engine`` section (``serving.engine.engine_settings.EngineSettings``, shared
-with the other commands); ``engine.k`` applies to every engine: the router's suggested K per
-request is reported in the response, not applied.
+with the other commands). ``routing`` says how the router's choices are applied: the drafter
+and K per request for the batch the request joins, the mid-request fallback, and the log of
+served requests that ``train-router`` can learn from.
 """
 
 from __future__ import annotations
@@ -22,6 +23,32 @@ _MOVED = ("device", "dtype", "max_batch_size", "max_len", "k", "draft_confidence
 
 def doc(text: str) -> dict:
     return {"doc": text}
+
+
+@dataclass
+class RoutingSettings:
+    """How the router's choice is applied to each request (fused and draft roles)."""
+
+    apply_k: bool = field(default=True, metadata=doc(
+        "draft the router's K for each request (up to engine.request_k_max); false: every request drafts engine.k"))
+    load_aware: bool = field(default=True, metadata=doc(
+        "choose drafter and K for the batch occupancy at admission (a full batch makes verification dearer); "
+        "false: as if each request ran alone"))
+    fallback_ratio: float | None = field(default=0.75, metadata=doc(
+        "switch a routed request to the target alone once its running acceptance falls below the lower of its "
+        "drafter's break-even acceptance and this fraction of the router's prediction; null: never"))
+    fallback_after: int = field(default=16, metadata=doc("draft tokens a request drafts before the fallback judges it"))
+    log_requests: str | None = field(default=None, metadata=doc(
+        "append each finished routed request as a row in collect-router-data's format to this .jsonl file "
+        "(fsynced): train-router learns from it (data: [rows.jsonl, served.jsonl])"))
+
+    def __post_init__(self) -> None:
+        if self.fallback_ratio is not None and not 0.0 < self.fallback_ratio <= 1.0:
+            raise ValueError(f"routing.fallback_ratio={self.fallback_ratio} must be in (0, 1] (or null: no fallback)")
+        if self.fallback_after < 1:
+            raise ValueError(f"routing.fallback_after={self.fallback_after} must be >= 1")
+        if self.log_requests is not None and not self.log_requests.endswith(".jsonl"):
+            raise ValueError(f"routing.log_requests={self.log_requests!r} must be a .jsonl file")
 
 
 @dataclass
@@ -103,6 +130,8 @@ class ServeConfig:
     grpc: GrpcSettings = field(default_factory=GrpcSettings, metadata=doc("the distributed mode's gRPC link"))
     log_level: Literal["critical", "error", "warning", "info", "debug"] = field(default="info", metadata=doc(
         "uvicorn's log level"))
+    routing: RoutingSettings = field(default_factory=RoutingSettings, metadata=doc(
+        "how the router's choices apply: K, load, fallback, request log"))
     engine: EngineSettings = field(default_factory=lambda: EngineSettings(max_batch_size=8))
 
     RENAMED: ClassVar[dict[str, str]] = {name: f"engine.{name}" for name in _MOVED} | {"engine.batch_size": "engine.max_batch_size"}
@@ -124,6 +153,8 @@ class ServeConfig:
             raise ValueError(f"default_max_tokens={self.default_max_tokens} must be >= 1")
         if self.backend == "vllm" and self.role != "fused":
             raise ValueError(f"backend=vllm with role={self.role}: the vLLM replicas are the targets; drop role")
+        if self.backend == "vllm" and self.routing.log_requests is not None:
+            raise ValueError("routing.log_requests logs Choral's own engine (backend=choral); vLLM pools keep their own logs")
         if self.backend == "vllm" and self.fleet is None:
             raise ValueError("backend=vllm needs a fleet file: pass --fleet fleet.yaml")
         if not 0 < self.port < 65536:

@@ -20,6 +20,8 @@ fused mode, on a ``serving.distributed.remote.RemoteVerifier`` in the draft role
 
 from __future__ import annotations
 
+import dataclasses
+
 import asyncio
 import hmac
 import logging
@@ -75,6 +77,10 @@ def build_engines(cfg: ServeConfig, router: Any) -> tuple[Any, dict[str, Engine]
     drafters = {name: router.draft_refs.get(name) for name in router.draft_names if name != NONE}
     for builtin in HOST_DRAFTERS:
         drafters.setdefault(builtin, builtin)
+    settings = cfg.engine
+    if settings.request_k_max is None and cfg.routing.apply_k:  # room for the router's largest K
+        fits = [k for k in settings.k_buckets if k <= max(router.k_buckets)]
+        settings = dataclasses.replace(settings, request_k_max=max(fits) if fits else None)
     verifier, unavailable = None, ()
     if cfg.role == "draft":  # the same engine, verifying on the target service
         from serving.distributed.remote import RemoteVerifier, TargetUnavailable
@@ -84,7 +90,7 @@ def build_engines(cfg: ServeConfig, router: Any) -> tuple[Any, dict[str, Engine]
                                   tls_ca=g.read("tls_ca") if g.tls_ca else None)  # fmt: skip
         unavailable = (TargetUnavailable,)
     loaded = load_engine(
-        cfg.engine, cfg.target_model or router.target_ref, drafters | {NONE: None},
+        settings, cfg.target_model or router.target_ref, drafters | {NONE: None},
         default=router.draft_names[0] if router.draft_names else NONE, verifier=verifier,
     )  # fmt: skip
     engine = loaded.engine
@@ -245,8 +251,15 @@ class _Server:
         try:
             t0 = time.perf_counter()
             backend = load(self.cfg)
+            request_log = None
+            if self.cfg.routing.log_requests is not None:
+                from serving.server.request_log import RequestLog
+
+                request_log = RequestLog(self.cfg.routing.log_requests, target=backend.router.target_ref,
+                                         target_weights=self.cfg.engine.target_weights, draft_refs=backend.router.draft_refs)  # fmt: skip
             scheduler = Scheduler(backend.engines, backend.router, self.metrics, max_batch_size=self.cfg.engine.max_batch_size,
-                                  queue_limit=self.cfg.queue_limit, unavailable=backend.unavailable)  # fmt: skip
+                                  queue_limit=self.cfg.queue_limit, unavailable=backend.unavailable, routing=self.cfg.routing,
+                                  request_log=request_log)  # fmt: skip
             scheduler.start()
             self.backend, self.scheduler, self.ready = backend, scheduler, True
             log.info("choral: ready in %.1f s: model %r, engines %s", time.perf_counter() - t0, backend.model_name,
@@ -338,7 +351,7 @@ class _Server:
         params = SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=body.seed)
         request = Request(prompt_ids, params, max_tokens, body.stops, prediction=prediction)
         return Ticket(request, route_text, asyncio.get_running_loop(), forced_draft=forced, stream=body.stream,
-                      timeout_s=self.cfg.request_timeout_s)  # fmt: skip
+                      chat=isinstance(body, ChatCompletionRequest), timeout_s=self.cfg.request_timeout_s)  # fmt: skip
 
     def _longest_token(self) -> int:
         """An upper bound on the characters one token holds: the longest vocabulary entry (a
@@ -486,7 +499,10 @@ class _Context:
             "predicted_acceptance": choice.predicted_acceptance.get(draft) if choice else None,
             "predicted_speedup": choice.predicted_speedup.get(draft) if choice else None,
             "suggested_k": choice.k if choice else None,
+            "k": self.routed.k if self.routed.k is not None else round(stats.get("mean_k", 0.0), 2),  # router's K, or engine's mean
+            "occupancy": choice.occupancy if choice else None,  # the batch the router chose for
             "router_choice": choice.draft if choice else None,
+            "fallback": stats.get("fallback"),  # {"to": "none", "at_token": n} when the drafter stopped paying
         }
 
 

@@ -38,6 +38,7 @@ from serving.engine.cpu_kernels import rowdot_available, set_enabled
 from serving.engine.engine_settings import HOST_DRAFTERS, EngineSettings, load_models, prepare_kernels
 from serving.engine.models import load_model
 from serving.prompts import DOMAINS, encode_prompt, load_prompts, resolve_domains
+from serving.workload import FAMILIES, load_family
 
 NEAR_TIE = 1e-3  # a top-2 logit gap below this is a numerical tie, where rounding may pick either
 
@@ -54,7 +55,10 @@ class BenchConfig:
     domains: list[Literal["code", "chat", "math", "edit", "extract", "summarize", "quoted", "grounded"]] = field(
         default_factory=lambda: list(DOMAINS), metadata=doc(
         "prompt domains (spec-bench's own prompts: the head rows of each); grounded = edit, extract, summarize, quoted"))
-    prompts_per_domain: int = field(default=10, metadata=doc("prompts per domain"))
+    families: list[Literal["chat", "code", "edit", "extract", "math", "quoted", "all"]] = field(default_factory=list, metadata=doc(
+        "families of the six-family routing workload (serving.workload) instead of `domains`; all = the six"))
+    split: Literal["train", "val", "test"] = field(default="test", metadata=doc("with `families`: the workload split to take"))
+    prompts_per_domain: int = field(default=10, metadata=doc("prompts per domain (per family with `families`)"))
     max_new_tokens: int = field(default=64, metadata=doc("tokens generated per prompt, greedy"))
     k_sweep: list[int] = field(default_factory=lambda: list(range(1, 9)), metadata=doc("K values of the sweep; [] skips it"))
     sweep_prompts: int = field(default=2, metadata=doc("prompts per domain in the K sweep"))
@@ -269,6 +273,8 @@ CLI = Command("spec-bench", BenchConfig, __doc__, flags=[
     Flag("--target", "target"),
     Flag("--draft", "draft"),
     Flag("--domains", "domains", sep=","),
+    Flag("--families", "families", sep=","),
+    Flag("--split", "split"),
     Flag("--prompts-per-domain", "prompts_per_domain"),
     Flag("--max-new-tokens", "max_new_tokens"),
     Flag("--k", "engine.k"),
@@ -343,8 +349,12 @@ def run(cfg: BenchConfig, args: argparse.Namespace, argv: list[str] | None = Non
 
     target_engine, spec_engine = engine(0), engine(e.k)
     eos = sorted(target_engine._eos)
-    domains = resolve_domains(cfg.domains)  # groups (grounded) expand to their domains
-    prompts = {d: load_prompts(d, cfg.prompts_per_domain) for d in domains}
+    if cfg.families:  # the routing workload's families, from one split
+        domains = list(FAMILIES) if "all" in cfg.families else list(dict.fromkeys(cfg.families))
+        prompts = {f: load_family(f, cfg.split, cfg.prompts_per_domain) for f in domains}
+    else:
+        domains = resolve_domains(cfg.domains)  # groups (grounded) expand to their domains
+        prompts = {d: load_prompts(d, cfg.prompts_per_domain) for d in domains}
     settings = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "engine"} | dataclasses.asdict(e)
     report: dict = {
         # Flat, as bench.json always was: the run's settings (engine ones included) and where it ran.

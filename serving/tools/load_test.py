@@ -218,6 +218,12 @@ def write_atomic(path: Path, text: str) -> None:
 def load_request_prompts(args: argparse.Namespace) -> list[Prompt]:
     if args.prompt_file:
         prompts = read_prompt_file(args.prompt_file)
+    elif args.families:  # the routing workload: n prompts of each family from one split, interleaved
+        from serving.workload import FAMILIES, load_family
+
+        names = list(FAMILIES) if args.families == "all" else [f.strip() for f in args.families.split(",")]
+        per = [load_family(f, args.split, args.n_prompts) for f in names]
+        prompts = [p for group in zip(*per) for p in group]
     else:
         prompts = [p for d in args.domains.split(",") for p in load_prompts(d.strip(), args.n_prompts)]
     if args.max_prompt_chars:
@@ -242,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "the (i mod n)-th: a mixed load, the same requests on every server")
     ap.add_argument("--prompt-file", help=".txt or .jsonl prompts (see serving.prompts.read_prompt_file)")
     ap.add_argument("--domains", default=",".join(DOMAINS), help=f"built-in prompt domains ({', '.join(DOMAINS)})")
+    ap.add_argument("--families", default=None, help="routing-workload families instead of --domains (comma list, or all)")
+    ap.add_argument("--split", default="test", choices=["train", "val", "test"], help="the workload split of --families")
     ap.add_argument("--n-prompts", type=int, default=16, help="prompts per built-in domain")
     ap.add_argument("--max-prompt-chars", type=int, default=None, help="skip longer prompts")
     ap.add_argument("--compare-sequential", action="store_true", help="then send the same requests one at a time")

@@ -1,0 +1,168 @@
+"""Routed decoding on the six-family workload, measured live: the report's workload section.
+
+    report = measure({"routed": Router.load("runs/workload/router/router.pt")}, load_workload("test", 5),
+                     max_new_tokens=48, settings=EngineSettings(target_weights="int8", request_k_max=8))
+    print(markdown(report)); plot(report, "runs/report/workload.png")
+
+One engine holds the target, the router's drafts, ``ngram``, ``suffix`` and ``none``. For every
+prompt of the split it runs, in an order that rotates from prompt to prompt (so machine drift hits
+every policy alike): the target alone, each single drafter at the engine's fixed K, and the routed
+policy of each router given (its drafter and K for a batch of one, with the serving fallback rule). Tokens/s
+is a request's tokens over its wall time, prefill included. Per prompt the oracle is the fastest
+of the target alone and the single drafters; the best single drafter is the one with the highest
+mean speedup over all the split's prompts (chosen with hindsight: a generous comparison for the
+router). Every greedy output is checked against the target alone's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from routing.router import NONE, Router
+from serving.engine import Request
+from serving.engine.core import Fallback
+from serving.engine.engine_settings import HOST_DRAFTERS, EngineSettings, load_engine
+from serving.prompts import Prompt, encode_prompt
+
+ROUTED = "routed"
+
+
+def measure(routers: dict[str, Router], prompts: list[Prompt], *, max_new_tokens: int, settings: EngineSettings,
+            fallback_ratio: float | None = 0.75, singles: bool = True) -> dict:  # fmt: skip
+    """Measure the target alone, every single drafter (unless ``singles`` is false) and each
+    router's routed policy (named by its key) on every prompt."""
+    targets = {r.target_ref for r in routers.values()}
+    if len(targets) != 1:
+        raise ValueError(f"the routers name different targets {sorted(targets)}: compare routers of one target")
+    drafts: dict[str, str] = {}
+    for r in routers.values():
+        drafts |= {n: ref for n, ref in r.draft_refs.items() if n != NONE}
+    drafts |= {h: h for h in HOST_DRAFTERS if h not in drafts}
+    single = [*drafts, NONE] if singles else [NONE]
+    loaded = load_engine(settings, targets.pop(), drafts | {NONE: None})
+    engine, tokenizer = loaded.engine, loaded.tokenizer
+    warm = tokenizer.encode("def add(a, b):", add_special_tokens=False)
+    for name in [*drafts, NONE]:  # first-use costs of every drafter paid before the clock runs
+        engine.generate([Request(warm, max_new_tokens=4, drafter=name)])
+    policies = [*single, *routers]
+    rows = []
+    for i, prompt in enumerate(tqdm(prompts, desc="workload", unit="prompt")):
+        ids = encode_prompt(tokenizer, prompt)
+        choices = {name: r.choose(prompt.text) for name, r in routers.items()}
+        row = {"id": prompt.id, "family": prompt.domain, "choice": {n: c.draft for n, c in choices.items()},
+               "k": {n: c.k for n, c in choices.items()}, "tokens_per_s": {}, "acceptance": {}, "fallback": {}}  # fmt: skip
+        outputs = {}
+        for j in range(len(policies)):
+            name = policies[(i + j) % len(policies)]
+            if name in choices:
+                c = choices[name]
+                floor = c.fallback_floor(fallback_ratio) if fallback_ratio is not None else 0.0
+                request = Request(ids, max_new_tokens=max_new_tokens, drafter=c.draft, k=c.k if c.draft != NONE else None,
+                                  fallback=Fallback(floor) if floor > 0 else None)  # fmt: skip
+            else:
+                request = Request(ids, max_new_tokens=max_new_tokens, drafter=name)
+            started = time.perf_counter()
+            [out] = engine.generate([request])
+            elapsed = time.perf_counter() - started
+            outputs[name] = out.token_ids
+            row["tokens_per_s"][name] = len(out.token_ids) / elapsed
+            row["acceptance"][name] = out.stats["acceptance_rate"]
+            if name in choices:
+                row["fallback"][name] = out.stats.get("fallback")
+        row["identical"] = {n: outputs[n] == outputs[NONE] for n in policies if n != NONE}
+        rows.append(row)
+    return {"config": {"max_new_tokens": max_new_tokens, "k": settings.k, "target_weights": settings.target_weights,
+                       "fallback_ratio": fallback_ratio, "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+                       "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])},
+            "policies": policies, "routed": list(routers), "rows": rows,
+            "summary": summarize(rows, single, list(routers))}  # fmt: skip
+
+
+def summarize(rows: list[dict], singles: list[str], routed: list[str]) -> dict:
+    """Per family and overall: each policy's mean speedup over the target alone, the oracle's
+    (fastest single policy per prompt), the best single drafter (hindsight over all rows) and each
+    routed policy against both."""
+
+    def speedups(rs: list[dict], name: str) -> list[float]:
+        return [r["tokens_per_s"][name] / r["tokens_per_s"][NONE] for r in rs]
+
+    best_single = max(singles, key=lambda n: statistics.fmean(speedups(rows, n)))
+    out = {}
+    families = list(dict.fromkeys(r["family"] for r in rows))
+    for group in [*families, "all"]:
+        rs = rows if group == "all" else [r for r in rows if r["family"] == group]
+        mean = {n: statistics.fmean(speedups(rs, n)) for n in [*singles, *routed]}
+        oracle = statistics.fmean(max(r["tokens_per_s"][n] for n in singles) / r["tokens_per_s"][NONE] for r in rs)
+        choices = {n: {} for n in routed}
+        for r in rs:
+            for n in routed:
+                choices[n][r["choice"][n]] = choices[n].get(r["choice"][n], 0) + 1
+        out[group] = {
+            "prompts": len(rs), "speedup": mean, "oracle": oracle, "best_single": best_single,
+            "vs_best_single": {n: mean[n] / mean[best_single] for n in routed},
+            "vs_oracle": {n: mean[n] / oracle for n in routed}, "choices": choices,
+            "identical": sum(all(r["identical"].values()) for r in rs),
+            "fallbacks": {n: sum(r["fallback"].get(n) is not None for r in rs) for n in routed},
+        }  # fmt: skip
+    return out
+
+
+def markdown(report: dict) -> str:
+    c, s = report["config"], report["summary"]
+    routed = report["routed"]
+    singles = [p for p in report["policies"] if p not in routed]
+    best = s["all"]["best_single"]
+    lines = [f"{c['max_new_tokens']} new tokens, greedy, single drafters at K = {c['k']}, target {c['target_weights']}; "
+             "speedup = tokens/s over the target alone on the same prompt, prefill included; oracle = the fastest single "
+             f"policy per prompt; best single drafter (hindsight, all prompts): `{best}`.", "",
+             "| family | prompts | " + " | ".join(singles + routed) + " | oracle | "
+             + " | ".join(f"{n} / best single | {n} / oracle | {n}'s choices" for n in routed) + " | identical |",
+             "|---|---|" + "---|" * (len(singles) + len(routed) + 1 + 3 * len(routed) + 1)]  # fmt: skip
+    for group, g in s.items():
+        cells = [f"{g['speedup'][n]:.2f}x" for n in singles + routed] + [f"{g['oracle']:.2f}x"]
+        for n in routed:
+            picks = ", ".join(f"{d} {k}" for d, k in sorted(g["choices"][n].items()))
+            cells += [f"{g['vs_best_single'][n]:.2f}", f"{g['vs_oracle'][n]:.2f}", picks]
+        lines.append(f"| {group} | {g['prompts']} | " + " | ".join(cells) + f" | {g['identical']}/{g['prompts']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = report["summary"]
+    groups = list(s)
+    names = [p for p in report["policies"]] + ["oracle"]
+    width = 0.8 / len(names)
+    fig, ax = plt.subplots(figsize=(max(8, 1.4 * len(groups)), 4))
+    for j, n in enumerate(names):
+        vals = [s[g]["oracle"] if n == "oracle" else s[g]["speedup"][n] for g in groups]
+        ax.bar([i + j * width for i in range(len(groups))], vals, width, label=n)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))], groups)
+    ax.set_ylabel("speedup over the target alone")
+    ax.set_title(f"Workload ({report['config'].get('split', '')} split): single drafters, routed, oracle")
+    ax.legend(fontsize=8, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def save(report: dict, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(report, indent=1))
+    os.replace(tmp, path)
+

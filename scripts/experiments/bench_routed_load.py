@@ -1,0 +1,145 @@
+"""Routed serving under load against every fixed drafter (issue 30's load point).
+
+    python scripts/experiments/bench_routed_load.py --router runs/workload/router/router.pt \\
+        --per-family 4 --max-tokens 48 --rounds 1 --out runs/routed-load
+
+Starts one ``serve --router R`` (int8 target, batch 8, engine K 4, the router's K and drafter
+applied per request for the batch it joins, the fallback on), then sends the same mixed requests
+(``--per-family`` test-split prompts of each of the six families, interleaved) from 8 concurrent
+streaming clients once per policy: ``routed`` (the router chooses drafter and K), and each
+drafter forced (``draft`` body field: the router is skipped and the engine's fixed K is used),
+``none`` included. Policies take turns in an order that rotates each round. Reported: aggregate
+completion tokens/s per policy, routed over the best fixed drafter, the router's choices, the
+fallbacks, and whether every greedy answer equals the target alone's (``none``) text.
+Writes ``routed_load.json`` and ``routed_load.md`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from serving.tools.load_test import amain, build_parser
+
+POLICIES = ("routed", "suffix", "ngram", "base", "none")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 900.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"serve exited with {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"serve at {url} not ready after {timeout:.0f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--router", required=True)
+    ap.add_argument("--per-family", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--policies", default=",".join(POLICIES), help="routed and drafter names to force")
+    ap.add_argument("--serve-arg", action="append", default=[], help="extra serve key=value overrides")
+    ap.add_argument("--out", default="runs/routed-load")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    policies = [p.strip() for p in args.policies.split(",")]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = ["serve", "--router", args.router, f"port={port}", "engine.target_weights=int8", "engine.max_batch_size=8",
+           "engine.k=4", "log_level=warning", *args.serve_arg]  # fmt: skip
+    log = open(out / "serve.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    results: dict[str, list[dict]] = {p: [] for p in policies}
+    try:
+        wait_ready(url, proc)
+        n = args.per_family * 6
+        for r in range(args.rounds):
+            for j in range(len(policies)):
+                policy = policies[(r + j) % len(policies)]
+                lt = ["--url", url, "--families", "all", "--split", "test", "--n-prompts", str(args.per_family),
+                      "--requests", str(n), "--concurrency", str(args.concurrency), "--max-tokens", str(args.max_tokens),
+                      "--quiet", "--out", str(out / f"lt-{policy}-{r}")]  # fmt: skip
+                if policy != "routed":
+                    lt += ["--draft", policy]
+                report = asyncio.run(amain(build_parser().parse_args(lt)))
+                results[policy].append(report)
+                print(f"round {r} {policy}: {report['throughput_tokens_per_s']:.2f} tok/s, errors {report['errors']}", flush=True)
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as m:
+            metrics = m.read().decode()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+    summary = summarize(results, policies)
+    summary["fallbacks_total"] = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                                     if line.startswith("choral_drafter_fallbacks_total{"))  # fmt: skip
+    report = {"command": " ".join(["python scripts/experiments/bench_routed_load.py", *(argv if argv is not None else sys.argv[1:])]),
+              "machine": f"{os.cpu_count()} cpus", "summary": summary,
+              "runs": {p: [{k: v for k, v in r.items() if k != "rows"} for r in rs] for p, rs in results.items()}}  # fmt: skip
+    tmp = out / ".routed_load.json.tmp"
+    tmp.write_text(json.dumps(report, indent=1))
+    os.replace(tmp, out / "routed_load.json")
+    md = markdown(report)
+    (out / "routed_load.md").write_text(md)
+    print(md)
+    return 0
+
+
+def summarize(results: dict[str, list[dict]], policies: list[str]) -> dict:
+    tps = {p: sum(r["completion_tokens"] for r in rs) / sum(r["wall_s"] for r in rs) for p, rs in results.items()}
+    fixed = [p for p in policies if p != "routed"]
+    best = max(fixed, key=lambda p: tps[p]) if fixed else None
+    texts = {p: {row["prompt_id"]: row["text"] for r in rs for row in r["rows"]} for p, rs in results.items()}
+    ref = texts.get("none", {})
+    identical = {p: sum(ref.get(i) == t for i, t in ts.items()) for p, ts in texts.items() if p != "none"}
+    choices: dict[str, int] = {}
+    for r in results.get("routed", []):
+        for row in r["rows"]:
+            choices[row["draft"]] = choices.get(row["draft"], 0) + 1
+    return {"tokens_per_s": tps, "best_fixed": best, "routed_vs_best_fixed": tps["routed"] / tps[best] if best and "routed" in tps else None,
+            "identical_to_none": identical, "answers": {p: len(ts) for p, ts in texts.items()}, "routed_choices": choices,
+            "errors": {p: sum(r["errors"] for r in rs) for p, rs in results.items()}}  # fmt: skip
+
+
+def markdown(report: dict) -> str:
+    s = report["summary"]
+    lines = [f"`{report['command']}`", "", "| policy | tok/s | identical to none | errors |", "|---|---|---|---|"]
+    for p, v in s["tokens_per_s"].items():
+        ident = "-" if p == "none" else f"{s['identical_to_none'][p]}/{s['answers'][p]}"
+        lines.append(f"| {p} | {v:.2f} | {ident} | {s['errors'][p]} |")
+    if s["routed_vs_best_fixed"] is not None:
+        lines += ["", f"Routed / best fixed ({s['best_fixed']}): {s['routed_vs_best_fixed']:.3f}. Router's choices: "
+                  + ", ".join(f"{k} {v}" for k, v in sorted(s["routed_choices"].items()))
+                  + f". Fallbacks: {s['fallbacks_total']:.0f}."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,273 @@
+"""The router's workload (issue 30): six task families with a fixed split by prompt, drafter and K
+chosen together for the batch a request joins, the fallback floor, and train-router learning from
+served requests' logs (one measured drafter per prompt)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from routing.collect import load_sources
+from routing.config import CollectConfig, RouterTrainConfig, SourceConfig
+from routing.dataset import load_served, load_table
+from routing.router import NONE, Router
+from routing.train import train
+from serving.workload import FAMILIES, SPLITS, load_family, load_workload, split_of
+
+# ---- the workload ------------------------------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_the_split_is_a_fixed_function_of_the_prompt_id():
+    ids = [f"family/{i}" for i in range(4000)]
+    shares = Counter(split_of(i) for i in ids)
+    assert abs(shares["train"] / 4000 - 0.6) < 0.03 and abs(shares["val"] / 4000 - 0.2) < 0.03
+    assert abs(shares["test"] / 4000 - 0.2) < 0.03
+    assert [split_of(i) for i in ids[:200]] == [split_of(i) for i in ids[:200]]
+
+
+@pytest.mark.unit
+def test_each_family_gives_disjoint_splits_labelled_with_the_family():
+    for family in FAMILIES:
+        by_split = {s: load_family(family, s, 3) for s in SPLITS}
+        ids = [p.id for ps in by_split.values() for p in ps]
+        assert len(ids) == len(set(ids)) == 9, family
+        assert all(p.domain == family and split_of(p.id) == s for s, ps in by_split.items() for p in ps)
+    assert load_family("code", "test", 3, offset=2) == load_family("code", "test", 5)[2:]
+    # Extraction and summaries alternate inside one family.
+    assert {p.id.split("/")[0] for p in load_family("extract", "train", 4)} == {"extract", "summarize"}
+    assert [p.domain for p in load_workload("val", 1)] == list(FAMILIES)
+
+
+@pytest.mark.unit
+def test_a_bad_family_or_split_names_the_value():
+    with pytest.raises(ValueError, match="unknown family 'poetry'"):
+        load_family("poetry", "test", 1)
+    with pytest.raises(ValueError, match="unknown split 'dev'"):
+        load_family("code", "dev", 1)
+
+
+@pytest.mark.unit
+def test_collect_takes_a_family_split_as_a_source():
+    cfg = CollectConfig(sources=[SourceConfig(family="all", split="val", n=1), SourceConfig(family="edit", split="test", n=2)])
+    prompts = load_sources(cfg)
+    assert [p.domain for p in prompts] == [*FAMILIES, "edit", "edit"]
+    assert [split_of(p.id) for p in prompts] == ["val"] * 6 + ["test"] * 2
+
+
+# ---- drafter and K for the load ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def costed_router():
+    """One draft that costs 0.05 of a target step and 1.5 per verification (K = 4, batch 1), a
+    target forward of 100 ms + 10 ms per token."""
+    router = Router.create({"a": "draft-a", NONE: None}, "target", objective="speedup",
+                           costs={"a": {"draft_cost": 0.05, "verify_cost": 1.5}})  # fmt: skip
+    router.info |= {"collected_k": 4, "step_model": {"base_ms": 100.0, "per_token_ms": 10.0}}
+    return router
+
+
+@pytest.mark.unit
+def test_a_fuller_batch_makes_drafting_worth_less(costed_router):
+    r = costed_router
+    for rate in (0.2, 0.5, 0.8):
+        alone, full = r.decide(torch.tensor([[rate]]), 1)[0], r.decide(torch.tensor([[rate]]), 8)[0]
+        assert full.predicted_speedup["a"] < alone.predicted_speedup["a"]
+        assert (full.k if full.draft == "a" else 0) <= alone.k
+    # Worth drafting alone, not in a batch of eight: the choice flips to the target alone.
+    alone, full = r.decide(torch.tensor([[0.3]]), 1)[0], r.decide(torch.tensor([[0.3]]), 8)[0]
+    assert (alone.draft, full.draft) == ("a", NONE)
+    assert full.k == 0 and full.occupancy == 8
+    # A high acceptance earns a long K alone and a shorter one in a full batch.
+    alone, full = r.decide(torch.tensor([[0.8]]), 1)[0], r.decide(torch.tensor([[0.8]]), 8)[0]
+    assert alone.k == 8 and 1 <= full.k < 8
+    with pytest.raises(ValueError, match="occupancy=0"):
+        r.choose_batch(["x"], occupancy=0)
+
+
+@pytest.mark.unit
+def test_break_even_is_where_the_cost_model_ties_with_the_target_alone(costed_router):
+    r = costed_router
+    for occupancy in (1, 4, 8):
+        rate = r.break_even("a", 4, occupancy)
+        r.k_buckets = [4]
+        try:
+            speed, _ = r.speedups(torch.tensor([[rate]]), occupancy)
+        finally:
+            r.k_buckets = list(range(1, 9))
+        assert float(speed) == pytest.approx(1.0, abs=2e-3)
+    assert r.break_even("a", 4, 8) > r.break_even("a", 4, 1)
+
+
+@pytest.mark.unit
+def test_the_fallback_floor_is_the_lower_of_break_even_and_a_share_of_the_prediction(costed_router):
+    high = costed_router.decide(torch.tensor([[0.8]]), 1)[0]
+    assert high.fallback_floor(0.75) == pytest.approx(high.break_even)  # break-even is far below 0.75 x 0.8
+    low = costed_router.decide(torch.tensor([[0.2]]), 1)[0]
+    assert low.draft == "a" and low.fallback_floor(0.75) == pytest.approx(min(low.break_even, 0.75 * low.expected_rate))
+    # The prediction (a rate at the collected K = 4) read at the chosen K: shorter K, higher rate.
+    assert low.k < 4 and low.expected_rate > 0.2 and costed_router.rate_at(0.2, 4) == pytest.approx(0.2, abs=1e-4)
+    none = costed_router.decide(torch.tensor([[0.3]]), 8)[0]
+    assert none.fallback_floor(0.75) == 0.0
+
+
+# ---- learning from served requests -------------------------------------------------------------
+
+CODE = [f"def helper_{i}(values):\n    return sorted(values)[{i}]" for i in range(12)]
+CHAT = [f"Write a friendly note to my neighbour number {i} about the garden party." for i in range(12)]
+SHIFTED = [f"Translate sentence {i} of the letter into French, keeping every name as it is." for i in range(12)]
+
+
+def _row(pid: str, domain: str, text: str, draft: str, acc: float | None, split: str | None = None, **extra) -> dict:
+    return {"prompt_id": pid, "domain": domain, "split": split, "text": text, "use_chat_template": True, "draft": draft,
+            "draft_ref": None if draft == NONE else f"ref-{draft}", "target": "target", "target_weights": "int8",
+            "mode": "greedy", "repeat": 0, "k": 0 if draft == NONE else 4, "acceptance_rate": acc or 0.0,
+            "speedup": 1.0 if draft == NONE else 1.0 + (acc or 0.0), "draft_step_ms": 0.0 if draft != "model" else 30.0,
+            "target_step_ms": 100.0 if draft == NONE else 140.0} | extra  # fmt: skip
+
+
+def _collected(path: Path, prompts: dict[str, list[str]], acc: dict[str, dict[str, float]], split=lambda i: None,
+               start: int = 0) -> Path:  # fmt: skip
+    rows = []
+    for domain, texts in prompts.items():
+        for i, text in enumerate(texts, start=start):
+            pid = f"{domain}/{i}"
+            rows += [_row(pid, domain, text, NONE, None, split(i))]
+            rows += [_row(pid, domain, text, d, a, split(i)) for d, a in acc[domain].items()]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.integration
+def test_train_router_learns_from_served_rows_of_one_drafter_each(tmp_path):
+    """Collected: `ngram` pays on code, `model` on chat. Served (shifted) traffic: a kind of
+    request the collected rows never had, on which the router's choice (`model`) keeps failing.
+    Retrained with the served log, the router predicts that drafter's acceptance there far lower
+    and stops choosing it, while the collected domains keep their choices."""
+    acc = {"code": {"ngram": 0.8, "model": 0.5}, "chat": {"ngram": 0.05, "model": 0.6}}
+    data = _collected(tmp_path / "rows.jsonl", {"code": CODE[:8], "chat": CHAT[:8]}, acc)
+    test = _collected(tmp_path / "test.jsonl", {"code": CODE[8:], "chat": CHAT[8:]}, acc, start=8)
+    base = RouterTrainConfig(data=[str(data)], test_data=[str(test)], objective="acceptance", output=str(tmp_path / "before"))
+    base.mlp.epochs = 150
+    train(base)
+    before = Router.load(tmp_path / "before" / "router.pt")
+    served = tmp_path / "served.jsonl"
+    served.write_text("".join(json.dumps(_row(f"served/{i}", "served", t, "model", 0.02, source="served")) + "\n"
+                              for i, t in enumerate(SHIFTED)))  # fmt: skip
+    table = load_table([str(data)])
+    loaded = load_served([str(served)], table)
+    assert loaded.texts == sorted(SHIFTED) and torch.isnan(loaded.acceptance[:, table.drafts.index("ngram")]).all()
+    after_cfg = RouterTrainConfig(data=[str(data)], test_data=[str(test)], served=[str(served)], objective="acceptance",
+                                  output=str(tmp_path / "after"))  # fmt: skip
+    after_cfg.mlp.epochs = 150
+    train(after_cfg)
+    after = Router.load(tmp_path / "after" / "router.pt")
+    j = after.drafts.index("model")
+    p_before = before.predict_acceptance(SHIFTED)[:, j].mean()
+    p_after = after.predict_acceptance(SHIFTED)[:, j].mean()
+    assert p_after < p_before - 0.2, (float(p_before), float(p_after))
+    assert all(c.draft == "model" for c in after.choose_batch(CHAT[8:]))
+    assert all(c.draft == "ngram" for c in after.choose_batch(CODE[8:]))
+    assert after.info["served"] == [str(served)]
+
+
+@pytest.mark.unit
+def test_workload_rows_use_their_fixed_split_and_keep_test_rows_out_of_training(tmp_path):
+    acc = {"code": {"ngram": 0.8, "model": 0.5}, "chat": {"ngram": 0.05, "model": 0.6}}
+    prompts = {"code": CODE[:10], "chat": CHAT[:10]}
+    data = _collected(tmp_path / "rows.jsonl", prompts, acc, split=lambda i: "val" if i % 5 == 0 else "train")
+    cfg = RouterTrainConfig(data=[str(data)], objective="acceptance", output=str(tmp_path / "r"))
+    with pytest.raises(ValueError, match="pass the test split's rows as test_data"):
+        train(cfg)
+    leaked = _collected(tmp_path / "leak.jsonl", prompts, acc, split=lambda i: "test")
+    with pytest.raises(ValueError, match="test split"):
+        train(RouterTrainConfig(data=[str(leaked)], objective="acceptance", output=str(tmp_path / "r")))
+    table = load_table([str(data)])
+    assert table.splits.count("val") == 4 and table.splits.count("train") == 16
+    assert table.step_model == pytest.approx({"base_ms": 90.0, "per_token_ms": 10.0})
+
+
+# ---- the server applies the choice and logs served requests ------------------------------------
+
+
+@pytest.mark.unit
+def test_the_scheduler_applies_the_routers_k_and_fallback_floor(costed_router):
+    from types import SimpleNamespace
+
+    from serving.engine import Request
+    from serving.server.scheduler import Scheduler
+    from serving.server.serve_config import RoutingSettings
+
+    engine = SimpleNamespace(config=SimpleNamespace(k_max=6))
+    choice = costed_router.decide(torch.tensor([[0.8]]), 1)[0]  # K 8: more than the engine verifies
+    sched = Scheduler({"a": engine}, routing=RoutingSettings(fallback_ratio=0.5, fallback_after=12))
+    request = Request([1, 2, 3])
+    sched._apply_choice(request, engine, choice)
+    assert request.k == 6 and request.fallback.after_drafted == 12
+    assert request.fallback.min_acceptance == pytest.approx(choice.fallback_floor(0.5))
+    off = Scheduler({"a": engine}, routing=RoutingSettings(apply_k=False, fallback_ratio=None))
+    request = Request([1, 2, 3])
+    off._apply_choice(request, engine, choice)
+    assert request.k is None and request.fallback is None
+
+
+@pytest.mark.integration
+def test_served_requests_draft_the_routers_k_and_land_in_the_request_log(model_dirs, tmp_path):
+    from routing.rows import read_rows, row_key
+    from tests.test_server import MAX_LEN, LiveServer
+
+    draft = str(model_dirs["draft"])
+    router_path = tmp_path / "router.pt"
+    Router.create({"small": draft}, str(model_dirs["target"]), costs={"small": {"draft_cost": 0.05, "verify_cost": 1.2}},
+                  k_buckets=(3, 5)).save(router_path)  # fmt: skip
+    log = tmp_path / "served.jsonl"
+    srv = LiveServer([f"router={router_path}", f"engine.max_len={MAX_LEN}", "engine.max_batch_size=2", "engine.k=2",
+                      f"routing.log_requests={log}"])  # fmt: skip
+    try:
+        srv.wait_ready()
+        prompts = ["def add(a, b):", "def mul(a, b):", "def add(a, b):"]
+        outs = [srv.client.completions.create(model=srv.model, prompt=p, max_tokens=12, temperature=0) for p in prompts]
+        forced = srv.client.completions.create(model=srv.model, prompt="x = 1", max_tokens=4, temperature=0,
+                                               extra_body={"draft": "small"})  # fmt: skip
+        metrics = srv.metrics()
+    finally:
+        srv.stop()
+    for out in outs:  # the router's K (3 or 5), not the engine's 2
+        c = out.model_extra["choral"]
+        assert c["draft"] == "small" and c["k"] == c["suggested_k"] in (3, 5) and c["occupancy"] == 1
+    assert forced.model_extra["choral"]["k"] == 2.0  # forced: the engine's K, and not logged
+    rows = read_rows(log)
+    assert len(rows) == 3 and len({row_key(r) for r in rows}) == 3
+    assert [r["repeat"] for r in rows] == [0, 0, 1]  # the same prompt again: the key's next repeat
+    assert all(r["source"] == "served" and r["target_weights"] == "fp32" and r["new_tokens"] == 12 for r in rows)
+    assert [r["k"] for r in rows] == [o.model_extra["choral"]["k"] for o in outs]
+    assert metrics[("choral_logged_requests_total", ())] == 3
+    assert metrics[("choral_router_predicted_acceptance_count", (("draft", "small"),))] == 3
+
+
+@pytest.mark.integration
+def test_the_workload_measurement_runs_every_policy_and_checks_identity(model_dirs, tmp_path):
+    from routing import workload_eval
+    from serving.engine.engine_settings import EngineSettings
+    from serving.prompts import Prompt
+
+    draft = str(model_dirs["draft"])
+    routers = {"r": Router.create({"small": draft}, str(model_dirs["target"]), k_buckets=(2, 6))}
+    prompts = [Prompt("code", "code/a", "def add(a, b):", False), Prompt("chat", "chat/b", "Say hello twice.")]
+    settings = EngineSettings(device="cpu", max_len=128, k=2, request_k_max=6)
+    report = workload_eval.measure(routers, prompts, max_new_tokens=10, settings=settings)
+    assert report["policies"] == ["small", "ngram", "suffix", NONE, "r"]
+    assert all(all(row["identical"].values()) for row in report["rows"])
+    assert [row["k"]["r"] for row in report["rows"]] == [c.k for c in routers["r"].choose_batch([p.text for p in prompts])]
+    s = report["summary"]
+    assert set(s) == {"code", "chat", "all"} and s["all"]["prompts"] == 2 and s["all"]["identical"] == 2
+    assert s["all"]["oracle"] >= max(s["all"]["speedup"][n] for n in ("small", "ngram", "suffix", NONE)) - 1e-9
+    md = workload_eval.markdown(report)
+    assert "| all | 2 |" in md and "r / best single" in md
+    workload_eval.plot(report, tmp_path / "w.png")
+    assert (tmp_path / "w.png").stat().st_size > 0
