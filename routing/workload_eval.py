@@ -4,7 +4,9 @@
                      max_new_tokens=48, settings=EngineSettings(target_weights="int8", request_k_max=8))
     print(markdown(report)); plot(report, "runs/report/workload.png")
 
-One engine holds the target, the router's drafts, ``ngram``, ``suffix`` and ``none``. For every
+One engine holds the target, the router's drafts, ``ngram``, ``suffix`` and ``none``, and each
+routed policy has model-free drafters of its own (``suffix`` caches answers: shared, it would hand
+one policy the answer another policy just produced for the same prompt). For every
 prompt of the split it runs, in an order that rotates from prompt to prompt (so machine drift hits
 every policy alike): the target alone, each single drafter at the engine's fixed K, and the routed
 policy of each router given (its drafter and K for a batch of one, with the serving fallback rule). Tokens/s
@@ -47,10 +49,13 @@ def measure(routers: dict[str, Router], prompts: list[Prompt], *, max_new_tokens
         drafts |= {n: ref for n, ref in r.draft_refs.items() if n != NONE}
     drafts |= {h: h for h in HOST_DRAFTERS if h not in drafts}
     single = [*drafts, NONE] if singles else [NONE]
-    loaded = load_engine(settings, targets.pop(), drafts | {NONE: None})
+    # Each policy gets its own model-free drafters: a suffix cache shared between policies would
+    # hold this very prompt's answer from the policy that ran it first.
+    own = {f"{name}/{h}": h for name in routers for h in HOST_DRAFTERS}
+    loaded = load_engine(settings, targets.pop(), drafts | own | {NONE: None})
     engine, tokenizer = loaded.engine, loaded.tokenizer
     warm = tokenizer.encode("def add(a, b):", add_special_tokens=False)
-    for name in [*drafts, NONE]:  # first-use costs of every drafter paid before the clock runs
+    for name in [*drafts, *own, NONE]:  # first-use costs of every drafter paid before the clock runs
         engine.generate([Request(warm, max_new_tokens=4, drafter=name)])
     policies = [*single, *routers]
     rows = []
@@ -65,7 +70,8 @@ def measure(routers: dict[str, Router], prompts: list[Prompt], *, max_new_tokens
             if name in choices:
                 c = choices[name]
                 floor = c.fallback_floor(fallback_ratio) if fallback_ratio is not None else 0.0
-                request = Request(ids, max_new_tokens=max_new_tokens, drafter=c.draft, k=c.k if c.draft != NONE else None,
+                drafter = f"{name}/{c.draft}" if c.draft in HOST_DRAFTERS else c.draft
+                request = Request(ids, max_new_tokens=max_new_tokens, drafter=drafter, k=c.k if c.draft != NONE else None,
                                   fallback=Fallback(floor) if floor > 0 else None)  # fmt: skip
             else:
                 request = Request(ids, max_new_tokens=max_new_tokens, drafter=name)

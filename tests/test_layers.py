@@ -2,7 +2,7 @@
 
     serving.engine  <-  serving.distributed  <-  serving.server
     serving.engine  <-  serving.tools, training, routing
-    serving.config, serving.cli, serving.prompts: shared by every layer, importing none of them
+    serving.config, serving.cli, serving.prompts, serving.workload: shared by every layer, importing none of them
 
 Every module is read as source (its AST: imports inside functions and TYPE_CHECKING blocks
 included), so a lazy import that breaks a layer fails here as well as one at the top.
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parent.parent
 PROJECT = ("serving", "training", "routing")
-SHARED = ("serving.config", "serving.cli", "serving.prompts")
+SHARED = ("serving.config", "serving.cli", "serving.prompts", "serving.workload")
 ABOVE_ENGINE = ("serving.server", "serving.distributed", "serving.fleet", "serving.tools", "training", "routing")
 
 

@@ -3,8 +3,9 @@
     python scripts/experiments/bench_routed_load.py --router runs/workload/router/router.pt \\
         --per-family 4 --max-tokens 48 --rounds 1 --out runs/routed-load
 
-Starts one ``serve --router R`` (int8 target, batch 8, engine K 4, the router's K and drafter
-applied per request for the batch it joins, the fallback on), then sends the same mixed requests
+For each policy in turn it starts a fresh ``serve --router R`` (int8 target, batch 8, engine K 4,
+the router's K and drafter applied per request for the batch it joins, the fallback on; fresh, so
+that ``suffix``'s cache never holds an answer another policy produced), then sends the same mixed requests
 (``--per-family`` test-split prompts of each of the six families, interleaved) from 8 concurrent
 streaming clients once per policy: ``routed`` (the router chooses drafter and K), and each
 drafter forced (``draft`` body field: the router is skipped and the engine's fixed K is used),
@@ -67,39 +68,39 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     policies = [p.strip() for p in args.policies.split(",")]
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = ["serve", "--router", args.router, f"port={port}", "engine.target_weights=int8", "engine.max_batch_size=8",
-           "engine.k=4", "log_level=warning", *args.serve_arg]  # fmt: skip
-    log = open(out / "serve.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     results: dict[str, list[dict]] = {p: [] for p in policies}
-    try:
-        wait_ready(url, proc)
-        n = args.per_family * 6
-        for r in range(args.rounds):
-            for j in range(len(policies)):
-                policy = policies[(r + j) % len(policies)]
-                lt = ["--url", url, "--families", "all", "--split", "test", "--n-prompts", str(args.per_family),
-                      "--requests", str(n), "--concurrency", str(args.concurrency), "--max-tokens", str(args.max_tokens),
-                      "--quiet", "--out", str(out / f"lt-{policy}-{r}")]  # fmt: skip
-                if policy != "routed":
-                    lt += ["--draft", policy]
-                report = asyncio.run(amain(build_parser().parse_args(lt)))
-                results[policy].append(report)
-                print(f"round {r} {policy}: {report['throughput_tokens_per_s']:.2f} tok/s, errors {report['errors']}", flush=True)
-        with urllib.request.urlopen(url + "/metrics", timeout=10) as m:
-            metrics = m.read().decode()
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+    fallbacks = 0.0
+    n = args.per_family * 6
+    for r in range(args.rounds):
+        for j in range(len(policies)):
+            policy = policies[(r + j) % len(policies)]
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            cmd = ["serve", "--router", args.router, f"port={port}", "engine.target_weights=int8", "engine.max_batch_size=8",
+                   "engine.k=4", "log_level=warning", *args.serve_arg]  # fmt: skip
+            with open(out / f"serve-{policy}-{r}.log", "w") as log:
+                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+                try:
+                    wait_ready(url, proc)
+                    lt = ["--url", url, "--families", "all", "--split", "test", "--n-prompts", str(args.per_family),
+                          "--requests", str(n), "--concurrency", str(args.concurrency), "--max-tokens", str(args.max_tokens),
+                          "--quiet", "--out", str(out / f"lt-{policy}-{r}")]  # fmt: skip
+                    if policy != "routed":
+                        lt += ["--draft", policy]
+                    report = asyncio.run(amain(build_parser().parse_args(lt)))
+                    with urllib.request.urlopen(url + "/metrics", timeout=10) as m:
+                        fallbacks += sum(float(line.split()[-1]) for line in m.read().decode().splitlines()
+                                         if line.startswith("choral_drafter_fallbacks_total{"))  # fmt: skip
+                finally:
+                    proc.terminate()
+                    try:
+                        proc.wait(60)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+            results[policy].append(report)
+            print(f"round {r} {policy}: {report['throughput_tokens_per_s']:.2f} tok/s, errors {report['errors']}", flush=True)
     summary = summarize(results, policies)
-    summary["fallbacks_total"] = sum(float(line.split()[-1]) for line in metrics.splitlines()
-                                     if line.startswith("choral_drafter_fallbacks_total{"))  # fmt: skip
+    summary["fallbacks_total"] = fallbacks
     report = {"command": " ".join(["python scripts/experiments/bench_routed_load.py", *(argv if argv is not None else sys.argv[1:])]),
               "machine": f"{os.cpu_count()} cpus", "summary": summary,
               "runs": {p: [{k: v for k, v in r.items() if k != "rows"} for r in rs] for p, rs in results.items()}}  # fmt: skip
