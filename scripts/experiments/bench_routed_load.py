@@ -21,37 +21,15 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
+from serving.server.launch import free_port, stop, wait_healthy
 from serving.tools.load_test import amain, build_parser
 
 POLICIES = ("routed", "suffix", "ngram", "base", "none")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 900.0) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"serve exited with {proc.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(2)
-    raise TimeoutError(f"serve at {url} not ready after {timeout:.0f} s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(out / f"serve-{policy}-{r}.log", "w") as log:
                 proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
                 try:
-                    wait_ready(url, proc)
+                    wait_healthy(url, proc, timeout_s=900)
                     lt = ["--url", url, "--families", "all", "--split", "test", "--n-prompts", str(args.per_family),
                           "--requests", str(n), "--concurrency", str(args.concurrency), "--max-tokens", str(args.max_tokens),
                           "--quiet", "--out", str(out / f"lt-{policy}-{r}")]  # fmt: skip
@@ -92,11 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                         fallbacks += sum(float(line.split()[-1]) for line in m.read().decode().splitlines()
                                          if line.startswith("choral_drafter_fallbacks_total{"))  # fmt: skip
                 finally:
-                    proc.terminate()
-                    try:
-                        proc.wait(60)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
+                    stop([proc], timeout_s=60)
             results[policy].append(report)
             print(f"round {r} {policy}: {report['throughput_tokens_per_s']:.2f} tok/s, errors {report['errors']}", flush=True)
     summary = summarize(results, policies)

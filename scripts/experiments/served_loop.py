@@ -30,11 +30,9 @@ from routing import workload_eval
 from routing.router import Router
 from routing.rows import read_rows
 from serving.engine.engine_settings import EngineSettings
+from serving.server.launch import free_port, stop, wait_healthy
 from serving.tools.load_test import amain, build_parser
 from serving.workload import SHIFTED, load_family
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_routed_load import free_port, wait_ready  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,14 +58,13 @@ def main(argv: list[str] | None = None) -> int:
         with open(out / "serve.log", "w") as serve_log:
             proc = subprocess.Popen(cmd, stdout=serve_log, stderr=subprocess.STDOUT)
             try:
-                wait_ready(url, proc)
+                wait_healthy(url, proc, timeout_s=900)
                 lt = ["--url", url, "--families", SHIFTED, "--split", "train", "--n-prompts", str(args.serve_prompts),
                       "--requests", str(args.serve_prompts), "--concurrency", "4", "--max-tokens", str(args.max_tokens),
                       "--quiet", "--out", str(out / "serve-load")]  # fmt: skip
                 served = asyncio.run(amain(build_parser().parse_args(lt)))
             finally:
-                proc.terminate()
-                proc.wait(60)
+                stop([proc], timeout_s=60)
         print(f"served {served['n_requests']} shifted requests, {served['errors']} errors; log: {len(read_rows(log))} rows")
 
     # 2. Retrain with the log.
