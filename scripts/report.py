@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-family", type=int, default=5, help="workload prompts per family")
     ap.add_argument("--workload-max-new-tokens", type=int, default=48)
     ap.add_argument("--workload-k", type=int, default=4, help="the single drafters' fixed K (engine.k)")
-    ap.add_argument("--target-weights", choices=["fp32", "int8"], default="int8", help="the workload section's target precision")
+    ap.add_argument("--target-weights", choices=["fp32", "int8", "q4"], default="int8", help="the workload section's target precision")
     ap.add_argument("--bench", default="runs/bench-conf/bench.json", help="a spec-bench bench.json")
     ap.add_argument("--router-eval", default=None, help="eval.md of train-router (default: next to --router)")
     ap.add_argument("--load-test", nargs="*", default=[], help="load_test.py JSON results")

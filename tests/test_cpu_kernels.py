@@ -85,6 +85,22 @@ def test_prepared_matches_original(kernel):
 
 
 @pytest.mark.integration
+def test_a_prefill_into_a_large_static_cache_attends_to_its_prompt_only():
+    """The row-wise attention leaves out the cache slots past the prompt on a prefill (masked
+    anyway): the logits are the stock model's over the full cache, then decoding goes on alike."""
+    from serving.engine.runner import ModelRunner
+
+    stock, prepared = ModelRunner(_tiny(), batch_size=1, max_len=256), ModelRunner(
+        prepare_for_cpu(_tiny(), token_counts=(1, 5)), batch_size=1, max_len=256)
+    prompt = _ids(40)  # past max_rows: the prefill path
+    with torch.no_grad():
+        first = [r.prefill(prompt, 0) for r in (stock, prepared)]
+        nxt = [r.forward(_ids(1, seed=3), torch.tensor([[40]])) for r in (stock, prepared)]
+    torch.testing.assert_close(first[1], first[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(nxt[1], nxt[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("cache_cls", ["dynamic", "static"])
 def test_one_n_token_step_equals_n_one_token_steps(kernel, cache_cls):
@@ -237,9 +253,10 @@ def test_int8_linear_is_the_w8a8_arithmetic(in_f, out_f, bias):
         exact = lin(x)
         assert (got - exact).norm() / exact.norm() < 0.03
         assert not torch.equal(got, exact)
-        # Long inputs (prefill) use the dequantized weights with F.linear.
-        big = torch.randn(20, in_f)
-        assert torch.allclose(mod(big), F.linear(big, mod.dequantized(), lin.bias), atol=1e-5)
+        # Long inputs (a prefill) run the same kernel: each row as it would alone.
+        big = torch.randn(40, in_f)
+        assert torch.allclose(mod(big), _w8a8_reference(big, lin), rtol=1e-6, atol=1e-6)
+        assert torch.equal(mod(big)[3:4], mod(big[3:4]))
         # A reduced vocabulary keeps the same rows.
         ids = torch.tensor([0, out_f - 1, out_f // 2])
         assert torch.equal(mod.select_rows(ids)(x), got[:, ids])
@@ -339,3 +356,72 @@ def test_a_full_batch_of_verify_rows_stays_on_the_kernels():
         together = model(ids).logits  # [4, 5, V]
         alone = torch.cat([model(ids[i : i + 1]).logits for i in range(4)])
     assert torch.equal(together, alone)
+
+
+# ---- 4-bit target weights (W4A8 on a GGUF's Q4_K groups) ----------------------------------------
+
+
+def _on_q4_lattice(model: nn.Module, skip: tuple[str, ...] = ()) -> nn.Module:
+    """Round every Linear's weights onto 4-bit groups of 32 (step and minimum per group), as a
+    GGUF Q4_K tensor dequantized to fp32 is; Linears named in ``skip`` stay float (like Q6_K)."""
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if isinstance(m, nn.Linear) and not any(s in name for s in skip):
+                n, k = m.weight.shape
+                g = m.weight.reshape(n, k // 32, 32)
+                lo = g.amin(-1, keepdim=True)
+                d = (g.amax(-1, keepdim=True) - lo) / 15
+                m.weight.copy_((torch.round((g - lo) / d) * d + lo).reshape(n, k))
+    return model
+
+
+@pytest.mark.unit
+@needs_rowdot
+@pytest.mark.parametrize("in_f,out_f,bias", [(64, 40, False), (96, 19, True), (320, 8, False)])
+def test_q4_linear_recovers_the_groups_and_is_the_w4a8_arithmetic(in_f, out_f, bias):
+    torch.manual_seed(0)
+    lin = _on_q4_lattice(nn.Linear(in_f, out_f, bias=bias))
+    lattice = cpu_kernels.q4_lattice(lin.weight)
+    assert lattice is not None
+    mod = cpu_kernels.Q4Linear(lin, lattice)
+    # The groups are recovered, not requantized: the 4-bit weights are the layer's weights.
+    assert torch.allclose(mod.dequantized(), lin.weight.detach(), rtol=0, atol=1e-6)
+    assert mod.qweight.dtype == torch.uint8 and mod.qweight.shape[1] * 2 % 64 == 0
+    x = torch.randn(23, in_f)
+    with torch.no_grad():
+        got = mod(x)
+        xs = x.abs().amax(dim=1) / 127.0  # [M]
+        xq = torch.round(x / xs[:, None]).clamp(-127, 127)  # [M, K]
+        ref = (xq.double() @ mod.dequantized().double().T * xs[:, None].double()).float()
+        ref = ref if lin.bias is None else ref + lin.bias
+        assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
+        # Batch-invariant bit for bit, a 23-row prefill included.
+        assert all(torch.equal(mod(x[i : i + 1]), got[i : i + 1]) for i in range(23))
+        assert all(torch.equal(mod(x[:n]), got[:n]) for n in (2, 5, 9))
+        exact = lin(x)
+        assert (got - exact).norm() / exact.norm() < 0.03
+    # A float layer is not on a 4-bit lattice: it is not taken for one.
+    assert cpu_kernels.q4_lattice(nn.Linear(in_f, out_f).weight) is None
+
+
+@pytest.mark.integration
+@needs_rowdot
+def test_a_q4_target_gives_its_own_greedy_output_in_any_batch():
+    """target_weights=q4: 4-bit tensors run as Q4Linear, the others (here the MLP's down
+    projections and the head, as a Q4_K_M file's Q6_K tensors) as int8; speculative output (batch
+    of 3, ragged prompts, an int8 draft) equals the q4 target decoding each prompt alone."""
+    from serving.engine.core import EngineConfig, Request, SpeculativeEngine, use_cpu_kernels
+    from tests.conftest import make_tokenizer
+
+    tok = make_tokenizer()
+    target, draft = _on_q4_lattice(_tiny(0), skip=("down_proj", "lm_head")), _tiny(1)
+    config = EngineConfig(k=4, k_buckets=(2, 4), max_len=64, max_batch_size=3)
+    assert use_cpu_kernels([target], drafts=[draft], draft_weights="int8", target_weights="q4", device="cpu",
+                           dtype="float32", widths=config.step_widths)  # fmt: skip
+    kinds = [type(m).__name__ for m in target.modules() if type(m).__name__ in ("Q4Linear", "Int8Linear")]
+    assert kinds.count("Q4Linear") == 2 * 6 and kinds.count("Int8Linear") == 2 + 1
+    prompts = [[t % 300 for t in _ids(n, seed=n)[0].tolist()] for n in (5, 9, 23)]  # 23: a prefill past max_rows
+    alone = SpeculativeEngine(target, tok, None, EngineConfig(k=0, max_len=64))
+    ref = [alone.generate([Request(p, max_new_tokens=24)])[0].token_ids for p in prompts]
+    out = SpeculativeEngine(target, tok, draft, config).generate([Request(p, max_new_tokens=24) for p in prompts])
+    assert [o.token_ids for o in out] == ref

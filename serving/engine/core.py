@@ -143,6 +143,7 @@ class EngineConfig:
 
 
 DRAFT_WEIGHTS = ("auto", "fp32", "int8")
+TARGET_WEIGHTS = ("fp32", "int8", "q4")
 
 
 def use_cpu_kernels(
@@ -163,19 +164,20 @@ def use_cpu_kernels(
     them as W8A8 int8 (~2.5x cheaper steps; a draft's numerics never change the output, only how
     much of it is accepted), "auto" does so wherever the kernels apply and the C++ kernel builds,
     "fp32" keeps them as they are (``own_draft_tensors``: see ``prepare_for_cpu``'s
-    ``own_tensors``). ``target_weights`` "int8" stores the ``models`` as W8A8 int8 too: their
-    numerics change (the output is then the int8 target's), their rows stay batch-invariant.
+    ``own_tensors``). ``target_weights`` "int8" stores the ``models`` as W8A8 int8 too, "q4" keeps
+    their 4-bit GGUF tensors in 4-bit groups (W4A8) and the rest in int8: their numerics change
+    (the output is then that precision's target's), their rows stay batch-invariant.
     Returns whether the kernels were applied."""
     if draft_weights not in DRAFT_WEIGHTS:
         raise ValueError(f"draft_weights={draft_weights!r} must be one of {DRAFT_WEIGHTS}")
     applies = torch.device(device).type == "cpu" and resolve_dtype(dtype) == torch.float32 and quantize is None
     if draft_weights == "auto":
         draft_weights = "int8" if applies and rowdot_available() else "fp32"
-    if target_weights not in ("fp32", "int8"):
-        raise ValueError(f"target_weights={target_weights!r} must be 'fp32' or 'int8'")
-    if target_weights == "int8" and not (applies and rowdot_available()):
-        raise ValueError(f"target_weights='int8' needs the CPU kernels: device cpu, dtype float32, no quantize and the C++ "
-                         f"kernel (got device {device}, dtype {dtype}); use target_weights=fp32")  # fmt: skip
+    if target_weights not in TARGET_WEIGHTS:
+        raise ValueError(f"target_weights={target_weights!r} must be one of {TARGET_WEIGHTS}")
+    if target_weights != "fp32" and not (applies and rowdot_available()):
+        raise ValueError(f"target_weights={target_weights!r} needs the CPU kernels: device cpu, dtype float32, no quantize "
+                         f"and the C++ kernel (got device {device}, dtype {dtype}); use target_weights=fp32")  # fmt: skip
     if not applies:
         if draft_weights == "int8" and drafts:
             raise ValueError(f"draft_weights={draft_weights!r} needs the CPU kernels: device cpu, dtype float32, "

@@ -6,9 +6,11 @@ and, for Hugging Face models, the attention for a row-wise SDPA. Afterwards row 
 forward is bitwise equal to the 1-token forward of the same token on the same cache, so greedy
 speculative output equals the target alone. `weights="int8"` stores a model as W8A8 int8
 (`Int8Linear`, VNNI integer dot products; AVX2 where there is no VNNI): a draft, or a target whose
-output is then the int8 target's. Invariance holds for steps of at most `max_rows` tokens per
-sequence (default 16), however many sequences run together; longer inputs (the prefill) use plain
-F.linear / SDPA. Inference only: with autograd needed, the modules fall back to F.linear.
+output is then the int8 target's. `weights="q4"` keeps a GGUF's 4-bit tensors in their own 4-bit
+groups (`Q4Linear`, W4A8) and the rest in int8. fp32 invariance holds for steps of at most
+`max_rows` tokens per sequence (default 16), however many sequences run together; longer inputs
+(the prefill) use plain F.linear / SDPA. The integer kernels are invariant at any length, so
+they run the prefill too. Inference only: with autograd needed, the modules fall back to F.linear.
 
 Why, the alternatives tried and their measurements: docs/architecture.md, "CPU kernels".
 """
@@ -28,7 +30,7 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 KERNELS = ("auto", "rowdot", "mkl")
-WEIGHTS = ("fp32", "int8")
+WEIGHTS = ("fp32", "int8", "q4")
 ATTN_NAME = "choral_rowwise_sdpa"
 # The C++ source of the kernels, shipped as package data next to this module (pyproject.toml).
 ROWDOT_SOURCE = Path(__file__).with_name("rowdot.cpp")
@@ -47,7 +49,7 @@ def _rowdot_ext():
         flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
         tag = hashlib.sha256((source + flags + torch.__version__).encode()).hexdigest()[:12]
         return load_inline(
-            name=f"choral_rowdot_{tag}", cpp_sources=source, functions=["rowdot_linear", "rowdot_linear_w8a8"],
+            name=f"choral_rowdot_{tag}", cpp_sources=source, functions=["rowdot_linear", "rowdot_linear_w8a8", "rowdot_linear_w4a8"],
             extra_cflags=["-O3", "-march=native", "-fno-fast-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"], verbose=False,
         )
@@ -136,7 +138,8 @@ class Int8Linear(nn.Module):
     target in int8 (``target_weights=int8``) gives the int8 target's output, no longer the fp32
     model's. Integer sums are exact and each input row is scaled on its own, so rows are
     batch-invariant: speculative output equals that int8 target's own greedy output. Steps of
-    more than ``max_rows`` tokens per sequence (prefill) run F.linear on the dequantized weights.
+    any number of tokens, a prefill too, run on the same kernel (integer sums do not depend on how
+    the rows are grouped).
     """
 
     def __init__(self, linear: nn.Linear | None, max_rows: int):
@@ -173,10 +176,110 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, w8a8"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.device.type != "cpu" or not 0 < step_tokens(x, self.in_features) <= self.max_rows:
+        if not _low_bit_ok(x):
             return F.linear(x, self.dequantized().to(x.dtype), self.bias)
         y = _rowdot_ext().rowdot_linear_w8a8(x.reshape(-1, self.in_features), self.qweight, self.scale,
                                              self.row_sums, self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def _low_bit_ok(x: torch.Tensor) -> bool:
+    """Whether the integer kernels take this input: any number of rows (a prefill too, since
+    integer sums do not depend on how rows are grouped), fp32 on the CPU, no autograd."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and x.numel() > 0 and not (
+        torch.is_grad_enabled() and x.requires_grad)
+
+
+Q4_GROUP = 32
+
+
+def q4_lattice(w: torch.Tensor, tol: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``w`` [N, K] as 4-bit groups of 32 along K, if it already lies on such a lattice: for every
+    group a step d and minimum m with every weight = d * q + m, q an integer in 0..15 (to ``tol``
+    of d). A GGUF Q4_K tensor dequantized to fp32 is exactly that (its 32-weight sub-blocks have a
+    scale and a minimum each), so its blocks are recovered rather than requantized; a Q6_K tensor
+    or a float model's weights are not, and get None. Returns q [N, K] uint8, d and m [N, K/32]."""
+    n, k = w.shape
+    if k % Q4_GROUP:
+        return None
+    qs, ds, ms = [], [], []
+    for rows in w.detach().split(2048):  # bounded temporaries for a 150k-row head
+        got = _q4_lattice_rows(rows.float().reshape(rows.shape[0], k // Q4_GROUP, Q4_GROUP), tol)
+        if got is None:
+            return None
+        qs.append(got[0].reshape(rows.shape[0], k))
+        ds.append(got[1])
+        ms.append(got[2])
+    return torch.cat(qs), torch.cat(ds), torch.cat(ms)
+
+
+def _q4_lattice_rows(g: torch.Tensor, tol: float):
+    lo = g.amin(dim=-1, keepdim=True)  # [n, G, 1]
+    span = g.amax(dim=-1, keepdim=True) - lo
+    gaps = g.sort(dim=-1).values.diff(dim=-1)  # [n, G, 31]
+    gaps = torch.where(gaps > span * 1e-3, gaps, torch.full_like(gaps, float("inf")))
+    step = gaps.amin(dim=-1, keepdim=True)  # the smallest distinct gap: the step, or a multiple of it
+    step = torch.where(torch.isfinite(step), step, torch.ones_like(step))  # a constant group: q = 0
+
+    def fits(d):
+        q = torch.round((g - lo) / d)
+        return (q <= 15).all(dim=-1) & ((q * d + lo - g).abs() <= tol * d).all(dim=-1), q
+
+    ok, q = fits(step)
+    if ok.float().mean() < 0.99:  # not a 4-bit tensor (Q6_K, float): do not search further
+        return None
+    for j in range(15, 0, -1):  # the few groups whose values skip levels: try every step span / j
+        if ok.all():
+            break
+        d_j = torch.where(span > 0, span / j, torch.ones_like(span))
+        ok_j, q_j = fits(d_j)
+        use = ~ok & ok_j
+        step = torch.where(use[..., None], d_j, step)
+        q = torch.where(use[..., None], q_j, q)
+        ok = ok | ok_j
+    if not ok.all():
+        return None
+    return q.to(torch.uint8), step.squeeze(-1), lo.squeeze(-1)
+
+
+class Q4Linear(nn.Module):
+    """A target Linear in 4-bit groups (W4A8): each group of 32 weights along the input has a
+    step d and a minimum m (the GGUF's Q4_K sub-blocks, ``q4_lattice``), each input row is int8
+    with one scale, as in ``Int8Linear``. The group sums of q x input are exact integers and are
+    scaled and added in one fixed order, so rows are batch-invariant and a prefill runs on the same
+    kernel. A step reads 0.625 bytes per weight (4 bits + two fp32 per 32) instead of 1 or 4."""
+
+    def __init__(self, linear: nn.Linear, lattice: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
+        super().__init__()
+        self.out_features, self.in_features = linear.weight.shape
+        q, d, m = lattice
+        kp = -(-self.in_features // 64) * 64  # pad to whole pairs of groups, as the int8 layout
+        n, groups = q.shape[0], kp // Q4_GROUP
+        qp = torch.zeros(n, kp, dtype=torch.uint8)
+        qp[:, : self.in_features] = q
+        qp = qp.view(n, groups, 2, 16)  # byte j of a group: q[j] low nibble, q[j + 16] high
+        self.register_buffer("qweight", (qp[:, :, 0] | (qp[:, :, 1] << 4)).reshape(n, kp // 2).contiguous())  # [N, KP/2]
+        pad = torch.zeros(n, groups - d.shape[1])
+        self.register_buffer("step", torch.cat([d.float(), pad], dim=1).contiguous())  # [N, G]
+        self.register_buffer("minimum", torch.cat([m.float(), pad], dim=1).contiguous())  # [N, G]
+        bias = linear.bias
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
+
+    def dequantized(self) -> torch.Tensor:
+        n = self.qweight.shape[0]
+        b = self.qweight.view(n, -1, 16)
+        q = torch.stack([b & 0x0F, b >> 4], dim=2).reshape(n, -1, Q4_GROUP).float()  # [N, G, 32]
+        w = q * self.step[..., None] + self.minimum[..., None]
+        return w.reshape(n, -1)[:, : self.in_features]  # [N, K]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, w4a8"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not _low_bit_ok(x):
+            return F.linear(x, self.dequantized().to(x.dtype), self.bias)
+        y = _rowdot_ext().rowdot_linear_w4a8(x.reshape(-1, self.in_features), self.qweight, self.step, self.minimum,
+                                             self.bias)
         return y.view(*x.shape[:-1], self.out_features)
 
 
@@ -187,6 +290,12 @@ def _rowwise_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
     q_len = query.shape[2]
     if attention_mask is None or attention_mask.dtype != torch.bool or q_len > _rowwise_sdpa.max_rows:
         # No mask: a 1-token step on a dynamic cache (already canonical) or a causal prefill.
+        if attention_mask is not None and attention_mask.dtype == torch.bool:
+            # A prefill into a static cache: slots past the last one any query sees are masked
+            # anyway; leaving them out makes a 400-token prompt in a 2048-slot cache ~5x less work.
+            seen = attention_mask.flatten(0, 2).any(dim=0).nonzero()  # [n, 1] visible slots
+            n = int(seen.max()) + 1 if seen.numel() else key.shape[2]
+            key, value, attention_mask = key[:, :, :n], value[:, :, :n], attention_mask[..., :n]
         return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
     allowed = attention_mask.any(dim=1)  # [batch, q, kv]
     kv = allowed.shape[-1]
@@ -247,17 +356,19 @@ def prepare_for_cpu(
       batch of shorter steps stays on the kernels however many sequences it holds.
     attention: also switch a Hugging Face model to the row-wise SDPA.
     weights: "fp32" keeps the model's numerics (for the target); "int8" stores every Linear as
-      W8A8 int8 (`Int8Linear`, needs the C++ kernel): ~2.4x cheaper steps, different numerics,
-      so for drafts only, whose numerics never change the speculative output.
+      W8A8 int8 (`Int8Linear`, needs the C++ kernel): ~2.4x cheaper steps, different numerics
+      (a draft's never change the speculative output; a target's output becomes the int8
+      model's). "q4" stores every Linear whose weights lie on a 4-bit lattice (a GGUF's Q4_K
+      tensors, ``q4_lattice``) as ``Q4Linear`` and the others (Q6_K tensors) as ``Int8Linear``.
     own_tensors: with int8, give the tensors kept in fp32 storage of their own (``_own_tensors``);
       False for a copy that shares them with a model that keeps its mapping anyway (train-draft's
       evaluation of the student it is training: a clone would be 0.5 GB for nothing).
     """
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
-    if weights == "int8" and _rowdot_ext() is None:
-        raise RuntimeError("int8 draft weights need the rowdot C++ kernel, which could not be built here; "
-                           "use draft_weights=fp32")
+    if weights != "fp32" and _rowdot_ext() is None:
+        raise RuntimeError(f"{weights} weights need the rowdot C++ kernel, which could not be built here; "
+                           "use fp32 weights")
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel in ("auto", "rowdot") and _rowdot_ext() is None:
@@ -275,18 +386,21 @@ def prepare_for_cpu(
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear or child.weight.dtype != torch.float32:
                 continue
-            if weights == "int8":
+            lattice = q4_lattice(child.weight) if weights == "q4" else None
+            if lattice is not None:
+                new = Q4Linear(child, lattice)
+            elif weights in ("int8", "q4"):
                 new = Int8Linear(child, max_rows)
             else:
                 new = InvariantLinear(child, kernel, max_rows, pack_rows=max(2, counts[-1]))
-            key = (child.out_features, child.in_features, child.bias is not None)
+            key = (type(new).__name__, child.out_features, child.in_features, child.bias is not None)
             if key not in checked:
                 checked[key] = _check_invariance(new, counts)
                 if not checked[key]:
                     log.warning("choral: %s kernel not batch-invariant for Linear%s; using F.linear", kernel, key)
             if checked[key]:
                 setattr(parent, name, new)
-    if weights == "int8" and own_tensors:
+    if weights != "fp32" and own_tensors:
         _own_tensors(model)
     if attention and hasattr(model, "set_attn_implementation"):
         _rowwise_sdpa.max_rows = max_rows

@@ -108,10 +108,11 @@ class EngineSettings:
     cpu_kernels: bool = field(default=True, metadata=doc(
         "on a CPU in fp32, Choral's batch-invariant kernels: verifying K+1 tokens costs about one, rows "
         "are bitwise identical (eager only: off while compile_backend is set)"))
-    target_weights: Literal["fp32", "int8"] = field(default="fp32", metadata=doc(
-        "the target's precision on Choral's CPU kernels: fp32 as loaded, or int8 (W8A8 like int8 drafts: a "
-        "step reads about a quarter of the bytes). Integer sums keep every row batch-invariant, so greedy "
-        "speculative output equals this int8 target's own greedy output (not the fp32 target's)"))
+    target_weights: Literal["fp32", "int8", "q4"] = field(default="fp32", metadata=doc(
+        "the target's precision on Choral's CPU kernels: fp32 as loaded; int8 (W8A8 like int8 drafts: a "
+        "step reads about a quarter of the bytes); q4 (the GGUF's 4-bit tensors kept in their 4-bit groups, "
+        "W4A8, the rest int8). Integer sums keep every row batch-invariant, so greedy speculative output "
+        "equals that precision's target decoding alone (not the fp32 target's)"))
     draft_weights: Literal["auto", "fp32", "int8"] = field(default="auto", metadata=doc(
         "int8: drafts run as W8A8 int8 on the CPU kernels (~2.5x cheaper draft steps; the target keeps "
         "target_weights, so outputs are unchanged, only acceptance may move); auto: int8 wherever the CPU kernels run"))
@@ -171,9 +172,10 @@ class EngineSettings:
             raise ValueError(f"draft_confidence={self.draft_confidence} must be in [0, 1] (or null)")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads={self.threads} must be >= 1 (or null for torch's default)")
-        if self.target_weights == "int8" and (not self.uses_cpu_kernels or self.dtype != "float32" or self.quantize):
-            raise ValueError("target_weights=int8 runs on Choral's CPU kernels from an fp32 model: set cpu_kernels=true, "
-                             "compile_backend=null, dtype=float32 and quantize=null, or target_weights=fp32")  # fmt: skip
+        if self.target_weights != "fp32" and (not self.uses_cpu_kernels or self.dtype != "float32" or self.quantize):
+            raise ValueError(f"target_weights={self.target_weights} runs on Choral's CPU kernels from an fp32 model: set "
+                             "cpu_kernels=true, compile_backend=null, dtype=float32 and quantize=null, or "
+                             "target_weights=fp32")  # fmt: skip
         if self.draft_weights == "int8" and not self.uses_cpu_kernels:
             raise ValueError("draft_weights=int8 runs on Choral's CPU kernels: set cpu_kernels=true and "
                              "compile_backend=null, or draft_weights=auto/fp32")  # fmt: skip

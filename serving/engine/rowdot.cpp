@@ -26,13 +26,13 @@ static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 static inline __m256 half_sum(vec a) { return a; }
 #endif
 
-static inline float vsum(vec a) {  // fixed reduction tree
-  __m256 s = half_sum(a);
+static inline float hsum8(__m256 s) {  // fixed reduction tree
   __m128 t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
   t = _mm_add_ps(t, _mm_movehl_ps(t, t));
   t = _mm_add_ss(t, _mm_movehdup_ps(t));
   return _mm_cvtss_f32(t);
 }
+static inline float vsum(vec a) { return hsum8(half_sum(a)); }
 
 // NB weight rows against R input rows. Each output has one accumulator that receives the
 // same FMAs in the same order whatever NB and R are: that is the batch invariance.
@@ -105,6 +105,36 @@ torch::Tensor rowdot_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
   });
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
+}
+
+// One input row to symmetric int8: scale = absmax / 127, q = nearbyint(x / scale) clamped to
+// +-127, the same arithmetic as a scalar loop (IEEE division, round half to even), so results do
+// not depend on the vector width. Writes K values (the padding is the caller's); returns the scale.
+static inline float quantize_row(const float* x, int64_t K, int8_t* q) {
+  float amax = 0.f;
+  int64_t k = 0;
+#if defined(__AVX2__)
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 vmax = _mm256_setzero_ps();
+  for (; k + 8 <= K; k += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  for (int i = 0; i < 8; ++i) amax = std::max(amax, lanes[i]);
+#endif
+  for (; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
+  const float s = amax > 0.f ? amax / 127.f : 1.f;
+  k = 0;
+#if defined(__AVX2__)
+  const __m256 vs = _mm256_set1_ps(s), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  alignas(32) int32_t qi[8];
+  for (; k + 8 <= K; k += 8) {
+    __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + k), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(qi), _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, v))));
+    for (int i = 0; i < 8; ++i) q[k + i] = int8_t(qi[i]);
+  }
+#endif
+  for (; k < K; ++k) q[k] = int8_t(int32_t(std::min(127.f, std::max(-127.f, std::nearbyint(x[k] / s)))));
+  return s;
 }
 
 // ---- int8 for drafts: weights AND activations in int8, one scale per weight row and one per
@@ -182,16 +212,12 @@ torch::Tensor rowdot_linear_w8a8(torch::Tensor x, torch::Tensor w, torch::Tensor
   std::vector<uint8_t> xq(M * KP, 128);
   std::vector<float> xs(M);
   const float* xp = x.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) {
-    float amax = 0.f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xp[m * K + k]));
-    const float s = amax > 0.f ? amax / 127.f : 1.f;
-    xs[m] = s;
-    for (int64_t k = 0; k < K; ++k) {
-      const float q = std::nearbyint(xp[m * K + k] / s);
-      xq[m * KP + k] = uint8_t(int32_t(std::min(127.f, std::max(-127.f, q))) + 128);
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      xs[m] = quantize_row(xp + m * K, K, reinterpret_cast<int8_t*>(xq.data()) + m * KP);
+      for (int64_t k = 0; k < K; ++k) xq[m * KP + k] = uint8_t(int32_t(int8_t(xq[m * KP + k])) + 128);
     }
-  }
+  });
   auto y = torch::empty({M, N}, x.options());
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = wscale.data_ptr<float>();
@@ -214,6 +240,144 @@ torch::Tensor rowdot_linear_w8a8(torch::Tensor x, torch::Tensor w, torch::Tensor
         else
           qblock<8, 1>(wp + n * KP, KP, xm, xs.data() + m, o, N, sp + n, up + n);
       }
+    }
+  });
+  if (bias.has_value() && bias->defined()) y.add_(*bias);
+  return y;
+}
+
+// ---- 4-bit weights for a target (W4A8): the GGUF's Q4_K layout, one group of 32 weights per
+// (scale d, minimum m) with 4-bit q in 0..15, value = d * q + m. Inputs are int8 per row (scale a,
+// as in W8A8) with per-group sums X. For one weight row and one input row:
+//   y = a * (sum_g d_g * S_g + sum_g m_g * X_g),  S_g = sum over the group of q * xq (exact ints).
+// Each output accumulates in one fixed order (pairs of groups left to right, the same lanes)
+// whatever the blocking, so rows are batch-invariant bit for bit. A group's 16 bytes hold q[j] in
+// the low and q[j + 16] in the high nibble of byte j. Inputs are stored per pair of groups in the
+// order the nibbles unpack to: x_g[0..15] x_g+1[0..15] x_g[16..31] x_g+1[16..31].
+
+static inline void q4_order_row(const int8_t* q, int64_t KP, int8_t* out) {
+  for (int64_t p = 0; p < KP; p += 64)
+    for (int h = 0; h < 2; ++h)        // low nibbles, then high nibbles
+      for (int g = 0; g < 2; ++g)      // group g, then g + 1
+        for (int j = 0; j < 16; ++j) out[p + h * 32 + g * 16 + j] = q[p + g * 32 + h * 16 + j];
+}
+
+template <int NB, int R>
+static inline void q4block(const uint8_t* w, int64_t ldw, const float* d, const float* mn, int64_t G,
+                           const int8_t* x, int64_t KP, const float* xsum, const float* xa, float* out, int64_t ldo) {
+  float dotv[NB][R];
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i pairs = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  __m256 acc[NB][R];
+  for (int i = 0; i < NB; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; g += 2) {
+    __m256i lo[NB], hi[NB];
+    __m256 dv[NB];
+    for (int i = 0; i < NB; ++i) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i * ldw + g * 16));
+      lo[i] = _mm256_and_si256(b, low4);
+      hi[i] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+      const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(d + i * G + g)));
+      dv[i] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), pairs);  // d_g x4, d_g+1 x4
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * KP + g * 32));
+      const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * KP + g * 32 + 32));
+      for (int i = 0; i < NB; ++i) {
+        // u8 (0..15) x s8 pairs: each vpmaddubsw lane is at most 2 * 15 * 127, two of them 7620.
+        const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[i], xl), _mm256_maddubs_epi16(hi[i], xh));
+        const __m256i s = _mm256_madd_epi16(s16, ones);  // lanes 0-3: group g, 4-7: group g + 1
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), dv[i], acc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < NB; ++i)
+    for (int r = 0; r < R; ++r) dotv[i][r] = hsum8(acc[i][r]);
+#else
+  for (int i = 0; i < NB; ++i)
+    for (int r = 0; r < R; ++r) {
+      float a = 0.f;
+      for (int64_t g = 0; g < G; g += 2) {
+        int32_t s[2] = {0, 0};
+        for (int h = 0; h < 2; ++h)
+          for (int k = 0; k < 2; ++k)
+            for (int j = 0; j < 16; ++j) {
+              const uint8_t b = w[i * ldw + (g + k) * 16 + j];
+              s[k] += int32_t(h ? b >> 4 : b & 0x0F) * x[r * KP + g * 32 + h * 32 + k * 16 + j];
+            }
+        a = std::fma(float(s[0]), d[i * G + g], a);
+        a = std::fma(float(s[1]), d[i * G + g + 1], a);
+      }
+      dotv[i][r] = a;
+    }
+#endif
+  for (int i = 0; i < NB; ++i)
+    for (int r = 0; r < R; ++r) {
+      // sum_g m_g * X_g in a fixed order: 8 lanes over the groups, then the fixed tree.
+      int64_t g = 0;
+      float m = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+      __m256 am = _mm256_setzero_ps();
+      for (; g + 8 <= G; g += 8) am = _mm256_fmadd_ps(_mm256_loadu_ps(mn + i * G + g), _mm256_loadu_ps(xsum + r * G + g), am);
+      m = hsum8(am);
+#endif
+      for (; g < G; ++g) m = std::fma(mn[i * G + g], xsum[r * G + g], m);
+      out[r * ldo + i] = xa[r] * (dotv[i][r] + m);
+    }
+}
+
+torch::Tensor rowdot_linear_w4a8(torch::Tensor x, torch::Tensor w, torch::Tensor d, torch::Tensor mn,
+                                 c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && d.dim() == 2 && mn.sizes() == d.sizes(), "shape mismatch");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), G = d.size(1), KP = G * 32;
+  TORCH_CHECK(G % 2 == 0 && w.size(1) * 2 == KP && d.size(0) == N && K <= KP, "shape mismatch");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kByte, "fp32 input, uint8 packed weight");
+  TORCH_CHECK(d.scalar_type() == at::kFloat && mn.scalar_type() == at::kFloat, "fp32 scales and minimums");
+  TORCH_CHECK(w.is_contiguous() && d.is_contiguous() && mn.is_contiguous(), "contiguous weights");
+  x = x.contiguous();
+  std::vector<int8_t> xq(M * KP, 0);
+  std::vector<float> xa(M), xsum(M * G);
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    std::vector<int8_t> row(KP, 0);
+    for (int64_t m = m0; m < m1; ++m) {
+      xa[m] = quantize_row(xp + m * K, K, row.data());
+      for (int64_t g = 0; g < G; ++g) {
+        int32_t s = 0;
+        for (int j = 0; j < 32; ++j) s += row[g * 32 + j];
+        xsum[m * G + g] = float(s);
+      }
+      q4_order_row(row.data(), KP, xq.data() + m * KP);
+    }
+  });
+  auto y = torch::empty({M, N}, x.options());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* dp = d.data_ptr<float>();
+  const float* mp = mn.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t ldw = KP / 2;
+  at::parallel_for(0, (N + 7) / 8, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n = b * 8;
+      if (n + 8 > N) {
+        for (int64_t j = n; j < N; ++j)
+          for (int64_t m = 0; m < M; ++m)
+            q4block<1, 1>(wp + j * ldw, ldw, dp + j * G, mp + j * G, G, xq.data() + m * KP, KP, xsum.data() + m * G,
+                          xa.data() + m, yp + m * N + j, N);
+        continue;
+      }
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4)
+        for (int h = 0; h < 8; h += 2)
+          q4block<2, 4>(wp + (n + h) * ldw, ldw, dp + (n + h) * G, mp + (n + h) * G, G, xq.data() + m * KP, KP,
+                        xsum.data() + m * G, xa.data() + m, yp + m * N + n + h, N);
+      for (; m < M; ++m)
+        for (int h = 0; h < 8; h += 4)
+          q4block<4, 1>(wp + (n + h) * ldw, ldw, dp + (n + h) * G, mp + (n + h) * G, G, xq.data() + m * KP, KP,
+                        xsum.data() + m * G, xa.data() + m, yp + m * N + n + h, N);
     }
   });
   if (bias.has_value() && bias->defined()) y.add_(*bias);

@@ -74,6 +74,8 @@ class ServerMetrics:
                                  ["draft"], registry=r)  # fmt: skip
         self.chosen_k = Histogram("choral_chosen_k", "the K (num_speculative_tokens) routed requests drafted with, by draft",
                                   ["draft"], buckets=(1, 2, 3, 4, 5, 6, 7, 8, 12, 16), registry=r)  # fmt: skip
+        self.explored = Counter("choral_router_explored", "routed requests sent to another drafter than the router's "
+                                "choice (routing.explore), by the drafter the router chose", ["draft"], registry=r)  # fmt: skip
         self.logged_rows = Counter("choral_logged_requests", "served requests written to the request log (log_requests)",
                                    registry=r)  # fmt: skip
 

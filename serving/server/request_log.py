@@ -47,8 +47,9 @@ class RequestLog:
             "tokens_per_second": s["tokens_per_second"], "speedup": None,  # no target-alone run to divide by
             "source": "served", "occupancy": occupancy,
             "predicted_acceptance": choice.predicted_acceptance.get(draft) if choice is not None else None,  # at collected K
-            "predicted_rate_at_k": choice.expected_rate if choice is not None else None,
+            "predicted_rate_at_k": choice.expected_rate if choice is not None and draft == choice.draft else None,
             "fallback": s.get("fallback"),
+            "explored": choice is not None and draft != choice.draft,  # routing.explore, not the router's choice
         }  # fmt: skip
 
     def append(self, row: dict) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -134,6 +135,7 @@ class Scheduler:
         self.queue_limit = queue_limit
         self.unavailable = unavailable
         self.routing = routing or RoutingSettings()
+        self._explore_rng = random.Random(self.routing.explore_seed)
         self.request_log = request_log
         self._drift: dict[str, float] = {}  # per draft: moving average of live - predicted acceptance
         self._inbox: queue.SimpleQueue[tuple[str, Ticket | None]] = queue.SimpleQueue()
@@ -234,6 +236,8 @@ class Scheduler:
                 tickets, choices = [tickets[i] for i in keep], [None] * len(keep)
         for ticket, choice in zip(tickets, choices):
             draft = ticket.forced_draft or (choice.draft if choice is not None else self._order[0])
+            if choice is not None and ticket.forced_draft is None:
+                draft = self._explore(draft)
             engine = self.engines.get(draft)
             if engine is None:
                 self._fail(ticket, APIError(500, f"the router chose draft {draft!r}, which has no engine"), "error")
@@ -245,8 +249,8 @@ class Scheduler:
                 continue
             if draft in getattr(engine, "drafter_names", ()):
                 ticket.request.drafter = draft  # the row drafts with it inside the shared batch
-            if choice is not None and ticket.forced_draft is None and draft != NONE:
-                self._apply_choice(ticket.request, engine, choice)
+            if choice is not None and ticket.forced_draft is None and draft == choice.draft != NONE:
+                self._apply_choice(ticket.request, engine, choice)  # an explored drafter drafts the engine's K
             ticket.choice, ticket.occupancy = choice, occupancy
             try:
                 ticket.request_id = engine.add_request(ticket.request)
@@ -258,6 +262,18 @@ class Scheduler:
             self.metrics.draft_choices.labels(draft, str(ticket.forced_draft is not None).lower()).inc()
             self.metrics.prompt_tokens.inc(len(ticket.request.prompt_ids))
             ticket.send(Routed(draft, choice, ticket.request.k))
+
+    def _explore(self, chosen: str) -> str:
+        """With probability ``routing.explore``, another drafter of the router's, uniformly: served
+        rows then measure drafters the router would not have picked (what a log of its own choices
+        alone can never teach it)."""
+        if not self.routing.explore or self._explore_rng.random() >= self.routing.explore:
+            return chosen
+        others = [d for d in self.router.draft_names if d != chosen and d in self.engines]
+        if not others:
+            return chosen
+        self.metrics.explored.labels(chosen).inc()
+        return others[self._explore_rng.randrange(len(others))]
 
     def _apply_choice(self, request: Request, engine: Engine, choice: Any) -> None:
         """The router's K (within what the engine can verify) and the fallback floor: the lower of
@@ -369,9 +385,11 @@ class Scheduler:
     def _log(self, ticket: Ticket, completion: Completion) -> None:
         """Append the request's row; a log that cannot be written costs the row, never the request."""
         r = ticket.request
+        default_k = getattr(getattr(self.engines[ticket.draft], "config", None), "k", 0)
+        k = r.k or (default_k if isinstance(default_k, int) and ticket.draft != NONE else 0)  # the K it drafted with
         try:
             self.request_log.append(self.request_log.row(
-                text=ticket.route_text, chat=ticket.chat, draft=ticket.draft, choice=ticket.choice, k=r.k or 0,
+                text=ticket.route_text, chat=ticket.chat, draft=ticket.draft, choice=ticket.choice, k=k,
                 occupancy=ticket.occupancy, prompt_tokens=len(r.prompt_ids), greedy=r.params.greedy,
                 completion=completion))  # fmt: skip
             self.metrics.logged_rows.inc()

@@ -38,6 +38,11 @@ class RoutingSettings:
         "switch a routed request to the target alone once its running acceptance falls below the lower of its "
         "drafter's break-even acceptance and this fraction of the router's prediction; null: never"))
     fallback_after: int = field(default=16, metadata=doc("draft tokens a request drafts before the fallback judges it"))
+    explore: float = field(default=0.0, metadata=doc(
+        "fraction of routed requests that draft with another of the router's drafters, drawn uniformly (an "
+        "epsilon-greedy contextual bandit): with log_requests, the log then measures every drafter on served "
+        "traffic, not only the chosen one. Output is unchanged, only speed; 0: always the router's choice"))
+    explore_seed: int = field(default=0, metadata=doc("seed of the exploration draws (reproducible runs)"))
     log_requests: str | None = field(default=None, metadata=doc(
         "append each finished routed request as a row in collect-router-data's format to this .jsonl file "
         "(fsynced): train-router learns from it (data: [rows.jsonl, served.jsonl])"))
@@ -45,6 +50,9 @@ class RoutingSettings:
     def __post_init__(self) -> None:
         if self.fallback_ratio is not None and not 0.0 < self.fallback_ratio <= 1.0:
             raise ValueError(f"routing.fallback_ratio={self.fallback_ratio} must be in (0, 1] (or null: no fallback)")
+        if not 0.0 <= self.explore < 1.0:
+            raise ValueError(f"routing.explore={self.explore} must be in [0, 1): the fraction of routed requests "
+                             "sent to another drafter (0: none)")
         if self.fallback_after < 1:
             raise ValueError(f"routing.fallback_after={self.fallback_after} must be >= 1")
         if self.log_requests is not None and not self.log_requests.endswith(".jsonl"):

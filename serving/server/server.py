@@ -502,6 +502,7 @@ class _Context:
             "k": self.routed.k if self.routed.k is not None else round(stats.get("mean_k", 0.0), 2),  # router's K, or engine's mean
             "occupancy": choice.occupancy if choice else None,  # the batch the router chose for
             "router_choice": choice.draft if choice else None,
+            "explored": bool(choice) and not self.forced and draft != choice.draft,  # routing.explore drew another drafter
             "fallback": stats.get("fallback"),  # {"to": "none", "at_token": n} when the drafter stopped paying
         }
 
