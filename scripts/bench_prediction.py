@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prediction-k", type=int, default=None, help="engine.prediction.k: the most tokens a prediction "
                     "proposes per step (a prediction costs no draft steps); default: the engine's k")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--target-weights", default="fp32", choices=["fp32", "int8", "q4"],
+                    help="engine.target_weights of the server (CPU kernels)")
     ap.add_argument("--out", default="runs/prediction")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -59,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     Router.create({"base": DRAFT}, TARGET).save(router)
     port = free_port()
     cmd = ["serve", "--router", str(router), "--port", str(port), "engine.max_len=2048", "engine.max_batch_size=1",
-           f"engine.k={args.k}"]  # fmt: skip
+           f"engine.k={args.k}", f"engine.target_weights={args.target_weights}"]  # fmt: skip
     if args.k_buckets:
         cmd.append(f"engine.k_buckets=[{args.k_buckets}]")
     if args.prediction_k:

@@ -404,6 +404,27 @@ def test_q4_linear_recovers_the_groups_and_is_the_w4a8_arithmetic(in_f, out_f, b
     assert cpu_kernels.q4_lattice(nn.Linear(in_f, out_f).weight) is None
 
 
+@pytest.mark.unit
+def test_q4_lattice_finds_groups_that_skip_levels():
+    """Q4_K groups need not use q = 0 or 15, nor neighbouring levels: a group on levels {2, 5, 9}
+    has no smallest gap equal to its step. The search still recovers every weight."""
+    torch.manual_seed(0)
+    d = torch.rand(6, 2, 1) + 0.1  # [N, G, 1] steps
+    m = torch.randn(6, 2, 1)
+    levels = torch.tensor([2, 5, 9, 13, 15])
+    q = levels[torch.randint(0, len(levels), (6, 2, 32))]
+    q[:, :, :3] = torch.tensor([2, 5, 9])  # every group holds gaps of 3 and 4 steps, never 1
+    w = (q * d + m).reshape(6, 64)
+    lattice = cpu_kernels.q4_lattice(w)
+    assert lattice is not None
+    qq, dd, mm = lattice
+    rebuilt = qq.reshape(6, 2, 32).float() * dd[..., None] + mm[..., None]
+    assert torch.allclose(rebuilt.reshape(6, 64), w, rtol=0, atol=1e-5)
+    # Off the lattice by a third of a step in one group: not a 4-bit tensor.
+    w[0, 0] += d[0, 0, 0] / 3
+    assert cpu_kernels.q4_lattice(w) is None
+
+
 @pytest.mark.integration
 @needs_rowdot
 def test_a_q4_target_gives_its_own_greedy_output_in_any_batch():

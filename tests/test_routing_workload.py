@@ -217,29 +217,49 @@ def test_the_scheduler_applies_the_routers_k_and_fallback_floor(costed_router):
 
 
 @pytest.mark.unit
-def test_exploration_sends_a_share_of_requests_to_the_other_drafters():
-    """routing.explore: an epsilon-greedy draw sends that share of routed requests to another of
-    the router's drafters (none included), uniformly and reproducibly by seed; 0 never does."""
+def test_exploration_sends_a_share_of_routed_requests_to_the_other_drafters():
+    """routing.explore, through admission: that share of routed requests drafts with another of
+    the router's drafters (never none, uniformly, reproducibly by seed), without the router's K or
+    fallback (they belong to its own choice); forced requests are never explored; 0 never explores."""
+    import asyncio
+    import itertools
     from collections import Counter
     from types import SimpleNamespace
 
-    from serving.server.scheduler import Scheduler
+    from serving.engine import Request
+    from serving.server.scheduler import Scheduler, Ticket
     from serving.server.serve_config import RoutingSettings
 
-    router = SimpleNamespace(draft_names=["a", "b", NONE])
-    engines = {name: SimpleNamespace() for name in router.draft_names}
+    choice = SimpleNamespace(draft="a", k=6, occupancy=1, fallback_floor=lambda ratio: 0.3)
+    router = SimpleNamespace(draft_names=["a", "b", "c", NONE], choose_batch=lambda texts, occ: [choice] * len(texts))
+    loop = asyncio.new_event_loop()
 
-    def draws(explore, seed=0):
-        sched = Scheduler(engines, router, routing=RoutingSettings(explore=explore, explore_seed=seed))
-        return [sched._explore("a") for _ in range(600)], sched
+    def admit(explore, seed=0, forced=None, n=600):
+        ids = itertools.count()
+        engine = SimpleNamespace(config=SimpleNamespace(k_max=8), drafter_names=tuple(router.draft_names), num_running=0,
+                                 num_waiting=0, add_request=lambda request: next(ids))  # fmt: skip
+        sched = Scheduler({name: engine for name in router.draft_names}, router, max_batch_size=n, queue_limit=n,
+                          routing=RoutingSettings(explore=explore, explore_seed=seed))  # fmt: skip
+        tickets = [Ticket(Request([1, 2, 3]), "text", loop, forced_draft=forced) for _ in range(n)]
+        sched._admit(tickets)
+        return tickets, sched
 
-    picked, sched = draws(0.3)
-    count = Counter(picked)
-    assert 0.25 < 1 - count["a"] / 600 < 0.35  # about 30% explored
-    assert abs(count["b"] - count[NONE]) < 50  # uniformly among the others
-    assert sched.metrics.explored.labels("a")._value.get() == 600 - count["a"]
-    assert draws(0.3)[0] == picked and draws(0.3, seed=1)[0] != picked  # reproducible by seed
-    assert set(draws(0.0)[0]) == {"a"}
+    try:
+        tickets, sched = admit(0.3)
+        count = Counter(t.draft for t in tickets)
+        assert 0.25 < 1 - count["a"] / 600 < 0.35 and count[NONE] == 0  # about 30% explored, never to none
+        assert abs(count["b"] - count["c"]) < 50  # uniformly among the others
+        for t in tickets:
+            assert t.explored == (t.draft != "a")
+            # The router's K (6) and fallback floor go with its own choice only.
+            assert (t.request.k, t.request.fallback is None) == ((None, True) if t.explored else (6, False))
+        assert sched.metrics.explored.labels("a")._value.get() == 600 - count["a"]
+        assert [t.draft for t in admit(0.3)[0]] == [t.draft for t in tickets]  # reproducible by seed
+        assert [t.draft for t in admit(0.3, seed=1)[0]] != [t.draft for t in tickets]
+        assert {t.draft for t in admit(0.0)[0]} == {"a"}
+        assert {(t.draft, t.explored) for t in admit(0.9, forced="b")[0]} == {("b", False)}
+    finally:
+        loop.close()
     with pytest.raises(ValueError, match=r"routing.explore=1.0 must be in \[0, 1\)"):
         RoutingSettings(explore=1.0)
 

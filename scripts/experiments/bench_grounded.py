@@ -43,12 +43,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--domains", default=",".join(GROUNDED_DOMAINS))
     ap.add_argument("--hf-domains", default=None,
                     help="families on which transformers' prompt lookup runs too (default: all); it is the slowest path")
+    ap.add_argument("--target-weights", default="fp32", choices=["fp32", "int8", "q4"],
+                    help="the target's precision on the CPU kernels; prompt lookup runs the same prepared model")
     ap.add_argument("--out", default="runs/grounded")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    settings = EngineSettings(device="cpu", k=args.k, max_batch_size=1, max_len=2048)  # grounded prompts stay under 1k tokens
+    settings = EngineSettings(device="cpu", k=args.k, max_batch_size=1, max_len=2048,  # grounded prompts stay under 1k tokens
+                              target_weights=args.target_weights)
     tokenizer, target, _ = load_models(settings, TARGET, [])
     spec = settings.engine_config(draft=True, device=target.device)
     prepare_kernels(settings, [target], [], spec.step_widths)
@@ -96,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.date.today().isoformat(),
         "machine": describe_machine(),
         "settings": {"target": TARGET, "k": args.k, "max_new_tokens": args.max_new_tokens, "dtype": "float32",
+                     "target_weights": args.target_weights,
                      "choral_cpu_kernels": settings.cpu_kernels, "prompts_per_domain": args.prompts_per_domain},
         "summary": summary,
         "rows": rows,

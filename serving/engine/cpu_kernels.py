@@ -221,24 +221,33 @@ def _q4_lattice_rows(g: torch.Tensor, tol: float):
     step = gaps.amin(dim=-1, keepdim=True)  # the smallest distinct gap: the step, or a multiple of it
     step = torch.where(torch.isfinite(step), step, torch.ones_like(step))  # a constant group: q = 0
 
-    def fits(d):
-        q = torch.round((g - lo) / d)
-        return (q <= 15).all(dim=-1) & ((q * d + lo - g).abs() <= tol * d).all(dim=-1), q
+    def fits(x, base, d):  # x [..., 32]: is every value base + d * q, q in 0..15?
+        q = torch.round((x - base) / d)
+        return (q <= 15).all(dim=-1) & ((q * d + base - x).abs() <= tol * d).all(dim=-1), q
 
-    ok, q = fits(step)
-    if ok.float().mean() < 0.99:  # not a 4-bit tensor (Q6_K, float): do not search further
-        return None
-    for j in range(15, 0, -1):  # the few groups whose values skip levels: try every step span / j
-        if ok.all():
-            break
-        d_j = torch.where(span > 0, span / j, torch.ones_like(span))
-        ok_j, q_j = fits(d_j)
-        use = ~ok & ok_j
-        step = torch.where(use[..., None], d_j, step)
-        q = torch.where(use[..., None], q_j, q)
-        ok = ok | ok_j
-    if not ok.all():
-        return None
+    ok, q = fits(g, lo, step)
+    if ok.all():
+        return q.to(torch.uint8), step.squeeze(-1), lo.squeeze(-1)
+    # Groups whose levels skip neighbours (their smallest gap is a multiple of the step): try
+    # every step span / j. A sample decides first, so a 6-bit tensor is turned down cheaply.
+    bad = (~ok).reshape(-1).nonzero().squeeze(-1)  # flat group indices
+    flat = g.reshape(-1, g.shape[-1])
+    flat_lo, flat_span = lo.reshape(-1, 1), span.reshape(-1, 1)
+    for idx in (bad[:256], bad):
+        x, base, width = flat[idx], flat_lo[idx], flat_span[idx]
+        done = torch.zeros(len(idx), dtype=torch.bool)
+        d_found, q_found = torch.ones_like(width), torch.zeros_like(x)
+        for j in range(15, 0, -1):
+            d_j = torch.where(width > 0, width / j, torch.ones_like(width))
+            ok_j, q_j = fits(x, base, d_j)
+            use = ~done & ok_j
+            d_found = torch.where(use[:, None], d_j, d_found)
+            q_found = torch.where(use[:, None], q_j, q_found)
+            done |= ok_j
+        if not done.all():
+            return None
+    step.reshape(-1, 1)[bad] = d_found
+    q.reshape(-1, q.shape[-1])[bad] = q_found
     return q.to(torch.uint8), step.squeeze(-1), lo.squeeze(-1)
 
 
@@ -247,7 +256,7 @@ class Q4Linear(nn.Module):
     step d and a minimum m (the GGUF's Q4_K sub-blocks, ``q4_lattice``), each input row is int8
     with one scale, as in ``Int8Linear``. The group sums of q x input are exact integers and are
     scaled and added in one fixed order, so rows are batch-invariant and a prefill runs on the same
-    kernel. A step reads 0.625 bytes per weight (4 bits + two fp32 per 32) instead of 1 or 4."""
+    kernel. A step reads 0.75 bytes per weight (4 bits + two fp32 per 32) instead of 1 or 4."""
 
     def __init__(self, linear: nn.Linear, lattice: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
         super().__init__()
@@ -400,6 +409,10 @@ def prepare_for_cpu(
                     log.warning("choral: %s kernel not batch-invariant for Linear%s; using F.linear", kernel, key)
             if checked[key]:
                 setattr(parent, name, new)
+    if weights == "q4":
+        kinds = [type(m).__name__ for m in model.modules()]
+        log.info("choral: q4 weights: %d Linear layers in 4-bit groups, %d not on a 4-bit lattice in int8",
+                 kinds.count("Q4Linear"), kinds.count("Int8Linear"))
     if weights != "fp32" and own_tensors:
         _own_tensors(model)
     if attention and hasattr(model, "set_attn_implementation"):

@@ -116,7 +116,7 @@ static inline float quantize_row(const float* x, int64_t K, int8_t* q) {
 #if defined(__AVX2__)
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 vmax = _mm256_setzero_ps();
-  for (; k + 8 <= K; k += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
+  for (; k + 8 <= K; k += 8) vmax = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)), vmax);  // a NaN never resets the max
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, vmax);
   for (int i = 0; i < 8; ++i) amax = std::max(amax, lanes[i]);
@@ -129,7 +129,8 @@ static inline float quantize_row(const float* x, int64_t K, int8_t* q) {
   alignas(32) int32_t qi[8];
   for (; k + 8 <= K; k += 8) {
     __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + k), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(qi), _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, v))));
+    // Operand order as std::min/std::max take it (a NaN quotient clamps to -127, as the scalar loop).
+    _mm256_store_si256(reinterpret_cast<__m256i*>(qi), _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi)));
     for (int i = 0; i < 8; ++i) q[k + i] = int8_t(qi[i]);
   }
 #endif

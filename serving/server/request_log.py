@@ -49,7 +49,7 @@ class RequestLog:
             "predicted_acceptance": choice.predicted_acceptance.get(draft) if choice is not None else None,  # at collected K
             "predicted_rate_at_k": choice.expected_rate if choice is not None and draft == choice.draft else None,
             "fallback": s.get("fallback"),
-            "explored": choice is not None and draft != choice.draft,  # routing.explore, not the router's choice
+            "explored": choice is not None and draft != choice.draft,  # routing.explore drew it, not the router
         }  # fmt: skip
 
     def append(self, row: dict) -> None:

@@ -61,6 +61,7 @@ class Routed:
     draft: str
     choice: Any  # routing.Choice, or None without a router
     k: int | None = None  # the K the request drafts with (the router's); None: the engine's
+    explored: bool = False  # routing.explore sent it to another drafter than the router's choice
 
 
 @dataclass
@@ -97,6 +98,7 @@ class Ticket:
     request_id: int | None = None
     choice: Any = None  # the router's Choice
     occupancy: int = 1  # the batch the request joined (itself included), as the router saw it
+    explored: bool = False  # routing.explore drew another drafter than the router's choice
     first_token: float | None = None
     last_token: float | None = None
     done: bool = False
@@ -238,6 +240,7 @@ class Scheduler:
             draft = ticket.forced_draft or (choice.draft if choice is not None else self._order[0])
             if choice is not None and ticket.forced_draft is None:
                 draft = self._explore(draft)
+                ticket.explored = draft != choice.draft
             engine = self.engines.get(draft)
             if engine is None:
                 self._fail(ticket, APIError(500, f"the router chose draft {draft!r}, which has no engine"), "error")
@@ -260,19 +263,21 @@ class Scheduler:
             ticket.draft = draft
             self._tickets[(id(engine), ticket.request_id)] = ticket
             self.metrics.draft_choices.labels(draft, str(ticket.forced_draft is not None).lower()).inc()
+            if ticket.explored:
+                self.metrics.explored.labels(choice.draft).inc()
             self.metrics.prompt_tokens.inc(len(ticket.request.prompt_ids))
-            ticket.send(Routed(draft, choice, ticket.request.k))
+            ticket.send(Routed(draft, choice, ticket.request.k, ticket.explored))
 
     def _explore(self, chosen: str) -> str:
-        """With probability ``routing.explore``, another drafter of the router's, uniformly: served
+        """With probability ``routing.explore``, another of the router's drafters, uniformly: served
         rows then measure drafters the router would not have picked (what a log of its own choices
-        alone can never teach it)."""
+        alone can never teach it). Never ``none``: a row of the target alone measures no drafter,
+        so train-router has nothing to learn from it."""
         if not self.routing.explore or self._explore_rng.random() >= self.routing.explore:
             return chosen
-        others = [d for d in self.router.draft_names if d != chosen and d in self.engines]
+        others = [d for d in self.router.draft_names if d not in (chosen, NONE) and d in self.engines]
         if not others:
             return chosen
-        self.metrics.explored.labels(chosen).inc()
         return others[self._explore_rng.randrange(len(others))]
 
     def _apply_choice(self, request: Request, engine: Engine, choice: Any) -> None:
@@ -385,8 +390,8 @@ class Scheduler:
     def _log(self, ticket: Ticket, completion: Completion) -> None:
         """Append the request's row; a log that cannot be written costs the row, never the request."""
         r = ticket.request
-        default_k = getattr(getattr(self.engines[ticket.draft], "config", None), "k", 0)
-        k = r.k or (default_k if isinstance(default_k, int) and ticket.draft != NONE else 0)  # the K it drafted with
+        # The K it drafted with: the router's, else (an explored or unrouted K) the mean it drafted.
+        k = r.k or round(completion.stats.get("mean_k", 0.0))
         try:
             self.request_log.append(self.request_log.row(
                 text=ticket.route_text, chat=ticket.chat, draft=ticket.draft, choice=ticket.choice, k=k,

@@ -39,9 +39,10 @@ class RoutingSettings:
         "drafter's break-even acceptance and this fraction of the router's prediction; null: never"))
     fallback_after: int = field(default=16, metadata=doc("draft tokens a request drafts before the fallback judges it"))
     explore: float = field(default=0.0, metadata=doc(
-        "fraction of routed requests that draft with another of the router's drafters, drawn uniformly (an "
-        "epsilon-greedy contextual bandit): with log_requests, the log then measures every drafter on served "
-        "traffic, not only the chosen one. Output is unchanged, only speed; 0: always the router's choice"))
+        "fraction of routed requests that draft with another of the router's drafters (never none), drawn "
+        "uniformly (an epsilon-greedy contextual bandit): with log_requests, the log then measures every drafter "
+        "on served traffic, not only the chosen one. Greedy output is unchanged (sampled output keeps its "
+        "distribution), only speed; 0: always the router's choice"))
     explore_seed: int = field(default=0, metadata=doc("seed of the exploration draws (reproducible runs)"))
     log_requests: str | None = field(default=None, metadata=doc(
         "append each finished routed request as a row in collect-router-data's format to this .jsonl file "

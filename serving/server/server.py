@@ -498,11 +498,11 @@ class _Context:
             "verify_s": stats.get("target_time_s", 0.0),
             "predicted_acceptance": choice.predicted_acceptance.get(draft) if choice else None,
             "predicted_speedup": choice.predicted_speedup.get(draft) if choice else None,
-            "suggested_k": choice.k if choice else None,
+            "suggested_k": choice.k if choice and not self.routed.explored else None,  # for the router's own drafter
             "k": self.routed.k if self.routed.k is not None else round(stats.get("mean_k", 0.0), 2),  # router's K, or engine's mean
             "occupancy": choice.occupancy if choice else None,  # the batch the router chose for
             "router_choice": choice.draft if choice else None,
-            "explored": bool(choice) and not self.forced and draft != choice.draft,  # routing.explore drew another drafter
+            "explored": self.routed.explored,  # routing.explore drew another drafter than router_choice
             "fallback": stats.get("fallback"),  # {"to": "none", "at_token": n} when the drafter stopped paying
         }
 
