@@ -140,7 +140,8 @@ def summarize(rows: list[dict]) -> dict:
 def markdown(record: dict) -> str:
     s = record["settings"]
     lines = [
-        f"`{record['command']}` ({record['date']}, {record['machine']}); {s['target']} {s['dtype']}, greedy, "
+        f"`{record['command']}` ({record['date']}, {record['machine']}); {s['target']} {s['dtype']}, target weights "
+        f"{s.get('target_weights', 'fp32')} (prompt lookup runs the same prepared model), greedy, "
         f"{s['max_new_tokens']} new tokens, K={s['k']} (prompt lookup: prompt_lookup_num_tokens={s['k']}).",
         "",
         "| family | prompts | target tok/s | prompt lookup tok/s | ngram tok/s | suffix tok/s | ngram vs target | suffix vs target "
