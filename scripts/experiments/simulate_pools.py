@@ -81,6 +81,9 @@ def deployments(args: argparse.Namespace, profile) -> dict[str, tuple[list[dict]
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", required=True, help="bench_vllm_fleet.py profile's profile.sim.yaml")
+    ap.add_argument("--drafts-from", action="append", default=[],
+                    help="another measured profile of the same hardware whose drafters join --profile's (one pool "
+                         "measured per profile run); repeatable")
     ap.add_argument("--replicas", type=int, default=100)
     ap.add_argument("--clients-per-replica", type=int, default=8)
     ap.add_argument("--think-s", type=float, default=2.0)
@@ -95,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="runs/simulate-pools")
     args = ap.parse_args(argv)
     profile = load_profile(args.profile)
+    for extra in args.drafts_from:  # drafters measured in other profile runs on the same hardware
+        for name, draft in load_profile(extra).drafts.items():
+            profile.drafts.setdefault(name, draft)
     rows = []
     for name, (targets, draft) in deployments(args, profile).items():
         t0 = time.perf_counter()
