@@ -101,17 +101,21 @@ def profile(args: argparse.Namespace) -> int:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=600)
         ask(client, mid, prompts[0], 8)
         before, rows, curves = spec_counters(url), [], {}
+        # Steps are counted as tokens less accepted tokens (each step emits its accepted drafts plus
+        # one), not as vLLM's num_drafts: a drafter that finds nothing to propose (ngram without a
+        # match) runs a plain step that num_drafts leaves out. The curves are per step likewise.
         for d in args.domains:  # per domain: the acceptance curve the simulator draws from
             start = spec_counters(url)
-            rows += [ask(client, mid, p, args.max_tokens) for p in prompts if p.domain == d]
+            got = [ask(client, mid, p, args.max_tokens) for p in prompts if p.domain == d]
+            rows += got
             end = spec_counters(url)
-            drafts = end[SPEC[0]] - start[SPEC[0]]
-            curves[d] = [min(1.0, (end[PER_POS].get(i, 0) - start[PER_POS].get(i, 0)) / drafts) if drafts else 0.0
+            steps_d = sum(r["tokens"] for r in got) - (end[SPEC[2]] - start[SPEC[2]])
+            curves[d] = [min(1.0, (end[PER_POS].get(i, 0) - start[PER_POS].get(i, 0)) / steps_d) if steps_d > 0 else 0.0
                          for i in range(pool.k)]  # fmt: skip
         after = spec_counters(url)
-        steps = after[SPEC[0]] - before[SPEC[0]]  # speculative steps (one draft-and-verify each)
         drafted, accepted = after[SPEC[1]] - before[SPEC[1]], after[SPEC[2]] - before[SPEC[2]]
         seconds, tokens = sum(r["s"] for r in rows), sum(r["tokens"] for r in rows)
+        steps = tokens - accepted  # every step, with or without a proposal
         step_cost = seconds / steps / s0 if steps else None
         result["pools"][pool.name] = {"steps": steps, "acceptance_rate": accepted / drafted if drafted else None,
                                       "tokens_per_step": tokens / steps if steps else None, "step_cost": step_cost,
