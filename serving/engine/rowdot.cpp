@@ -82,6 +82,21 @@ static void panel(const float* w, int64_t K, const float* x, int64_t M, float* o
   }
 }
 
+// Every kernel's outer loop: the output columns in panels of 8 weight rows, spread over threads.
+// full(n) computes the whole panel at weight row n; tail(j) one leftover row (N % 8 != 0).
+template <class Full, class Tail>
+static void over_panels(int64_t N, const Full& full, const Tail& tail) {
+  at::parallel_for(0, (N + 7) / 8, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n = b * 8;
+      if (n + 8 <= N)
+        full(n);
+      else
+        for (int64_t j = n; j < N; ++j) tail(j);
+    }
+  });
+}
+
 torch::Tensor rowdot_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "shape mismatch");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "fp32 only");
@@ -92,17 +107,11 @@ torch::Tensor rowdot_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, (N + 7) / 8, 16, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n = b * 8;
-      if (n + 8 <= N) {
-        panel(wp + n * K, K, xp, M, yp + n, N);
-      } else {
-        for (int64_t j = n; j < N; ++j)
-          for (int64_t m = 0; m < M; ++m) block<1, 1>(wp + j * K, K, xp + m * K, yp + m * N + j, N);
-      }
-    }
-  });
+  over_panels(
+      N, [&](int64_t n) { panel(wp + n * K, K, xp, M, yp + n, N); },
+      [&](int64_t j) {
+        for (int64_t m = 0; m < M; ++m) block<1, 1>(wp + j * K, K, xp + m * K, yp + m * N + j, N);
+      });
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
 }
@@ -224,25 +233,22 @@ torch::Tensor rowdot_linear_w8a8(torch::Tensor x, torch::Tensor w, torch::Tensor
   const float* sp = wscale.data_ptr<float>();
   const int32_t* up = wsum.data_ptr<int32_t>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, (N + 7) / 8, 16, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n = b * 8;
-      if (n + 8 > N) {
-        for (int64_t j = n; j < N; ++j)
-          for (int64_t m = 0; m < M; ++m)
-            qblock<1, 1>(wp + j * KP, KP, xq.data() + m * KP, xs.data() + m, yp + m * N + j, N, sp + j, up + j);
-        continue;
-      }
-      for (int64_t m = 0; m < M; m += 2) {
-        const uint8_t* xm = xq.data() + m * KP;
-        float* o = yp + m * N + n;
-        if (M - m >= 2)
-          qblock<8, 2>(wp + n * KP, KP, xm, xs.data() + m, o, N, sp + n, up + n);
-        else
-          qblock<8, 1>(wp + n * KP, KP, xm, xs.data() + m, o, N, sp + n, up + n);
-      }
-    }
-  });
+  over_panels(
+      N,
+      [&](int64_t n) {
+        for (int64_t m = 0; m < M; m += 2) {
+          const uint8_t* xm = xq.data() + m * KP;
+          float* o = yp + m * N + n;
+          if (M - m >= 2)
+            qblock<8, 2>(wp + n * KP, KP, xm, xs.data() + m, o, N, sp + n, up + n);
+          else
+            qblock<8, 1>(wp + n * KP, KP, xm, xs.data() + m, o, N, sp + n, up + n);
+        }
+      },
+      [&](int64_t j) {
+        for (int64_t m = 0; m < M; ++m)
+          qblock<1, 1>(wp + j * KP, KP, xq.data() + m * KP, xs.data() + m, yp + m * N + j, N, sp + j, up + j);
+      });
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
 }
@@ -360,27 +366,24 @@ torch::Tensor rowdot_linear_w4a8(torch::Tensor x, torch::Tensor w, torch::Tensor
   const float* mp = mn.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t ldw = KP / 2;
-  at::parallel_for(0, (N + 7) / 8, 16, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n = b * 8;
-      if (n + 8 > N) {
-        for (int64_t j = n; j < N; ++j)
-          for (int64_t m = 0; m < M; ++m)
-            q4block<1, 1>(wp + j * ldw, ldw, dp + j * G, mp + j * G, G, xq.data() + m * KP, KP, xsum.data() + m * G,
-                          xa.data() + m, yp + m * N + j, N);
-        continue;
-      }
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4)
-        for (int h = 0; h < 8; h += 2)
-          q4block<2, 4>(wp + (n + h) * ldw, ldw, dp + (n + h) * G, mp + (n + h) * G, G, xq.data() + m * KP, KP,
-                        xsum.data() + m * G, xa.data() + m, yp + m * N + n + h, N);
-      for (; m < M; ++m)
-        for (int h = 0; h < 8; h += 4)
-          q4block<4, 1>(wp + (n + h) * ldw, ldw, dp + (n + h) * G, mp + (n + h) * G, G, xq.data() + m * KP, KP,
-                        xsum.data() + m * G, xa.data() + m, yp + m * N + n + h, N);
-    }
-  });
+  over_panels(
+      N,
+      [&](int64_t n) {
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4)
+          for (int h = 0; h < 8; h += 2)
+            q4block<2, 4>(wp + (n + h) * ldw, ldw, dp + (n + h) * G, mp + (n + h) * G, G, xq.data() + m * KP, KP,
+                          xsum.data() + m * G, xa.data() + m, yp + m * N + n + h, N);
+        for (; m < M; ++m)
+          for (int h = 0; h < 8; h += 4)
+            q4block<4, 1>(wp + (n + h) * ldw, ldw, dp + (n + h) * G, mp + (n + h) * G, G, xq.data() + m * KP, KP,
+                          xsum.data() + m * G, xa.data() + m, yp + m * N + n + h, N);
+      },
+      [&](int64_t j) {
+        for (int64_t m = 0; m < M; ++m)
+          q4block<1, 1>(wp + j * ldw, ldw, dp + j * G, mp + j * G, G, xq.data() + m * KP, KP, xsum.data() + m * G,
+                        xa.data() + m, yp + m * N + j, N);
+      });
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
 }
