@@ -84,6 +84,23 @@ def test_prepared_matches_original(kernel):
     torch.testing.assert_close(model(ids).logits, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.unit
+def test_a_query_row_attends_like_sdpa_and_a_masked_out_row_stays_finite():
+    """``_gqa_row`` (one query row, heads grouped onto their key/value head) is SDPA's attention
+    to float rounding, with and without a mask; a padding row with every key masked gives finite
+    numbers, not NaN."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 12, 1, 16), torch.randn(3, 2, 9, 16), torch.randn(3, 2, 9, 16)
+    mask = torch.rand(3, 1, 1, 9) > 0.3
+    mask[:, :, :, 0], mask[2] = True, False  # row 2: a padding row, nothing visible
+    for m in (None, mask[:2]):
+        rows = 3 if m is None else 2
+        ref = F.scaled_dot_product_attention(q[:rows], k[:rows], v[:rows], attn_mask=m, scale=0.25, enable_gqa=True)
+        got = cpu_kernels._gqa_row(q[:rows], k[:rows], v[:rows], m, 0.25)  # [B, 1, H, D]
+        torch.testing.assert_close(got, ref.transpose(1, 2), rtol=1e-5, atol=1e-6)
+    assert torch.isfinite(cpu_kernels._gqa_row(q, k, v, mask, 0.25)).all()
+
+
 @pytest.mark.integration
 def test_a_prefill_into_a_large_static_cache_attends_to_its_prompt_only():
     """The row-wise attention leaves out the cache slots past the prompt on a prefill (masked
@@ -257,6 +274,9 @@ def test_int8_linear_is_the_w8a8_arithmetic(in_f, out_f, bias):
         big = torch.randn(40, in_f)
         assert torch.allclose(mod(big), _w8a8_reference(big, lin), rtol=1e-6, atol=1e-6)
         assert torch.equal(mod(big)[3:4], mod(big[3:4]))
+        # Every row count splits the rows into other chunks (at most 8 a chunk): rows stay the same.
+        alone = torch.cat([mod(big[i : i + 1]) for i in range(17)])
+        assert all(torch.equal(mod(big[:m]), alone[:m]) for m in range(2, 18))
         # A reduced vocabulary keeps the same rows.
         ids = torch.tensor([0, out_f - 1, out_f // 2])
         assert torch.equal(mod.select_rows(ids)(x), got[:, ids])

