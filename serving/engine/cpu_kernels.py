@@ -342,9 +342,9 @@ _row_extents.last = None
 
 def _gqa_row(query, key, value, mask, scaling: float) -> torch.Tensor:
     """Attention of one query row per sequence over ``n`` keys, the query heads grouped onto their
-    key/value head (no copies of the keys): two small matmuls and a softmax. For one row this is
-    several times faster on the CPU than SDPA's flash kernel, which blocks queries for prefills.
-    A row's result depends only on its own query, keys and mask, never on the step's other rows."""
+    key/value head (no copies of the keys): two small matmuls and a softmax, where SDPA's CPU flash
+    kernel is built for long query blocks. Row i of a verify makes the same call, with the same
+    keys, as the one-token step at that position, so the two are bitwise equal."""
     b, h, _, d = query.shape  # query [B, H, 1, D]; key, value [B, Hkv, n, D]; mask [B, 1, 1, n] or None
     hkv = key.shape[1]
     scores = torch.matmul(query.reshape(b, hkv, h // hkv, d), key.transpose(-1, -2)) * scaling  # [B, Hkv, H/Hkv, n]

@@ -147,6 +147,20 @@ static inline void with_rows(int64_t R, const F& f) {
   }
 }
 
+// The integer kernels' whole loop: rows(j, m, R) computes weight row j against input rows
+// m .. m + R - 1, for every weight row (panels of 8 over threads) and every chunk of input rows.
+template <class Rows>
+static inline void over_weight_rows(int64_t N, int64_t M, const Rows& rows) {
+  over_panels(
+      N,
+      [&](int64_t n) {
+        over_row_chunks(M, [&](int64_t m, int64_t R) {
+          for (int h = 0; h < 8; ++h) rows(n + h, m, R);
+        });
+      },
+      [&](int64_t j) { over_row_chunks(M, [&](int64_t m, int64_t R) { rows(j, m, R); }); });
+}
+
 // One input row to symmetric int8: scale = absmax / 127, q = nearbyint(x / scale) clamped to
 // +-127, the same arithmetic as a scalar loop (IEEE division, round half to even), so results do
 // not depend on the vector width. Writes K values (the padding is the caller's); returns the scale.
@@ -257,19 +271,11 @@ torch::Tensor rowdot_linear_w8a8(torch::Tensor x, torch::Tensor w, torch::Tensor
   const float* sp = wscale.data_ptr<float>();
   const int32_t* up = wsum.data_ptr<int32_t>();
   float* yp = y.data_ptr<float>();
-  auto rows = [&](int64_t j, int64_t m, int64_t R) {
+  over_weight_rows(N, M, [&](int64_t j, int64_t m, int64_t R) {
     with_rows(R, [&](auto r) {
       qrows<decltype(r)::value>(wp + j * KP, KP, xq.data() + m * KP, xs.data() + m, yp + m * N + j, N, sp[j], up[j]);
     });
-  };
-  over_panels(
-      N,
-      [&](int64_t n) {
-        over_row_chunks(M, [&](int64_t m, int64_t R) {
-          for (int h = 0; h < 8; ++h) rows(n + h, m, R);
-        });
-      },
-      [&](int64_t j) { over_row_chunks(M, [&](int64_t m, int64_t R) { rows(j, m, R); }); });
+  });
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
 }
@@ -378,20 +384,12 @@ torch::Tensor rowdot_linear_w4a8(torch::Tensor x, torch::Tensor w, torch::Tensor
   const float* mp = mn.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t ldw = KP / 2;
-  auto rows = [&](int64_t j, int64_t m, int64_t R) {
+  over_weight_rows(N, M, [&](int64_t j, int64_t m, int64_t R) {
     with_rows(R, [&](auto r) {
       q4rows<decltype(r)::value>(wp + j * ldw, dp + j * G, mp + j * G, G, xq.data() + m * KP, KP, xsum.data() + m * G,
                                  xa.data() + m, yp + m * N + j, N);
     });
-  };
-  over_panels(
-      N,
-      [&](int64_t n) {
-        over_row_chunks(M, [&](int64_t m, int64_t R) {
-          for (int h = 0; h < 8; ++h) rows(n + h, m, R);
-        });
-      },
-      [&](int64_t j) { over_row_chunks(M, [&](int64_t m, int64_t R) { rows(j, m, R); }); });
+  });
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
 }
