@@ -41,9 +41,9 @@ import urllib.request
 from pathlib import Path
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
-LLAMA_NAMES = {"none": "llama.cpp target", "draft-simple": "llama.cpp + 0.5B"}
-CHORAL_NAMES = {"base": "0.5B"}
 DRAFT = "qwen2.5-coder-0.5b-instruct"
+LLAMA_NAMES = {"none": "llama.cpp target", "draft-simple": "llama.cpp + 0.5B"}  # the rest: "llama.cpp + <spec>"
+CHORAL_NAMES = {"base": "0.5B"}  # the rest: the drafter's own name
 
 
 class LlamaServer:
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             s.stop()
 
     def alone_of(name: str) -> str:
-        return name.split(" + ")[0] + ("" if " + " not in name else " target")
+        return name.split(" + ")[0] + " target" if " + " in name else name
 
     summary = {}
     for name in names:
@@ -211,7 +211,6 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(["python", "scripts/experiments/bench_llamacpp.py", *(argv if argv is not None else sys.argv[1:])])
     record = {"command": command, "date": datetime.date.today().isoformat(), "machine": describe_machine(),
               "llama_server": [s.cmd for s in servers], "summary": summary, "rows": rows}  # fmt: skip
-    (out / "llamacpp.json").write_text(json.dumps(record, indent=1))
     best_llama = max(v["tok_s"] for n, v in summary.items() if n.startswith("llama"))
     lines = [f"`{command}` ({record['date']}, {record['machine']}); greedy, {len(rows)} prompts "
              f"({args.domains}), {args.max_new_tokens} new tokens, K = {args.k}.", "",

@@ -143,9 +143,8 @@ class Int8Linear(nn.Module):
     the rows are grouped).
     """
 
-    def __init__(self, linear: nn.Linear | None, max_rows: int):
+    def __init__(self, linear: nn.Linear | None):
         super().__init__()
-        self.max_rows = max_rows
         if linear is None:  # filled in by select_rows
             return
         w = linear.weight.detach().float()  # [N, K]
@@ -164,7 +163,7 @@ class Int8Linear(nn.Module):
 
     def select_rows(self, ids: torch.Tensor) -> "Int8Linear":
         """The same layer computing only output rows ``ids`` (a reduced draft vocabulary)."""
-        sub = Int8Linear(None, self.max_rows)
+        sub = Int8Linear(None)
         sub.in_features, sub.out_features = self.in_features, len(ids)
         bias = None if self.bias is None else self.bias.detach().index_select(0, ids)
         sub._set(self.qweight.index_select(0, ids), self.scale.index_select(0, ids), bias)
@@ -200,7 +199,7 @@ def q4_lattice(w: torch.Tensor, tol: float = 1e-3) -> tuple[torch.Tensor, torch.
     of d). A GGUF Q4_K tensor dequantized to fp32 is exactly that (its 32-weight sub-blocks have a
     scale and a minimum each), so its blocks are recovered rather than requantized; a Q6_K tensor
     or a float model's weights are not, and get None. Returns q [N, K] uint8, d and m [N, K/32]."""
-    n, k = w.shape
+    k = w.shape[1]
     if k % Q4_GROUP:
         return None
     qs, ds, ms = [], [], []
@@ -432,7 +431,7 @@ def prepare_for_cpu(
             if lattice is not None:
                 new = Q4Linear(child, lattice)
             elif weights in ("int8", "q4"):
-                new = Int8Linear(child, max_rows)
+                new = Int8Linear(child)
             else:
                 new = InvariantLinear(child, kernel, max_rows, pack_rows=max(2, counts[-1]))
             key = (type(new).__name__, child.out_features, child.in_features, child.bias is not None)
