@@ -25,9 +25,10 @@ class RequestLog:
         self.store = RowStore(path)
         self.target, self.target_weights, self.draft_refs = target, target_weights, dict(draft_refs)
 
-    def row(self, *, text: str, chat: bool, draft: str, choice: Any, k: int, occupancy: int, prompt_tokens: int,
-            greedy: bool, completion: Completion) -> dict:  # fmt: skip
-        """The row of one finished request (``choice``: the router's ``Choice``)."""
+    def row(self, *, text: str, chat: bool, draft: str, choice: Any, explored: bool, k: int, occupancy: int,
+            prompt_tokens: int, greedy: bool, completion: Completion) -> dict:  # fmt: skip
+        """The row of one finished request (``choice``: the router's ``Choice``; ``explored``: routing.explore
+        sent it to ``draft`` instead of the router's choice)."""
         s = completion.stats
         prompt_id = f"{SERVED_DOMAIN}/{hashlib.sha256(text.encode()).hexdigest()[:16]}"
         mode = "greedy" if greedy else "sampled"
@@ -47,9 +48,9 @@ class RequestLog:
             "tokens_per_second": s["tokens_per_second"], "speedup": None,  # no target-alone run to divide by
             "source": "served", "occupancy": occupancy,
             "predicted_acceptance": choice.predicted_acceptance.get(draft) if choice is not None else None,  # at collected K
-            "predicted_rate_at_k": choice.expected_rate if choice is not None and draft == choice.draft else None,
+            "predicted_rate_at_k": choice.expected_rate if choice is not None and not explored else None,
             "fallback": s.get("fallback"),
-            "explored": choice is not None and draft != choice.draft,  # routing.explore drew it, not the router
+            "explored": explored,
         }  # fmt: skip
 
     def append(self, row: dict) -> None:

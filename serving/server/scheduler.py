@@ -394,9 +394,9 @@ class Scheduler:
         k = r.k or round(completion.stats.get("mean_k", 0.0))
         try:
             self.request_log.append(self.request_log.row(
-                text=ticket.route_text, chat=ticket.chat, draft=ticket.draft, choice=ticket.choice, k=k,
-                occupancy=ticket.occupancy, prompt_tokens=len(r.prompt_ids), greedy=r.params.greedy,
-                completion=completion))  # fmt: skip
+                text=ticket.route_text, chat=ticket.chat, draft=ticket.draft, choice=ticket.choice,
+                explored=ticket.explored, k=k, occupancy=ticket.occupancy, prompt_tokens=len(r.prompt_ids),
+                greedy=r.params.greedy, completion=completion))  # fmt: skip
             self.metrics.logged_rows.inc()
         except Exception:
             log.exception("could not write the request log's row")
