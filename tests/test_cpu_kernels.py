@@ -237,6 +237,36 @@ def test_bad_arguments():
 needs_rowdot = pytest.mark.skipif(cpu_kernels._rowdot_ext() is None, reason="rowdot kernel cannot be built here")
 
 
+@pytest.mark.unit
+@needs_rowdot
+@pytest.mark.parametrize("d", [16, 20])
+def test_the_attention_kernel_gives_each_row_exactly_its_own_keys_whatever_shares_the_batch(d):
+    """``rowdot_attention``: every (sequence, query row) attends over the slots its mask row allows,
+    as SDPA does to float rounding; computed alone, over just those slots of a shorter cache, it is
+    the same bit for bit (the batch's longest extent must not change a row: on AVX-512 SDPA's and
+    softmax's reductions split a short row differently from a long one). A row that sees nothing
+    gives zeros."""
+    torch.manual_seed(0)
+    B, T, H, Hkv, S = 3, 4, 6, 2, 40
+    q, k, v = torch.randn(B, T, H, d), torch.randn(B, Hkv, S, d), torch.randn(B, Hkv, S, d)
+    pos = torch.tensor([[3, 4, 5, 6], [30, 31, 32, 33], [9, 10, 11, -1]])  # row 2, query 3: padding
+    mask = torch.arange(S).view(1, 1, S) <= pos.unsqueeze(-1)  # [B, T, S]
+    ext = cpu_kernels._rowdot_ext()
+    got = ext.rowdot_attention(q, k, v, mask, 0.25)  # [B, T, H, D]
+    assert torch.equal(got[2, 3], torch.zeros(H, d))
+    for b in range(B):
+        for t in range(T):
+            n = int(pos[b, t]) + 1
+            if n == 0:
+                continue
+            ref = F.scaled_dot_product_attention(q[b : b + 1, t : t + 1].transpose(1, 2), k[b : b + 1, :, :n],
+                                                 v[b : b + 1, :, :n], scale=0.25, enable_gqa=True)
+            torch.testing.assert_close(got[b, t], ref[0, :, 0], rtol=1e-5, atol=1e-6)
+            alone = ext.rowdot_attention(q[b : b + 1, t : t + 1], k[b : b + 1, :, :n].contiguous(),
+                                         v[b : b + 1, :, :n].contiguous(), torch.ones(1, 1, n, dtype=torch.bool), 0.25)
+            assert torch.equal(alone[0, 0], got[b, t]), (b, t)
+
+
 def _w8a8_reference(x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
     """The kernel's arithmetic in plain PyTorch: per-row symmetric int8 for weights and inputs,
     exact integer dot products, then the two scales."""

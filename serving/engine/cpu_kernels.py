@@ -50,7 +50,7 @@ def _rowdot_ext():
         flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
         tag = hashlib.sha256((source + flags + torch.__version__).encode()).hexdigest()[:12]
         return load_inline(
-            name=f"choral_rowdot_{tag}", cpp_sources=source, functions=["rowdot_linear", "rowdot_linear_w8a8", "rowdot_linear_w4a8"],
+            name=f"choral_rowdot_{tag}", cpp_sources=source, functions=["rowdot_linear", "rowdot_linear_w8a8", "rowdot_linear_w4a8", "rowdot_attention"],
             extra_cflags=["-O3", "-march=native", "-fno-fast-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"], verbose=False,
         )
@@ -300,6 +300,16 @@ def _rowwise_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
     q_len = query.shape[2]
     scaling = kwargs.get("scaling")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    step = q_len == 1 if attention_mask is None else (attention_mask.dtype == torch.bool and q_len <= _rowwise_sdpa.max_rows)
+    if step and query.dtype == torch.float32 and key.dtype == torch.float32 and _rowdot_ext() is not None:
+        # The kernel: every row over exactly the slots its own mask row allows, in a fixed order.
+        b, s = query.shape[0], key.shape[2]
+        if attention_mask is None:  # a 1-token step on a dynamic cache sees every key
+            mask = torch.ones(b, 1, s, dtype=torch.bool, device=query.device)  # [B, 1, S]
+        else:
+            mask = attention_mask[:, 0, :, :s].expand(b, q_len, s)  # [B, T, S]
+        out = _rowdot_ext().rowdot_attention(query.transpose(1, 2), key, value, mask, float(scaling))
+        return out, None  # [B, T, H, D]
     if attention_mask is None and q_len == 1:  # a 1-token step on a dynamic cache: every key, as a masked step's row
         return _gqa_row(query, key, value, None, scaling), None
     if attention_mask is None or attention_mask.dtype != torch.bool or q_len > _rowwise_sdpa.max_rows:

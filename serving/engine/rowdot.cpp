@@ -289,8 +289,23 @@ torch::Tensor rowdot_linear_w8a8(torch::Tensor x, torch::Tensor w, torch::Tensor
 // the low and q[j + 16] in the high nibble of byte j. Inputs are stored per pair of groups in the
 // order the nibbles unpack to: x_g[0..15] x_g+1[0..15] x_g[16..31] x_g+1[16..31].
 
+// With AVX-512 VNNI the kernel unpacks four groups per 64-byte load (vpdpbusd takes the nibbles as
+// its unsigned operand, the int8 inputs as the signed one), so inputs are stored per four groups:
+// x_g[0..15] .. x_g+3[0..15] x_g[16..31] .. x_g+3[16..31]; a last pair (G % 4 == 2) as above.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define Q4_VNNI 1
+#else
+#define Q4_VNNI 0
+#endif
+
 static inline void q4_order_row(const int8_t* q, int64_t KP, int8_t* out) {
-  for (int64_t p = 0; p < KP; p += 64)
+  int64_t p = 0;
+  if (Q4_VNNI)
+    for (; p + 128 <= KP; p += 128)
+      for (int h = 0; h < 2; ++h)
+        for (int g = 0; g < 4; ++g)
+          for (int j = 0; j < 16; ++j) out[p + h * 64 + g * 16 + j] = q[p + g * 32 + h * 16 + j];
+  for (; p < KP; p += 64)
     for (int h = 0; h < 2; ++h)        // low nibbles, then high nibbles
       for (int g = 0; g < 2; ++g)      // group g, then g + 1
         for (int j = 0; j < 16; ++j) out[p + h * 32 + g * 16 + j] = q[p + g * 32 + h * 16 + j];
@@ -301,7 +316,47 @@ template <int R>
 static inline void q4rows(const uint8_t* w, const float* d, const float* mn, int64_t G, const int8_t* x, int64_t KP,
                           const float* xsum, const float* xa, float* out, int64_t ldo) {
   float dotv[R];
-#if defined(__AVX2__) && defined(__FMA__)
+#if Q4_VNNI
+  // Four groups per step: each int32 lane sums 8 products of one group (4 low, 4 high nibbles),
+  // lanes 4i..4i+3 belong to group g + i; then scaled by that group's d into 16 fp32 lanes.
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i quads = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  int64_t g = 0;
+  for (; g + 4 <= G; g += 4) {
+    const __m512i b = _mm512_loadu_si512(w + g * 16);
+    const __m512i lo = _mm512_and_si512(b, low4);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
+    const __m512 dv = _mm512_permutexvar_ps(quads, _mm512_castps128_ps512(_mm_loadu_ps(d + g)));
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xr = x + r * KP + g * 32;
+      __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xr));
+      s = _mm512_dpbusd_epi32(s, hi, _mm512_loadu_si512(xr + 64));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), dv, acc[r]);
+    }
+  }
+  __m256 tail[R];  // a last pair of groups, in 8 lanes as the AVX2 path
+  for (int r = 0; r < R; ++r) tail[r] = _mm256_setzero_ps();
+  if (g < G) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 16));
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+    const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(d + g)));
+    const __m256 dv = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xr = x + r * KP + g * 32;
+      __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr)));
+      s = _mm256_dpbusd_epi32(s, hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32)));
+      tail[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), dv, tail[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(acc[r]),
+                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
+    dotv[r] = hsum8(_mm256_add_ps(a, tail[r]));
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i pairs = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
@@ -392,4 +447,78 @@ torch::Tensor rowdot_linear_w4a8(torch::Tensor x, torch::Tensor w, torch::Tensor
   });
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
+}
+
+// ---- Attention for a step's query rows: each (sequence, query row, head) over exactly the key
+// slots its own mask row allows, in slot order, with fixed-order sums. Nothing in a row's result
+// depends on the other rows of the batch or on how many key slots the batch spans, so row i of a
+// verify equals the one-token step at that position bit for bit (SDPA and batched matmuls reduce
+// over the batch's longest extent, with a lane split that changes with it).
+// q [B, T, H, D]; k, v [B, Hkv, S, D]; mask [B, T, S] bool (true = attend). Returns [B, T, H, D].
+// A row that may attend to nothing (a padding row of a batch bucket) gives zeros.
+torch::Tensor rowdot_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, double scaling) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && mask.dim() == 3, "shape mismatch");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "fp32 only");
+  TORCH_CHECK(mask.scalar_type() == at::kBool, "boolean mask");
+  q = q.contiguous(); k = k.contiguous(); v = v.contiguous(); mask = mask.contiguous();
+  const int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), S = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(3) == D && H % Hkv == 0 && mask.size(0) == B && mask.size(1) == T &&
+              mask.size(2) == S, "shape mismatch");
+  const int64_t rep = H / Hkv;
+  auto out = torch::empty({B, T, H, D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const bool* mp = mask.data_ptr<bool>();
+  float* op = out.data_ptr<float>();
+  const float sc = float(scaling);
+  at::parallel_for(0, B * T * Hkv, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<int32_t> slots(S);
+    std::vector<float> p(S * rep);
+    std::vector<float> acc(D);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / (T * Hkv), t = (i / Hkv) % T, g = i % Hkv;
+      const bool* m = mp + (b * T + t) * S;
+      int64_t n = 0;
+      for (int64_t s = 0; s < S; ++s)
+        if (m[s]) slots[n++] = int32_t(s);
+      const float* kg = kp + (b * Hkv + g) * S * D;
+      const float* vg = vp + (b * Hkv + g) * S * D;
+      for (int64_t h = g * rep; h < (g + 1) * rep; ++h) {  // the query heads that share key/value head g
+        const float* qh = qp + ((b * T + t) * H + h) * D;
+        float* o = op + ((b * T + t) * H + h) * D;
+        if (n == 0) {
+          std::fill(o, o + D, 0.f);
+          continue;
+        }
+        float* ph = p.data() + (h - g * rep) * S;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < n; ++j) {
+          const float* kr = kg + slots[j] * D;
+          vec a = vzero();
+          int64_t d = 0;
+          for (; d + VL <= D; d += VL) a = vfma(vload(qh + d), vload(kr + d), a);
+          float s = vsum(a);
+          for (; d < D; ++d) s = __builtin_fmaf(qh[d], kr[d], s);
+          ph[j] = s * sc;
+          mx = std::max(mx, ph[j]);
+        }
+        float sum = 0.f;
+        for (int64_t j = 0; j < n; ++j) {
+          ph[j] = std::exp(ph[j] - mx);
+          sum += ph[j];
+        }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t j = 0; j < n; ++j) {
+          const float* vr = vg + slots[j] * D;
+          const float w = ph[j];
+          for (int64_t d = 0; d < D; ++d) acc[d] = __builtin_fmaf(w, vr[d], acc[d]);  // vectorized over d
+        }
+        const float inv = 1.f / sum;
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
+      }
+    }
+  });
+  return out;
 }
