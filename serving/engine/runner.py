@@ -122,6 +122,9 @@ class ModelRunner:
         return self._logits(hidden[:, -1:] if last_only else hidden)
 
     def _hidden(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+        lean = getattr(self.model, "_choral_decoder", None)
+        if lean is not None and lean.enabled:  # Choral's CPU kernels: serving.engine.decoder
+            return lean.hidden(tokens, positions, cache)
         cache.positions = positions
         eager = self.config._attn_implementation == "eager"
         mask = cache.attention_mask(positions, self.dtype if eager else None)

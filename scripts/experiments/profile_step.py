@@ -1,0 +1,116 @@
+"""Where a decode step's time goes on the CPU kernels: the kernels themselves against the rest
+of the forward (Python, the Hugging Face modules, norms, rotary, cache writes, the head's glue).
+
+Loads a model at ``--weights`` (fp32, int8 or q4) with Choral's CPU kernels, prefills a prompt into
+a static cache, then times ``--steps`` forwards of each width in ``--tokens`` (1 = a decode step,
+5 = a verify of K=4). Each call into the C++ extension is timed on its own (``time.perf_counter``
+around it), so the report splits every step into: Linear kernels (by kind), attention kernel, and
+everything else. Writes ``profile.json`` under ``--out`` and prints a table.
+
+    python scripts/experiments/profile_step.py --model qwen2.5-coder-1.5b-instruct --weights q4 --out runs/profile-q4
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from serving.engine import cpu_kernels  # noqa: E402
+from serving.engine.engine_settings import EngineSettings, load_models, prepare_kernels  # noqa: E402
+from serving.engine.runner import ModelRunner  # noqa: E402
+
+KERNEL_NAMES = ("rowdot_linear", "rowdot_linear_w8a8", "rowdot_linear_w4a8", "rowdot_attention")
+
+
+class KernelClock:
+    """Wraps the extension's functions: seconds spent in each, since the last ``reset``."""
+
+    def __init__(self) -> None:
+        self.ext = cpu_kernels._rowdot_ext()
+        self.spent: dict[str, float] = collections.defaultdict(float)
+        for name in KERNEL_NAMES:
+            self._wrap(name, getattr(self.ext, name))
+
+    def _wrap(self, name, fn):
+        def timed(*args):
+            t0 = time.perf_counter()
+            out = fn(*args)
+            self.spent[name] += time.perf_counter() - t0
+            return out
+
+        setattr(self.ext, name, timed)
+
+    def reset(self) -> None:
+        self.spent.clear()
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    p.add_argument("--weights", default="q4", choices=cpu_kernels.WEIGHTS)
+    p.add_argument("--tokens", default="1,5", help="step widths to profile")
+    p.add_argument("--prefill", type=int, default=100, help="prompt tokens in the cache before the steps")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--out", default="runs/profile-step")
+    args = p.parse_args(argv)
+    widths = [int(t) for t in args.tokens.split(",")]
+
+    settings = EngineSettings(target_weights=args.weights)
+    tok, model, _ = load_models(settings, args.model)
+    prepare_kernels(settings, [model], [], widths)
+    clock = KernelClock()
+    runner = ModelRunner(model, batch_size=1, max_len=args.prefill + (args.steps + 2) * sum(widths))
+    prompt = torch.randint(100, 20000, (1, args.prefill), generator=torch.Generator().manual_seed(0))
+    runner.prefill(prompt, slot=0)
+    rows = []
+    for width in widths:
+        pos = args.prefill
+        totals, parts = [], collections.defaultdict(list)
+        for step in range(args.steps + 2):  # two untimed warm-up steps
+            tokens = torch.randint(100, 20000, (1, width))
+            positions = torch.arange(pos, pos + width).unsqueeze(0)  # [1, T]
+            clock.reset()
+            t0 = time.perf_counter()
+            runner.forward(tokens, positions)
+            total = time.perf_counter() - t0
+            pos += width
+            if step < 2:
+                continue
+            totals.append(total)
+            for name in KERNEL_NAMES:
+                parts[name].append(clock.spent.get(name, 0.0))
+        med = {name: statistics.median(v) * 1e3 for name, v in parts.items()}
+        total_ms = statistics.median(totals) * 1e3
+        rows.append({"tokens": width, "step_ms": total_ms, "kernels_ms": med,
+                     "other_ms": total_ms - sum(med.values())})
+    record = {
+        "command": " ".join(["python", *sys.argv]),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                    "capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__},
+        "model": args.model, "weights": args.weights, "prefill": args.prefill, "rows": rows,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile.json").write_text(json.dumps(record, indent=2))
+    print(f"| tokens | step ms | {' | '.join(KERNEL_NAMES)} | other ms |")
+    print("|---|---|" + "---|" * len(KERNEL_NAMES) + "---|")
+    for r in rows:
+        cells = " | ".join(f"{r['kernels_ms'].get(n, 0.0):.1f}" for n in KERNEL_NAMES)
+        print(f"| {r['tokens']} | {r['step_ms']:.1f} | {cells} | {r['other_ms']:.1f} |")
+    return record
+
+
+if __name__ == "__main__":
+    main()
