@@ -485,17 +485,20 @@ def test_q4_lattice_finds_groups_that_skip_levels():
 def test_a_q4_target_gives_its_own_greedy_output_in_any_batch():
     """target_weights=q4: 4-bit tensors run as Q4Linear, the others (here the MLP's down
     projections and the head, as a Q4_K_M file's Q6_K tensors) as int8; speculative output (batch
-    of 3, ragged prompts, an int8 draft) equals the q4 target decoding each prompt alone."""
+    of 3, ragged prompts, a q4 draft: draft_weights=q4) equals the q4 target decoding each prompt
+    alone."""
     from serving.engine.core import EngineConfig, Request, SpeculativeEngine, use_cpu_kernels
     from tests.conftest import make_tokenizer
 
     tok = make_tokenizer()
-    target, draft = _on_q4_lattice(_tiny(0), skip=("down_proj", "lm_head")), _tiny(1)
+    target, draft = _on_q4_lattice(_tiny(0), skip=("down_proj", "lm_head")), _on_q4_lattice(_tiny(1), skip=("lm_head",))
     config = EngineConfig(k=4, k_buckets=(2, 4), max_len=64, max_batch_size=3)
-    assert use_cpu_kernels([target], drafts=[draft], draft_weights="int8", target_weights="q4", device="cpu",
+    assert use_cpu_kernels([target], drafts=[draft], draft_weights="q4", target_weights="q4", device="cpu",
                            dtype="float32", widths=config.step_widths)  # fmt: skip
     kinds = [type(m).__name__ for m in target.modules() if type(m).__name__ in ("Q4Linear", "Int8Linear")]
     assert kinds.count("Q4Linear") == 2 * 6 and kinds.count("Int8Linear") == 2 + 1
+    draft_kinds = [type(m).__name__ for m in draft.modules() if type(m).__name__ in ("Q4Linear", "Int8Linear")]
+    assert draft_kinds.count("Q4Linear") == 2 * 7 and draft_kinds.count("Int8Linear") == 1
     prompts = [[t % 300 for t in _ids(n, seed=n)[0].tolist()] for n in (5, 9, 23)]  # 23: a prefill past max_rows
     alone = SpeculativeEngine(target, tok, None, EngineConfig(k=0, max_len=64))
     ref = [alone.generate([Request(p, max_new_tokens=24)])[0].token_ids for p in prompts]

@@ -64,14 +64,14 @@ def test_a_lean_n_token_step_is_n_one_token_steps_bit_for_bit_in_any_batch(weigh
     step equals its own 1-token steps run alone, and the cache they leave behind gives the same next
     step."""
     model = cpu_kernels.prepare_for_cpu(_tiny(weights=weights), weights=weights, token_counts=(1, 5))
-    lengths = (7, 12, 3)
+    lengths = (7, 12, 3, 9)  # 4 rows x 5 tokens: more rows in all than max_rows (16), still a step
     prompts = [_ids(n, seed=n) for n in lengths]
-    draft = torch.cat([_ids(5, seed=10 + b) for b in range(3)])  # [3, 5]
-    together = ModelRunner(model, batch_size=3, max_len=40)
+    draft = torch.cat([_ids(5, seed=10 + b) for b in range(4)])  # [4, 5]
+    together = ModelRunner(model, batch_size=4, max_len=40)
     for slot, p in enumerate(prompts):
         together.prefill(p, slot=slot)
-    positions = torch.stack([torch.arange(n, n + 5) for n in lengths])  # [3, 5]
-    batch = together.forward(draft, positions)  # [3, 5, V]
+    positions = torch.stack([torch.arange(n, n + 5) for n in lengths])  # [4, 5]
+    batch = together.forward(draft, positions)  # [4, 5, V]
     nxt = together.forward(draft[:, :1], positions[:, -1:] + 1)
     for b, p in enumerate(prompts):
         alone = ModelRunner(model, batch_size=1, max_len=40)

@@ -101,8 +101,8 @@ class LlamaServer:
         self._log.close()
 
 
-def choral_runner(precision: str, k: int, host_k: int, drafters: list[str]):
-    """Choral's engine at one target precision with ``drafters`` (``base``: the int8 0.5B, ``ngram``,
+def choral_runner(precision: str, k: int, host_k: int, drafters: list[str], draft_weights: str = "int8"):
+    """Choral's engine at one target precision with ``drafters`` (``base``: the 0.5B at ``draft_weights``, ``ngram``,
     ``suffix``): a function (ids, n, drafter) -> result dict. The model-free drafters propose up to
     ``host_k`` tokens a step, the 0.5B ``k``."""
     from serving.engine.core import Request
@@ -115,7 +115,7 @@ def choral_runner(precision: str, k: int, host_k: int, drafters: list[str]):
 
     kmax = max(k, host_k)
     settings = EngineSettings(device="cpu", k=k, k_buckets=tuple(range(1, kmax + 1)), max_batch_size=1, max_len=2048,
-                              target_weights=precision, draft_weights="int8", ngram=NgramSettings(k=host_k),
+                              target_weights=precision, draft_weights=draft_weights, ngram=NgramSettings(k=host_k),
                               suffix=SuffixSettings(k=host_k))  # fmt: skip
     refs = {"base": DRAFT, "ngram": "ngram", "suffix": "suffix"}
     engine = load_engine(settings, TARGET, {"none": None, **{d: refs[d] for d in drafters}}).engine
@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="llama.cpp's speculative configurations besides its target alone: draft-simple, ngram-simple")
     ap.add_argument("--drafters", default="base", help="Choral's drafters besides its target alone: base (the int8 "
                     "0.5B), ngram, suffix")
+    ap.add_argument("--draft-weights", default="int8", choices=("int8", "q4"), help="the 0.5B's precision in Choral")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="runs/llamacpp")
     args = ap.parse_args(argv)
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             systems[name] = lambda i, n, s=server: s.complete(i, n)
         drafters = [d for d in args.drafters.split(",") if d]
         for precision in args.target_weights.split(","):
-            run = choral_runner(precision, args.k, args.host_k, drafters)
+            run = choral_runner(precision, args.k, args.host_k, drafters, args.draft_weights)
             systems[f"Choral {precision} target"] = lambda i, n, r=run: r(i, n, "none")
             for d in drafters:
                 systems[f"Choral {precision} + {CHORAL_NAMES.get(d, d)}"] = lambda i, n, r=run, d=d: r(i, n, d)

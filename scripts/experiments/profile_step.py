@@ -3,7 +3,9 @@ of the forward (Python, the Hugging Face modules, norms, rotary, cache writes, t
 
 Loads a model at ``--weights`` (fp32, int8 or q4) with Choral's CPU kernels, prefills a prompt into
 a static cache, then times ``--steps`` forwards of each width in ``--tokens`` (1 = a decode step,
-5 = a verify of K=4). Each call into the C++ extension is timed on its own (``time.perf_counter``
+5 = a verify of K=4). ``--paths lean,hf`` runs each step through the lean forward and through the
+Hugging Face forward on the same kernels, one after the other (each with its own cache), so that
+the two are compared under the same machine state. Each call into the C++ extension is timed on its own (``time.perf_counter``
 around it), so the report splits every step into: Linear kernels (by kind), attention kernel, and
 everything else. Writes ``profile.json`` under ``--out`` and prints a table.
 
@@ -62,53 +64,69 @@ def main(argv=None) -> dict:
     p.add_argument("--tokens", default="1,5", help="step widths to profile")
     p.add_argument("--prefill", type=int, default=100, help="prompt tokens in the cache before the steps")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--paths", default="lean",
+                   help="forwards to time, interleaved step by step: lean (serving.engine.decoder), hf "
+                        "(the Hugging Face forward on the same kernels), or lean,hf")
     p.add_argument("--out", default="runs/profile-step")
     args = p.parse_args(argv)
     widths = [int(t) for t in args.tokens.split(",")]
+    paths = args.paths.split(",")
 
     settings = EngineSettings(target_weights=args.weights)
     tok, model, _ = load_models(settings, args.model)
     prepare_kernels(settings, [model], [], widths)
     clock = KernelClock()
-    runner = ModelRunner(model, batch_size=1, max_len=args.prefill + (args.steps + 2) * sum(widths))
-    prompt = torch.randint(100, 20000, (1, args.prefill), generator=torch.Generator().manual_seed(0))
-    runner.prefill(prompt, slot=0)
+    lean = getattr(model, "_choral_decoder", None)
+    if lean is None and "lean" in paths:
+        raise SystemExit(f"{args.model} has no lean forward (serving.engine.decoder); use --paths hf")
+    runners = {}
+    for path in paths:  # one cache per path, both prefilled with the same prompt
+        runners[path] = ModelRunner(model, batch_size=1, max_len=args.prefill + (args.steps + 2) * sum(widths))
+        if lean is not None:
+            lean.enabled = path == "lean"
+        prompt = torch.randint(100, 20000, (1, args.prefill), generator=torch.Generator().manual_seed(0))
+        runners[path].prefill(prompt, slot=0)
     rows = []
+    pos = args.prefill
     for width in widths:
-        pos = args.prefill
-        totals, parts = [], collections.defaultdict(list)
+        totals = {path: [] for path in paths}
+        parts = {path: collections.defaultdict(list) for path in paths}
         for step in range(args.steps + 2):  # two untimed warm-up steps
             tokens = torch.randint(100, 20000, (1, width))
             positions = torch.arange(pos, pos + width).unsqueeze(0)  # [1, T]
-            clock.reset()
-            t0 = time.perf_counter()
-            runner.forward(tokens, positions)
-            total = time.perf_counter() - t0
             pos += width
-            if step < 2:
-                continue
-            totals.append(total)
-            for name in KERNEL_NAMES:
-                parts[name].append(clock.spent.get(name, 0.0))
-        med = {name: statistics.median(v) * 1e3 for name, v in parts.items()}
-        total_ms = statistics.median(totals) * 1e3
-        rows.append({"tokens": width, "step_ms": total_ms, "kernels_ms": med,
-                     "other_ms": total_ms - sum(med.values())})
+            for path in paths:  # the same step on each path, one after the other
+                if lean is not None:
+                    lean.enabled = path == "lean"
+                clock.reset()
+                t0 = time.perf_counter()
+                runners[path].forward(tokens, positions)
+                total = time.perf_counter() - t0
+                if step < 2:
+                    continue
+                totals[path].append(total)
+                for name in KERNEL_NAMES:
+                    parts[path][name].append(clock.spent.get(name, 0.0))
+        for path in paths:
+            med = {name: statistics.median(v) * 1e3 for name, v in parts[path].items()}
+            total_ms = statistics.median(totals[path]) * 1e3
+            rows.append({"path": path, "tokens": width, "step_ms": total_ms, "kernels_ms": med,
+                         "other_ms": total_ms - sum(med.values())})
     record = {
         "command": " ".join(["python", *sys.argv]),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                     "capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__},
-        "model": args.model, "weights": args.weights, "prefill": args.prefill, "rows": rows,
+        "model": args.model, "weights": args.weights, "prefill": args.prefill, "steps": args.steps, "rows": rows,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "profile.json").write_text(json.dumps(record, indent=2))
-    print(f"| tokens | step ms | {' | '.join(KERNEL_NAMES)} | other ms |")
-    print("|---|---|" + "---|" * len(KERNEL_NAMES) + "---|")
+    print(f"| forward | tokens | step ms | {' | '.join(KERNEL_NAMES)} | other ms |")
+    print("|---|---|---|" + "---|" * len(KERNEL_NAMES) + "---|")
     for r in rows:
         cells = " | ".join(f"{r['kernels_ms'].get(n, 0.0):.1f}" for n in KERNEL_NAMES)
-        print(f"| {r['tokens']} | {r['step_ms']:.1f} | {cells} | {r['other_ms']:.1f} |")
+        print(f"| {r['path']} | {r['tokens']} | {r['step_ms']:.1f} | {cells} | {r['other_ms']:.1f} |")
     return record
 
 

@@ -142,7 +142,7 @@ class EngineConfig:
         return tuple(sorted({1, 2, *self.verify_widths}))
 
 
-DRAFT_WEIGHTS = ("auto", "fp32", "int8")
+DRAFT_WEIGHTS = ("auto", "fp32", "int8", "q4")
 TARGET_WEIGHTS = ("fp32", "int8", "q4")
 
 
@@ -162,7 +162,8 @@ def use_cpu_kernels(
     verifying any of ``widths`` tokens costs about one token and rows are bitwise identical.
     ``models`` keep their fp32 numerics (targets); ``drafts`` get ``draft_weights``: "int8" stores
     them as W8A8 int8 (~2.5x cheaper steps; a draft's numerics never change the output, only how
-    much of it is accepted), "auto" does so wherever the kernels apply and the C++ kernel builds,
+    much of it is accepted), "q4" keeps a GGUF draft's 4-bit tensors in 4-bit groups as
+    ``target_weights`` q4 does, "auto" is int8 wherever the kernels apply and the C++ kernel builds,
     "fp32" keeps them as they are (``own_draft_tensors``: see ``prepare_for_cpu``'s
     ``own_tensors``). ``target_weights`` "int8" stores the ``models`` as W8A8 int8 too, "q4" keeps
     their 4-bit GGUF tensors in 4-bit groups (W4A8) and the rest in int8: their numerics change
@@ -179,7 +180,7 @@ def use_cpu_kernels(
         raise ValueError(f"target_weights={target_weights!r} needs the CPU kernels: device cpu, dtype float32, no quantize "
                          f"and the C++ kernel (got device {device}, dtype {dtype}); use target_weights=fp32")  # fmt: skip
     if not applies:
-        if draft_weights == "int8" and drafts:
+        if draft_weights in ("int8", "q4") and drafts:
             raise ValueError(f"draft_weights={draft_weights!r} needs the CPU kernels: device cpu, dtype float32, "
                              f"no quantize (got device {device}, dtype {dtype}); use draft_weights=fp32")
         return False

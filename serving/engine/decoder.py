@@ -89,13 +89,15 @@ class LeanDecoder:
             return None
         return cls(model, ext, fuse, max_rows)
 
-    def _rms(self, x: torch.Tensor, norm) -> torch.Tensor:
-        return self.ext.rowdot_rms_norm(x, norm[0], norm[1])
+    def _rms(self, x: torch.Tensor, norm) -> torch.Tensor:  # [B, T, H] -> [B, T, H]
+        return self.ext.rowdot_rms_norm(x.reshape(-1, x.shape[-1]), norm[0], norm[1]).view(x.shape)
 
     @torch.no_grad()
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
         B, T = tokens.shape
-        h = self.embed(tokens).reshape(B * T, -1)  # [BT, H]
+        # Activations stay [B, T, H]: the fp32 kernels tell a step from a prefill by T, the tokens
+        # per sequence, and would take a batch of short steps flattened to [B*T, H] for a prefill.
+        h = self.embed(tokens)  # [B, T, H]
         # 0. Once per forward: rotary tables and the mask (every layer shares them).
         freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -108,8 +110,8 @@ class LeanDecoder:
         for i, L in enumerate(self.layers):
             kc, vc = cache.keys[i], cache.values[i]
             # 1-3. norm, fused q/k/v, rotary and the cache write.
-            qkv = L.qkv(self._rms(h, L.in_norm))  # [BT, (H + 2 Hkv) D]
-            q = self.ext.rowdot_rope_write(qkv.view(B, T, -1), cos, sin, positions, kc, vc, L.heads, L.kv_heads)  # [B, T, H, D]
+            qkv = L.qkv(self._rms(h, L.in_norm))  # [B, T, (H + 2 Hkv) D]
+            q = self.ext.rowdot_rope_write(qkv, cos, sin, positions, kc, vc, L.heads, L.kv_heads)  # [B, T, H, D]
             # 4. Attention: each row over exactly its own slots.
             if step:
                 attn = self.ext.rowdot_attention(q, kc, vc, mask, L.scaling)  # [B, T, H, D]
@@ -118,8 +120,8 @@ class LeanDecoder:
                     q.transpose(1, 2), kc[:B, :, :extent], vc[:B, :, :extent], attn_mask=mask[:, None, :, :extent],
                     scale=L.scaling, enable_gqa=True).transpose(1, 2)  # fmt: skip
             # 5. Output projection and residual.
-            h = h + L.o_proj(attn.reshape(B * T, -1))
+            h = h + L.o_proj(attn.reshape(B, T, -1))
             # 6-8. MLP.
-            gate, up = L.gate_up(self._rms(h, L.post_norm)).split(L.intermediate, dim=-1)  # [BT, I] each
+            gate, up = L.gate_up(self._rms(h, L.post_norm)).split(L.intermediate, dim=-1)  # [B, T, I] each
             h = h + L.down(F.silu(gate) * up)
-        return self._rms(h, self.norm).view(B, T, -1)  # [B, T, H]
+        return self._rms(h, self.norm)  # [B, T, H]

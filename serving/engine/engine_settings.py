@@ -113,9 +113,10 @@ class EngineSettings:
         "step reads about a quarter of the bytes); q4 (the GGUF's 4-bit tensors kept in their 4-bit groups, "
         "W4A8, the rest int8). Integer sums keep every row batch-invariant, so greedy speculative output "
         "equals that precision's target decoding alone (not the fp32 target's)"))
-    draft_weights: Literal["auto", "fp32", "int8"] = field(default="auto", metadata=doc(
+    draft_weights: Literal["auto", "fp32", "int8", "q4"] = field(default="auto", metadata=doc(
         "int8: drafts run as W8A8 int8 on the CPU kernels (~2.5x cheaper draft steps; the target keeps "
-        "target_weights, so outputs are unchanged, only acceptance may move); auto: int8 wherever the CPU kernels run"))
+        "target_weights, so outputs are unchanged, only acceptance may move); q4: a GGUF draft's 4-bit "
+        "tensors in 4-bit groups (as target_weights=q4), the rest int8; auto: int8 wherever the CPU kernels run"))
     compile_backend: str | None = field(default=None, metadata=doc(
         "torch.compile backend of the step shapes (inductor, neuron), or auto for the device's; "
         "null: eager. Compiled shapes are warmed up at load"))
@@ -176,8 +177,8 @@ class EngineSettings:
             raise ValueError(f"target_weights={self.target_weights} runs on Choral's CPU kernels from an fp32 model: set "
                              "cpu_kernels=true, compile_backend=null, dtype=float32 and quantize=null, or "
                              "target_weights=fp32")  # fmt: skip
-        if self.draft_weights == "int8" and not self.uses_cpu_kernels:
-            raise ValueError("draft_weights=int8 runs on Choral's CPU kernels: set cpu_kernels=true and "
+        if self.draft_weights in ("int8", "q4") and not self.uses_cpu_kernels:
+            raise ValueError(f"draft_weights={self.draft_weights} runs on Choral's CPU kernels: set cpu_kernels=true and "
                              "compile_backend=null, or draft_weights=auto/fp32")  # fmt: skip
 
     @property
