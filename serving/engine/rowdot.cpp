@@ -14,6 +14,8 @@ typedef __m512 vec;
 static inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
 static inline vec vzero() { return _mm512_setzero_ps(); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vec vset1(float x) { return _mm512_set1_ps(x); }
+static inline void vstore(float* p, vec a) { _mm512_storeu_ps(p, a); }
 static inline __m256 half_sum(vec a) {
   return _mm256_add_ps(_mm512_castps512_ps256(a),
                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
@@ -24,6 +26,8 @@ typedef __m256 vec;
 static inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
 static inline vec vzero() { return _mm256_setzero_ps(); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vec vset1(float x) { return _mm256_set1_ps(x); }
+static inline void vstore(float* p, vec a) { _mm256_storeu_ps(p, a); }
 static inline __m256 half_sum(vec a) { return a; }
 #endif
 
@@ -488,6 +492,64 @@ torch::Tensor rowdot_linear_w4a8(torch::Tensor x, torch::Tensor w, torch::Tensor
   return y;
 }
 
+// exp(x) for x <= 0 on 8 lanes (Cephes' expf: x = k ln2 + r with ln2 in two parts, a degree-6
+// polynomial in r, times 2^k; within 2 ulp of std::exp). The scalar std::exp per score was most of a
+// 5-row verify's attention time. Every lane computes the same function, so a score's exp depends only
+// on its own value.
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));  // below: the result underflows to 0 anyway
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+// p[j] = exp(p[j] - mx) for j < n; returns their sum, added in a fixed order for a given n.
+static inline float exp_shifted_sum(float* p, int64_t n, float mx) {
+  int64_t j = 0;
+  float sum = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 m = _mm256_set1_ps(mx);
+  __m256 acc = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + j), m));
+    _mm256_storeu_ps(p + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  if (j < n) {  // the last few through the same lanes; the padding lanes are zeroed
+    alignas(32) float tail[8];
+    alignas(32) int32_t keep[8];
+    for (int i = 0; i < 8; ++i) {
+      tail[i] = j + i < n ? p[j + i] - mx : 0.f;
+      keep[i] = j + i < n ? -1 : 0;
+    }
+    const __m256 e = _mm256_and_ps(exp_nonpositive(_mm256_load_ps(tail)),
+                                   _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(keep))));
+    _mm256_store_ps(tail, e);
+    for (int i = 0; j + i < n; ++i) p[j + i] = tail[i];
+    acc = _mm256_add_ps(acc, e);
+    j = n;
+  }
+  sum = hsum8(acc);
+#endif
+  for (; j < n; ++j) {
+    p[j] = std::exp(p[j] - mx);
+    sum += p[j];
+  }
+  return sum;
+}
+
 // ---- Attention for a step's query rows: each (sequence, query row, head) over exactly the key
 // slots its own mask row allows, in slot order, with fixed-order sums. Nothing in a row's result
 // depends on the other rows of the batch or on how many key slots the batch spans, so row i of a
@@ -532,8 +594,24 @@ torch::Tensor rowdot_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
           continue;
         }
         float* ph = p.data() + (h - g * rep) * S;
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < n; ++j) {
+        // Scores, four keys at a time: each key's dot product is one chain of FMAs in d order (the
+        // same arithmetic as one key at a time), four chains in flight instead of one latency-bound.
+        int64_t j = 0;
+        for (; j + 4 <= n; j += 4) {
+          const float* kr[4] = {kg + slots[j] * D, kg + slots[j + 1] * D, kg + slots[j + 2] * D, kg + slots[j + 3] * D};
+          vec a[4] = {vzero(), vzero(), vzero(), vzero()};
+          int64_t d = 0;
+          for (; d + VL <= D; d += VL) {
+            const vec qv = vload(qh + d);
+            for (int u = 0; u < 4; ++u) a[u] = vfma(qv, vload(kr[u] + d), a[u]);
+          }
+          for (int u = 0; u < 4; ++u) {
+            float s = vsum(a[u]);
+            for (int64_t e = d; e < D; ++e) s = __builtin_fmaf(qh[e], kr[u][e], s);
+            ph[j + u] = s * sc;
+          }
+        }
+        for (; j < n; ++j) {
           const float* kr = kg + slots[j] * D;
           vec a = vzero();
           int64_t d = 0;
@@ -541,18 +619,32 @@ torch::Tensor rowdot_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
           float s = vsum(a);
           for (; d < D; ++d) s = __builtin_fmaf(qh[d], kr[d], s);
           ph[j] = s * sc;
-          mx = std::max(mx, ph[j]);
         }
-        float sum = 0.f;
-        for (int64_t j = 0; j < n; ++j) {
-          ph[j] = std::exp(ph[j] - mx);
-          sum += ph[j];
+        float mx = -INFINITY;
+        for (j = 0; j < n; ++j) mx = std::max(mx, ph[j]);
+        const float sum = exp_shifted_sum(ph, n, mx);
+        // Weighted values: each output element sums its keys in slot order; up to 8 vectors of d
+        // at a time stay in registers across the keys.
+        int64_t d0 = 0;
+        for (; d0 + VL <= D; d0 += 8 * VL) {
+          const int nv = int(std::min<int64_t>(8, (D - d0) / VL));
+          vec a[8];
+          for (int u = 0; u < nv; ++u) a[u] = vzero();
+          for (int64_t jj = 0; jj < n; ++jj) {
+            const float* vr = vg + slots[jj] * D + d0;
+            const vec w = vset1(ph[jj]);
+            for (int u = 0; u < nv; ++u) a[u] = vfma(w, vload(vr + u * VL), a[u]);
+          }
+          for (int u = 0; u < nv; ++u) vstore(acc.data() + d0 + u * VL, a[u]);
+          if (nv < 8) {
+            d0 += nv * VL;
+            break;
+          }
         }
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t j = 0; j < n; ++j) {
-          const float* vr = vg + slots[j] * D;
-          const float w = ph[j];
-          for (int64_t d = 0; d < D; ++d) acc[d] = __builtin_fmaf(w, vr[d], acc[d]);  // vectorized over d
+        for (int64_t d = d0; d < D; ++d) {  // a head size that is not a multiple of the vector width
+          float a = 0.f;
+          for (int64_t jj = 0; jj < n; ++jj) a = __builtin_fmaf(ph[jj], vg[slots[jj] * D + d], a);
+          acc[d] = a;
         }
         const float inv = 1.f / sum;
         for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
