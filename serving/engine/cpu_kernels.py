@@ -333,15 +333,17 @@ def fuse_linears(mods: Sequence[nn.Module]) -> nn.Module | None:
 
 
 def _rowwise_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
-    """Attention one query row at a time, each over exactly the keys that row may attend to
-    (``_gqa_row``); prefills (more rows than ``max_rows``) go to SDPA."""
+    """Attention for each query row over exactly the keys that row may attend to: the C++ kernel
+    (``rowdot_attention``), or ``_gqa_row`` one row at a time where the kernel cannot run (no
+    compiler, autograd); prefills (more rows than ``max_rows``) go to SDPA."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     q_len = query.shape[2]
     scaling = kwargs.get("scaling")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     step = q_len == 1 if attention_mask is None else (attention_mask.dtype == torch.bool and q_len <= _rowwise_sdpa.max_rows)
-    if step and query.dtype == torch.float32 and key.dtype == torch.float32 and _rowdot_ext() is not None:
+    no_grad = not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))
+    if step and no_grad and query.dtype == torch.float32 and key.dtype == torch.float32 and _rowdot_ext() is not None:
         # The kernel: every row over exactly the slots its own mask row allows, in a fixed order.
         b, s = query.shape[0], key.shape[2]
         if attention_mask is None:  # a 1-token step on a dynamic cache sees every key
