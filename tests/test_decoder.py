@@ -116,3 +116,18 @@ def test_the_rope_write_kernel_refuses_a_position_outside_the_cache():
     qkv, cos = torch.randn(1, 1, (4 + 4) * 16), torch.ones(1, 1, 16)
     with pytest.raises(RuntimeError, match="position 8 outside the cache"):
         ext.rowdot_rope_write(qkv, cos, cos, torch.tensor([[8]]), cache.keys[0], cache.values[0], 4, 2)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("inter", [37, 128])
+def test_silu_times_up_is_torchs_to_rounding_and_each_row_its_own(inter):
+    """``rowdot_silu_mul``: SiLU(gate) * up as torch computes it, to float rounding (large
+    negative and positive gates included), and each row's result the same alone or among 17 rows
+    (torch's own SiLU changes an element's last bit with where its thread's block ends)."""
+    ext = cpu_kernels._rowdot_ext()
+    gu = torch.randn(17, 2 * inter) * 4
+    gu[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    got = ext.rowdot_silu_mul(gu, inter)  # [17, I]
+    ref = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+    torch.testing.assert_close(got, ref, rtol=2e-6, atol=1e-6)
+    assert all(torch.equal(ext.rowdot_silu_mul(gu[i : i + 1], inter), got[i : i + 1]) for i in range(17))

@@ -7,7 +7,7 @@ same layers on the same weights in about a dozen calls a layer:
 
     1. RMSNorm (one C++ call)          5. o_proj, residual add
     2. q, k, v in one fused Linear     6. RMSNorm
-    3. rotary + cache write (C++)      7. gate and up in one fused Linear, SiLU x up
+    3. rotary + cache write (C++)      7. gate and up in one fused Linear, SiLU x up (C++)
     4. attention (C++, ``rowdot_attention``; SDPA for a prefill longer than max_rows)
                                        8. down, residual add
 
@@ -122,6 +122,7 @@ class LeanDecoder:
             # 5. Output projection and residual.
             h = h + L.o_proj(attn.reshape(B, T, -1))
             # 6-8. MLP.
-            gate, up = L.gate_up(self._rms(h, L.post_norm)).split(L.intermediate, dim=-1)  # [B, T, I] each
-            h = h + L.down(F.silu(gate) * up)
+            gu = L.gate_up(self._rms(h, L.post_norm))  # [B, T, 2I]: gate, then up
+            act = self.ext.rowdot_silu_mul(gu.reshape(B * T, -1), L.intermediate).view(B, T, -1)  # [B, T, I]
+            h = h + L.down(act)
         return self._rms(h, self.norm)  # [B, T, H]

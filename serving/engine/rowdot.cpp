@@ -259,7 +259,7 @@ static inline void qrows(const int8_t* w, int64_t KP, const uint8_t* x, const fl
 
 torch::Tensor rowdot_linear_w8a8(torch::Tensor x, torch::Tensor w, torch::Tensor wscale, torch::Tensor wsum,
                                  c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.size(1) % 64 == 0 && x.size(1) <= w.size(1), "shape mismatch");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.size(1) % 64 == 0 && w.size(1) > 0 && x.size(1) <= w.size(1), "shape mismatch");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar, "fp32 input, int8 weight");
   TORCH_CHECK(wscale.scalar_type() == at::kFloat && wsum.scalar_type() == at::kInt, "fp32 scales, int32 sums");
   TORCH_CHECK(w.is_contiguous() && wscale.is_contiguous() && wsum.is_contiguous(), "contiguous weights");
@@ -435,7 +435,7 @@ torch::Tensor rowdot_linear_w4a8(torch::Tensor x, torch::Tensor w, torch::Tensor
                                  c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && d.dim() == 2 && mn.sizes() == d.sizes(), "shape mismatch");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), G = d.size(1), KP = G * 32;
-  TORCH_CHECK(G % 2 == 0 && w.size(1) * 2 == KP && d.size(0) == N && K <= KP, "shape mismatch");
+  TORCH_CHECK(G % 2 == 0 && G > 0 && w.size(1) * 2 == KP && d.size(0) == N && K <= KP, "shape mismatch");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kByte, "fp32 input, uint8 packed weight");
   TORCH_CHECK(d.scalar_type() == at::kHalf && mn.scalar_type() == at::kHalf, "fp16 scales and minimums");
   TORCH_CHECK(G <= Q4_MAX_GROUPS, "at most ", Q4_MAX_GROUPS * 32, " input features");
@@ -697,6 +697,7 @@ torch::Tensor rowdot_rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Ten
   const int64_t B = qkv.size(0), T = qkv.size(1), D = cos.size(2), S = kcache.size(2), half = D / 2;
   TORCH_CHECK(qkv.size(2) == (H + 2 * Hkv) * D && kcache.size(1) == Hkv && kcache.size(3) == D && kcache.size(0) >= B &&
               cos.size(0) == B && cos.size(1) == T && D % 2 == 0, "shape mismatch");
+  TORCH_CHECK(positions.numel() == B * T, "positions must be [B, T]");
   const int64_t* pp = positions.data_ptr<int64_t>();
   for (int64_t i = 0; i < B * T; ++i) TORCH_CHECK(pp[i] >= 0 && pp[i] < S, "position ", pp[i], " outside the cache (", S, " slots)");
   auto q = torch::empty({B, T, H, D}, qkv.options());
@@ -711,8 +712,10 @@ torch::Tensor rowdot_rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Ten
     for (int64_t d = 0; d < half; ++d) out[d] = x[d] * c[d] - x[d + half] * s[d];
     for (int64_t d = half; d < D; ++d) out[d] = x[d] * c[d] + x[d - half] * s[d];
   };
-  at::parallel_for(0, B * T, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
+  // Over sequences, a sequence's tokens in order: a finished row's tokens may share one slot, and
+  // the last write must win the same way every time.
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t i = b0 * T; i < b1 * T; ++i) {
       const int64_t b = i / T, pos = pp[i];
       const float* x = xp + i * W;
       const float* c = cp + i * D;
@@ -726,4 +729,47 @@ torch::Tensor rowdot_rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Ten
     }
   });
   return q;
+}
+
+// SiLU(gate) * up for each row of gu [M, 2I] (gate in the first I columns, up in the rest), one
+// row at a time with the same per-element arithmetic wherever an element falls: torch's SiLU
+// switches between a vector and a scalar exp at the ends of the blocks it splits a tensor into, so
+// an element's last bit depended on how many rows ran together. silu(g) = g / (1 + e^-g), taken as
+// g / (1 + e) for g >= 0 and g e / (1 + e) for g < 0, e = exp(-|g|), so exp only sees x <= 0.
+torch::Tensor rowdot_silu_mul(torch::Tensor gu, int64_t I) {
+  TORCH_CHECK(gu.dim() == 2 && gu.size(1) == 2 * I && gu.scalar_type() == at::kFloat, "gu must be fp32 [M, 2I]");
+  gu = gu.contiguous();
+  const int64_t M = gu.size(0);
+  auto y = torch::empty({M, I}, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* g = gp + m * 2 * I;
+      const float* u = g + I;
+      float* o = yp + m * I;
+      int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      const __m256 sign = _mm256_set1_ps(-0.f), one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+      auto silu8 = [&](__m256 gv) {
+        const __m256 e = exp_nonpositive(_mm256_or_ps(gv, sign));  // exp(-|g|)
+        const __m256 num = _mm256_blendv_ps(gv, _mm256_mul_ps(gv, e), _mm256_cmp_ps(gv, zero, _CMP_LT_OQ));
+        return _mm256_div_ps(num, _mm256_add_ps(one, e));
+      };
+      for (; i + 8 <= I; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(silu8(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(u + i)));
+      if (i < I) {  // the last few through the same lanes
+        alignas(32) float gt[8] = {0.f}, ut[8] = {0.f}, ot[8];
+        for (int64_t k = i; k < I; ++k) gt[k - i] = g[k], ut[k - i] = u[k];
+        _mm256_store_ps(ot, _mm256_mul_ps(silu8(_mm256_load_ps(gt)), _mm256_load_ps(ut)));
+        for (int64_t k = i; k < I; ++k) o[k] = ot[k - i];
+        i = I;
+      }
+#endif
+      for (; i < I; ++i) {
+        const float e = std::exp(-std::fabs(g[i]));
+        o[i] = (g[i] < 0.f ? g[i] * e : g[i]) / (1.f + e) * u[i];
+      }
+    }
+  });
+  return y;
 }
