@@ -373,11 +373,7 @@ static inline void q4rows(const uint8_t* w, const float* d, const float* mn, int
       tail[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), dv, tail[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(acc[r]),
-                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
-    dotv[r] = hsum8(_mm256_add_ps(a, tail[r]));
-  }
+  for (int r = 0; r < R; ++r) dotv[r] = hsum8(_mm256_add_ps(half_sum(acc[r]), tail[r]));
 #elif defined(__AVX2__) && defined(__FMA__)
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
@@ -462,32 +458,21 @@ torch::Tensor rowdot_linear_w4a8(torch::Tensor x, torch::Tensor w, torch::Tensor
   const at::Half* mp = mn.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
   const int64_t ldw = KP / 2;
-  over_panels(
-      N,
-      [&](int64_t n) {
-        // The panel's scales and minimums as fp32, once for all its input rows.
-        float ds[8 * Q4_MAX_GROUPS], ms[8 * Q4_MAX_GROUPS];
-        halves_to_floats(dp + n * G, 8 * G, ds);
-        halves_to_floats(mp + n * G, 8 * G, ms);
-        over_row_chunks(M, KP, [&](int64_t m, int64_t R) {
-          with_rows(R, [&](auto r) {
-            for (int h = 0; h < 8; ++h)
-              q4rows<decltype(r)::value>(wp + (n + h) * ldw, ds + h * G, ms + h * G, G, xq.data() + m * KP, KP,
-                                         xsum.data() + m * G, xa.data() + m, yp + m * N + n + h, N);
-          });
-        });
-      },
-      [&](int64_t j) {
-        float ds[Q4_MAX_GROUPS], ms[Q4_MAX_GROUPS];
-        halves_to_floats(dp + j * G, G, ds);
-        halves_to_floats(mp + j * G, G, ms);
-        over_row_chunks(M, KP, [&](int64_t m, int64_t R) {
-          with_rows(R, [&](auto r) {
-            q4rows<decltype(r)::value>(wp + j * ldw, ds, ms, G, xq.data() + m * KP, KP, xsum.data() + m * G,
-                                       xa.data() + m, yp + m * N + j, N);
-          });
-        });
+  // Weight rows j .. j + H - 1 (a panel of 8, or one leftover row) against every chunk of input
+  // rows, their scales and minimums widened to fp32 once for all the chunks.
+  auto rows = [&](int64_t j, int H) {
+    float ds[8 * Q4_MAX_GROUPS], ms[8 * Q4_MAX_GROUPS];
+    halves_to_floats(dp + j * G, H * G, ds);
+    halves_to_floats(mp + j * G, H * G, ms);
+    over_row_chunks(M, KP, [&](int64_t m, int64_t R) {
+      with_rows(R, [&](auto r) {
+        for (int h = 0; h < H; ++h)
+          q4rows<decltype(r)::value>(wp + (j + h) * ldw, ds + h * G, ms + h * G, G, xq.data() + m * KP, KP,
+                                     xsum.data() + m * G, xa.data() + m, yp + m * N + j + h, N);
       });
+    });
+  };
+  over_panels(N, [&](int64_t n) { rows(n, 8); }, [&](int64_t j) { rows(j, 1); });
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
 }
@@ -550,6 +535,25 @@ static inline float exp_shifted_sum(float* p, int64_t n, float mx) {
   return sum;
 }
 
+// The scaled scores q . k of U keys (cache slots slots[0..U-1] of the head's keys kg): each key's
+// dot product is one chain of FMAs in d order, whatever U is; U of them in flight at once.
+template <int U>
+static inline void scores(const float* qh, const float* kg, const int32_t* slots, int64_t D, float sc, float* out) {
+  const float* kr[U];
+  vec a[U];
+  for (int u = 0; u < U; ++u) kr[u] = kg + slots[u] * D, a[u] = vzero();
+  int64_t d = 0;
+  for (; d + VL <= D; d += VL) {
+    const vec qv = vload(qh + d);
+    for (int u = 0; u < U; ++u) a[u] = vfma(qv, vload(kr[u] + d), a[u]);
+  }
+  for (int u = 0; u < U; ++u) {
+    float s = vsum(a[u]);
+    for (int64_t e = d; e < D; ++e) s = __builtin_fmaf(qh[e], kr[u][e], s);
+    out[u] = s * sc;
+  }
+}
+
 // ---- Attention for a step's query rows: each (sequence, query row, head) over exactly the key
 // slots its own mask row allows, in slot order, with fixed-order sums. Nothing in a row's result
 // depends on the other rows of the batch or on how many key slots the batch spans, so row i of a
@@ -594,32 +598,10 @@ torch::Tensor rowdot_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
           continue;
         }
         float* ph = p.data() + (h - g * rep) * S;
-        // Scores, four keys at a time: each key's dot product is one chain of FMAs in d order (the
-        // same arithmetic as one key at a time), four chains in flight instead of one latency-bound.
+        // Scores, four keys at a time (four chains in flight instead of one latency-bound).
         int64_t j = 0;
-        for (; j + 4 <= n; j += 4) {
-          const float* kr[4] = {kg + slots[j] * D, kg + slots[j + 1] * D, kg + slots[j + 2] * D, kg + slots[j + 3] * D};
-          vec a[4] = {vzero(), vzero(), vzero(), vzero()};
-          int64_t d = 0;
-          for (; d + VL <= D; d += VL) {
-            const vec qv = vload(qh + d);
-            for (int u = 0; u < 4; ++u) a[u] = vfma(qv, vload(kr[u] + d), a[u]);
-          }
-          for (int u = 0; u < 4; ++u) {
-            float s = vsum(a[u]);
-            for (int64_t e = d; e < D; ++e) s = __builtin_fmaf(qh[e], kr[u][e], s);
-            ph[j + u] = s * sc;
-          }
-        }
-        for (; j < n; ++j) {
-          const float* kr = kg + slots[j] * D;
-          vec a = vzero();
-          int64_t d = 0;
-          for (; d + VL <= D; d += VL) a = vfma(vload(qh + d), vload(kr + d), a);
-          float s = vsum(a);
-          for (; d < D; ++d) s = __builtin_fmaf(qh[d], kr[d], s);
-          ph[j] = s * sc;
-        }
+        for (; j + 4 <= n; j += 4) scores<4>(qh, kg, slots.data() + j, D, sc, ph + j);
+        for (; j < n; ++j) scores<1>(qh, kg, slots.data() + j, D, sc, ph + j);
         float mx = -INFINITY;
         for (j = 0; j < n; ++j) mx = std::max(mx, ph[j]);
         const float sum = exp_shifted_sum(ph, n, mx);
