@@ -1,13 +1,14 @@
-"""Where a decode step's time goes on the CPU kernels: the kernels themselves against the rest
-of the forward (Python, the Hugging Face modules, norms, rotary, cache writes, the head's glue).
+"""Where a decode step's time goes on the CPU kernels: the Linear and attention kernels against the
+rest of the forward (Python, the modules, norms, rotary, cache writes, the head's glue).
 
 Loads a model at ``--weights`` (fp32, int8 or q4) with Choral's CPU kernels, prefills a prompt into
 a static cache, then times ``--steps`` forwards of each width in ``--tokens`` (1 = a decode step,
 5 = a verify of K=4). ``--paths lean,hf`` runs each step through the lean forward and through the
 Hugging Face forward on the same kernels, one after the other (each with its own cache), so that
-the two are compared under the same machine state. Each call into the C++ extension is timed on its own (``time.perf_counter``
-around it), so the report splits every step into: Linear kernels (by kind), attention kernel, and
-everything else. Writes ``profile.json`` under ``--out`` and prints a table.
+the two are compared under the same machine state. Each call into a Linear or attention kernel is
+timed on its own (``time.perf_counter`` around it), so the report splits every step into: Linear
+kernels (by kind), attention, and everything else (the lean forward's C++ RMSNorm, rotary and SiLU
+calls included). Writes ``profile.json`` under ``--out`` and prints a table.
 
     python scripts/experiments/profile_step.py --model qwen2.5-coder-1.5b-instruct --weights q4 --out runs/profile-q4
 """
