@@ -97,6 +97,25 @@ def test_fused_first_chunk_comes_after_prefill_and_one_step(tmp_path):
     assert s["tokens_per_target_call"] == pytest.approx(K + 1)
 
 
+@pytest.mark.parametrize("architecture", ["distributed", "fused"])
+def test_a_drafter_that_proposes_on_some_steps_runs_plain_steps_on_the_rest(tmp_path, architecture):
+    """vLLM's ngram without a match runs a plain one-token step. A free drafter that proposes on
+    40% of steps and is then always right, with the per-step curve the profile stores (0.4 at
+    every position): 1 + 0.4 K tokens per step, and the target's cost per token fed shows that the
+    other steps verify one token, not K + 1."""
+    rate, per_token_ms = 0.4, 1.0
+    p = iid_profile()
+    p.target = CostModel(base_ms=TARGET_MS, per_token_ms=per_token_ms)
+    p.drafts = {"d": DraftProfile(cost=CostModel(base_ms=0.0), acceptance={"all": [rate] * K}, proposes={"all": rate})}
+    s = simulate(one_on_one(tmp_path, f"architecture={architecture}"), p)["summary"]
+    n = s["verify_calls"]
+    assert s["tokens_per_target_call"] == pytest.approx(1 + rate * K, abs=4 * K / 2 / math.sqrt(n))
+    step_ms = TARGET_MS + per_token_ms * (1 + rate * K) + (2 * LATENCY_MS if architecture == "distributed" else 0.0)
+    assert s["throughput_tokens_per_s"] == pytest.approx(1e3 * (1 + rate * K) / step_ms, rel=0.03)
+    with pytest.raises(ValueError, match="proposes.all=0.3"):
+        DraftProfile(cost=CostModel(base_ms=0.0), acceptance={"all": [0.4] * K}, proposes={"all": 0.3})
+
+
 def test_acceptance_rate_is_per_position_mean(tmp_path):
     s = simulate(one_on_one(tmp_path), iid_profile(a=0.5))["summary"]
     assert s["acceptance_rate"] == pytest.approx(sum(iid_curve(0.5, K)) / K, abs=0.02)

@@ -100,10 +100,12 @@ def profile(args: argparse.Namespace) -> int:
         url = pool.replicas[0]
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=600)
         ask(client, mid, prompts[0], 8)
-        before, rows, curves = spec_counters(url), [], {}
+        before, rows, curves, proposes = spec_counters(url), [], {}, {}
         # Steps are counted as tokens less accepted tokens (each step emits its accepted drafts plus
         # one), not as vLLM's num_drafts: a drafter that finds nothing to propose (ngram without a
-        # match) runs a plain step that num_drafts leaves out. The curves are per step likewise.
+        # match) runs a plain step that num_drafts leaves out. The curves are per step likewise, and
+        # num_drafts / steps is the fraction of steps that proposed (the simulator runs the others
+        # as plain one-token steps).
         for d in args.domains:  # per domain: the acceptance curve the simulator draws from
             start = spec_counters(url)
             got = [ask(client, mid, p, args.max_tokens) for p in prompts if p.domain == d]
@@ -112,6 +114,9 @@ def profile(args: argparse.Namespace) -> int:
             steps_d = sum(r["tokens"] for r in got) - (end[SPEC[2]] - start[SPEC[2]])
             curves[d] = [min(1.0, (end[PER_POS].get(i, 0) - start[PER_POS].get(i, 0)) / steps_d) if steps_d > 0 else 0.0
                          for i in range(pool.k)]  # fmt: skip
+            proposed = end[SPEC[0]] - start[SPEC[0]]
+            proposes[d] = min(1.0, max(proposed, 1.0) / steps_d) if steps_d > 0 else 1.0
+            curves[d] = [min(c, proposes[d]) for c in curves[d]]
         after = spec_counters(url)
         drafted, accepted = after[SPEC[1]] - before[SPEC[1]], after[SPEC[2]] - before[SPEC[2]]
         seconds, tokens = sum(r["s"] for r in rows), sum(r["tokens"] for r in rows)
@@ -123,7 +128,9 @@ def profile(args: argparse.Namespace) -> int:
                                           a["text"] == b["text"] for a, b in zip(alone, rows)) / len(rows)}  # fmt: skip
         out_fleet["pools"][i]["step_cost"] = round(step_cost, 4) if step_cost else None
         result["pools"][pool.name]["acceptance_by_position"] = curves
-        sim_drafts[pool.drafter] = (step_cost * s0 if step_cost else None, pool.k, curves)
+        result["pools"][pool.name]["proposes"] = proposes
+        propose_rate = (after[SPEC[0]] - before[SPEC[0]]) / steps if steps else 1.0
+        sim_drafts[pool.drafter] = (step_cost * s0 if step_cost else None, pool.k, curves, proposes, propose_rate)
         print(f"pool {pool.name}: {result['pools'][pool.name]}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -157,11 +164,15 @@ def sim_profile(s0: float, s_batch: float, batch: int, drafts: dict, alone: list
 
     target = target_cost(s0, s_batch, batch)
     sim_drafts = {}
-    for name, (step_s, k, curves) in drafts.items():
+    for name, (step_s, k, curves, proposes, rate) in drafts.items():
         if step_s is None:
             continue
-        draft_ms = max(0.0, (step_s * 1e3 - target.ms(1, k + 1)) / k)
-        sim_drafts[name] = DraftProfile(cost=CostModel(base_ms=draft_ms), acceptance=curves)
+        # A mean step: on the proposing fraction, K draft forwards and a verify of K + 1 tokens; on
+        # the rest, a plain step.
+        rate = min(1.0, max(rate, 1e-6))
+        verify_ms = rate * target.ms(1, k + 1) + (1 - rate) * target.ms(1, 1)
+        draft_ms = max(0.0, (step_s * 1e3 - verify_ms) / (k * rate))
+        sim_drafts[name] = DraftProfile(cost=CostModel(base_ms=draft_ms), acceptance=curves, proposes=proposes)
     prompt_tokens = {d: statistics.mean(r["prompt_tokens"] for r in alone if r["domain"] == d) for d in args.domains}
     domains = {d: DomainProfile(weight=1.0, prompt_tokens=LengthDist(mean=max(1.0, prompt_tokens[d])),
                                 output_tokens=LengthDist(mean=float(args.max_tokens))) for d in args.domains}  # fmt: skip
@@ -212,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
             pools[r["domain"]][r["choral"]["pool"]] += 1
         return {"policy": policy, "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
                 "identical": sum(r["text"] == alone[r["id"]] for r in rows), "requests": len(rows), "pools": pools,
+                "differ": [(r["id"], r["choral"]["pool"]) for r in rows if r["text"] != alone[r["id"]]],
                 "domain_tok_s_per_request": {d: v["tokens"] / v["s"] for d, v in by_domain.items()}}  # fmt: skip
 
     rounds = []

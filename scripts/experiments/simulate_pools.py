@@ -9,9 +9,10 @@ Every deployment has the same ``--replicas`` servers and the same closed-loop cl
 
 * ``homogeneous none``: every replica runs the target alone;
 * ``homogeneous <draft>``: every replica runs that drafter (one vLLM speculative config);
-* ``specialised``: one pool per drafter the router picks for some domain, sized to the work it
-  gets (its domains' share of requests x their tokens / the pool's predicted tokens per second),
-  each request sent to the pool of its domain's best drafter;
+* ``specialised``: one pool per drafter that is best for some domain at the batch a replica runs
+  (about ``--clients-per-replica`` rows), sized to the work it gets (its domains' share of requests
+  x their tokens / the pool's predicted tokens per second at that batch), each request sent to the
+  pool of its domain's best drafter;
 * ``per-request (any)``: every replica can run every drafter (Choral's own engine), for reference.
 
 Writes ``pools.json`` and ``pools.md``.
@@ -51,14 +52,15 @@ def deployments(args: argparse.Namespace, profile) -> dict[str, tuple[list[dict]
     # The router's pick per domain among every drafter and none, from a probe simulation's setup.
     # (A 'none' pool beside an any-drafter server makes 'none' one of the router's options.)
     probe = Simulation(config(args, [dict(group, count=1, pool=NONE), dict(group, count=1)], {"policy": "router"}), profile)
-    target = probe.profile.target  # --target-cost applied
+    # A pool is judged at the batch its replicas will run: about --clients-per-replica rows (up to
+    # --max-batch). A lone step flatters speculation wherever a batched verify costs more per row.
+    rows = max(1, min(args.max_batch, args.clients_per_replica))
 
     def lone_step(i: int, j: int) -> tuple[float, float]:
-        """(tokens, ms) of one lone step of drafter i on domain j, drafts at --draft-speed."""
-        k = probe._k(i)
-        return 1 + sum(-c for c in probe.negc[i, j][:k]), k * probe.dcost[i][0].ms(1, 1) / args.draft_speed + target.ms(1, k + 1)
+        """(tokens, ms) per row of drafter i's step on domain j at ``rows`` rows (--target-cost applied)."""
+        return probe.lone_step(i, j, args.draft_speed, rows)
 
-    # The router's pick per domain: the best predicted tokens per second of a lone step.
+    # The pick per domain: the best tokens per second per row at that batch.
     chosen = {d: probe.draft_names[max(range(len(probe.draft_names)), key=lambda i: (lambda t, ms: t / ms)(*lone_step(i, j)))]
               for j, d in enumerate(probe.domains)}  # fmt: skip
     work: dict[str, float] = {}

@@ -554,6 +554,59 @@ static inline void scores(const float* qh, const float* kg, const int32_t* slots
   }
 }
 
+// The weighted values of HN heads that share a value head: acc[h * D + d] = sum over the keys
+// jj < n, in slot order, of p[h * ldp + jj] * v[slots[jj]][d]. Each output element's sum is one chain
+// of FMAs in key order whatever HN is; HN heads per pass read each value row once from memory
+// (the other heads find it in L1), with up to 8 vectors of d per head in registers.
+#if VL == 16
+#define HEADS_AT_ONCE 3  // 3 heads x 8 accumulators of 32 AVX-512 registers
+#else
+#define HEADS_AT_ONCE 1  // 8 accumulators of 16 AVX2 registers
+#endif
+template <int HN>
+static inline void weighted_values(const float* p, int64_t ldp, const float* vg, const int32_t* slots, int64_t n,
+                                   int64_t D, float* acc) {
+  int64_t d0 = 0;
+  for (; d0 + VL <= D; d0 += 8 * VL) {
+    const int nv = int(std::min<int64_t>(8, (D - d0) / VL));
+    vec a[HN][8];
+    for (int h = 0; h < HN; ++h)
+      for (int u = 0; u < nv; ++u) a[h][u] = vzero();
+    for (int64_t jj = 0; jj < n; ++jj) {
+      const float* vr = vg + slots[jj] * D + d0;
+      for (int h = 0; h < HN; ++h) {
+        const vec w = vset1(p[h * ldp + jj]);
+        for (int u = 0; u < nv; ++u) a[h][u] = vfma(w, vload(vr + u * VL), a[h][u]);
+      }
+    }
+    for (int h = 0; h < HN; ++h)
+      for (int u = 0; u < nv; ++u) vstore(acc + h * D + d0 + u * VL, a[h][u]);
+    if (nv < 8) {
+      d0 += nv * VL;
+      break;
+    }
+  }
+  for (int h = 0; h < HN; ++h)
+    for (int64_t d = d0; d < D; ++d) {  // a head size that is not a multiple of the vector width
+      float a = 0.f;
+      for (int64_t jj = 0; jj < n; ++jj) a = __builtin_fmaf(p[h * ldp + jj], vg[slots[jj] * D + d], a);
+      acc[h * D + d] = a;
+    }
+}
+
+template <class F>
+static inline void with_heads(int64_t hn, const F& f) {
+  switch (hn) {
+#if HEADS_AT_ONCE >= 3
+    case 3: f(std::integral_constant<int, 3>{}); break;
+#endif
+#if HEADS_AT_ONCE >= 2
+    case 2: f(std::integral_constant<int, 2>{}); break;
+#endif
+    default: f(std::integral_constant<int, 1>{}); break;
+  }
+}
+
 // ---- Attention for a step's query rows: each (sequence, query row, head) over exactly the key
 // slots its own mask row allows, in slot order, with fixed-order sums. Nothing in a row's result
 // depends on the other rows of the batch or on how many key slots the batch spans, so row i of a
@@ -580,8 +633,8 @@ torch::Tensor rowdot_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   const float sc = float(scaling);
   at::parallel_for(0, B * T * Hkv, 1, [&](int64_t i0, int64_t i1) {
     std::vector<int32_t> slots(S);
-    std::vector<float> p(S * rep);
-    std::vector<float> acc(D);
+    std::vector<float> p(S * rep), sums(rep);
+    std::vector<float> acc(HEADS_AT_ONCE * D);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / (T * Hkv), t = (i / Hkv) % T, g = i % Hkv;
       const bool* m = mp + (b * T + t) * S;
@@ -590,46 +643,37 @@ torch::Tensor rowdot_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
         if (m[s]) slots[n++] = int32_t(s);
       const float* kg = kp + (b * Hkv + g) * S * D;
       const float* vg = vp + (b * Hkv + g) * S * D;
-      for (int64_t h = g * rep; h < (g + 1) * rep; ++h) {  // the query heads that share key/value head g
-        const float* qh = qp + ((b * T + t) * H + h) * D;
-        float* o = op + ((b * T + t) * H + h) * D;
-        if (n == 0) {
-          std::fill(o, o + D, 0.f);
-          continue;
-        }
-        float* ph = p.data() + (h - g * rep) * S;
-        // Scores, four keys at a time (four chains in flight instead of one latency-bound).
-        int64_t j = 0;
-        for (; j + 4 <= n; j += 4) scores<4>(qh, kg, slots.data() + j, D, sc, ph + j);
-        for (; j < n; ++j) scores<1>(qh, kg, slots.data() + j, D, sc, ph + j);
+      float* pg = p.data();  // [rep, S]: the scores, then the weights, of each query head of group g
+      const float* qg = qp + ((b * T + t) * H + g * rep) * D;
+      float* og = op + ((b * T + t) * H + g * rep) * D;
+      if (n == 0) {
+        std::fill(og, og + rep * D, 0.f);
+        continue;
+      }
+      // Scores, four keys at a time (four chains in flight instead of one latency-bound), the same
+      // four keys for every head of the group while they are in L1.
+      int64_t j = 0;
+      for (; j + 4 <= n; j += 4)
+        for (int64_t h = 0; h < rep; ++h) scores<4>(qg + h * D, kg, slots.data() + j, D, sc, pg + h * S + j);
+      for (; j < n; ++j)
+        for (int64_t h = 0; h < rep; ++h) scores<1>(qg + h * D, kg, slots.data() + j, D, sc, pg + h * S + j);
+      for (int64_t h = 0; h < rep; ++h) {
+        float* ph = pg + h * S;
         float mx = -INFINITY;
         for (j = 0; j < n; ++j) mx = std::max(mx, ph[j]);
-        const float sum = exp_shifted_sum(ph, n, mx);
-        // Weighted values: each output element sums its keys in slot order; up to 8 vectors of d
-        // at a time stay in registers across the keys.
-        int64_t d0 = 0;
-        for (; d0 + VL <= D; d0 += 8 * VL) {
-          const int nv = int(std::min<int64_t>(8, (D - d0) / VL));
-          vec a[8];
-          for (int u = 0; u < nv; ++u) a[u] = vzero();
-          for (int64_t jj = 0; jj < n; ++jj) {
-            const float* vr = vg + slots[jj] * D + d0;
-            const vec w = vset1(ph[jj]);
-            for (int u = 0; u < nv; ++u) a[u] = vfma(w, vload(vr + u * VL), a[u]);
-          }
-          for (int u = 0; u < nv; ++u) vstore(acc.data() + d0 + u * VL, a[u]);
-          if (nv < 8) {
-            d0 += nv * VL;
-            break;
-          }
+        sums[h] = exp_shifted_sum(ph, n, mx);
+      }
+      // Weighted values, for up to HEADS_AT_ONCE heads per pass over the values.
+      for (int64_t h = 0; h < rep; h += HEADS_AT_ONCE) {
+        const int64_t hn = std::min<int64_t>(HEADS_AT_ONCE, rep - h);
+        with_heads(hn, [&](auto c) {
+          weighted_values<decltype(c)::value>(pg + h * S, S, vg, slots.data(), n, D, acc.data());
+        });
+        for (int64_t hh = 0; hh < hn; ++hh) {
+          const float inv = 1.f / sums[h + hh];
+          float* o = og + (h + hh) * D;
+          for (int64_t d = 0; d < D; ++d) o[d] = acc[hh * D + d] * inv;
         }
-        for (int64_t d = d0; d < D; ++d) {  // a head size that is not a multiple of the vector width
-          float a = 0.f;
-          for (int64_t jj = 0; jj < n; ++jj) a = __builtin_fmaf(ph[jj], vg[slots[jj] * D + d], a);
-          acc[d] = a;
-        }
-        const float inv = 1.f / sum;
-        for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
       }
     }
   });

@@ -10,7 +10,9 @@ policies) lives in the simulator's config. Sections:
 * ``drafts``: per draft, the same cost model for one draft forward on the measuring machine, and
   the acceptance per domain: ``acceptance[domain][i]`` is the probability that draft position ``i``
   is accepted (unconditional, as ``RequestStats.per_position_acceptance`` reports it, so it never
-  increases with ``i``); the key ``all`` serves domains without their own curve.
+  increases with ``i``); the key ``all`` serves domains without their own curve. ``proposes``
+  (optional) is the fraction of steps on which a model-free drafter proposes anything: the
+  simulator runs the others as plain one-token steps (vLLM's ``ngram`` without a match).
 * ``domains``: per domain, its share of the traffic and its prompt and output length distributions.
 * ``network``: measured links by name (e.g. ``loopback`` from the server's load test).
 * ``meta``: free-form provenance (source file, command, machine, models).
@@ -124,6 +126,14 @@ class DraftProfile:
     acceptance: dict[str, list[float]] = field(
         metadata=doc("domain -> P(draft position i accepted), unconditional; key `all` for other domains")
     )
+    proposes: dict[str, float] = field(
+        default_factory=dict,
+        metadata=doc(
+            "domain -> the fraction of steps on which the drafter proposes anything (1 where absent). A "
+            "model-free drafter (vLLM's ngram) that finds no match runs a plain one-token step; "
+            "`acceptance` still counts every step"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if not self.acceptance:
@@ -131,9 +141,18 @@ class DraftProfile:
         for domain, curve in self.acceptance.items():
             if not curve or any(not 0.0 <= p <= 1.0 for p in curve):
                 raise ValueError(f"acceptance.{domain}={curve} must be a non-empty list of probabilities in [0, 1]")
+        for domain, rate in self.proposes.items():
+            if not 0.0 < rate <= 1.0:
+                raise ValueError(f"proposes.{domain}={rate} must be in (0, 1]: the fraction of steps with a proposal")
+            if any(c > rate + 1e-9 for c in self.curve(domain)):
+                raise ValueError(f"acceptance.{domain}={self.curve(domain)} exceeds proposes.{domain}={rate}: "
+                                 "a position can only be accepted on a step that proposed it")  # fmt: skip
 
     def curve(self, domain: str) -> list[float]:
         return self.acceptance.get(domain) or self.acceptance.get("all") or next(iter(self.acceptance.values()))
+
+    def propose_rate(self, domain: str) -> float:
+        return self.proposes.get(domain, self.proposes.get("all", 1.0))
 
 
 @dataclass

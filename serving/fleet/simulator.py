@@ -234,7 +234,7 @@ class _Target:
 class _Fused:
     """A session inside a fused server's batch (no process of its own)."""
 
-    __slots__ = ("client", "req", "k", "committed", "new", "draft", "negc", "sent", "down", "ttft")
+    __slots__ = ("client", "req", "k", "committed", "new", "draft", "negc", "propose", "kk", "sent", "down", "ttft")
 
 
 @dataclass
@@ -322,11 +322,16 @@ class Simulation:
         self.draft_names += [NONE] if self.none is not None else []
         self.dcost = [(p.drafts[n].cost, p.drafts[n].cost.prefill_per_token_ms) if n in p.drafts else (_FREE, 0.0)
                       for n in self.draft_names]  # fmt: skip
+        # negc: the curve given a proposal (the profile's counts every step, so divided by the
+        # fraction of steps that propose; a step that proposes nothing verifies one token).
         self.negc: dict[tuple[int, int], list[float]] = {}
+        self.propose: dict[tuple[int, int], float] = {}
         for i, name in enumerate(self.draft_names):
             for j, d in enumerate(self.domains):
+                rate = p.drafts[name].propose_rate(d) if i != self.none else 1.0
                 curve = _extend(p.drafts[name].curve(d), self.k_top) if i != self.none else [0.0] * self.k_top
-                self.negc[i, j] = [-c for c in curve]
+                self.negc[i, j] = [-min(1.0, c / rate) for c in curve]
+                self.propose[i, j] = rate
         if cfg.draft.policy == "fixed":
             fixed = self.draft_names.index(cfg.draft.name) if cfg.draft.name else 0
             self.draft_of_domain = [fixed] * len(self.domains)
@@ -358,14 +363,22 @@ class Simulation:
         """The router's pick: highest expected tokens per second of a lone step, from the
         predicted acceptance (the profile's curve) and the measured costs (``none``: one token
         per plain target step)."""
-        t = self.profile.target
 
         def rate(i: int) -> float:
-            k = self._k(i)
-            tokens = 1 + sum(-c for c in self.negc[i, j][:k])
-            return tokens / (k * self.dcost[i][0].ms(1, 1) + t.ms(1, k + 1))
+            tokens, ms = self.lone_step(i, j)
+            return tokens / ms
 
         return max(sorted(among) if among is not None else range(len(self.draft_names)), key=rate)
+
+    def lone_step(self, i: int, j: int, draft_speed: float = 1.0, rows: int = 1) -> tuple[float, float]:
+        """(expected tokens, ms) per row of one step of drafter ``i`` on domain ``j`` when ``rows``
+        rows of it run together (1: alone): K draft forwards (``draft_speed`` times faster than
+        measured) and a verify of K + 1 tokens for a row that proposes, one plain token for a row
+        that does not; the batch's time shared over its rows."""
+        t, k, rate = self.profile.target, self._k(i), self.propose[i, j]
+        tokens = 1 + rate * sum(-c for c in self.negc[i, j][:k])
+        ms = k * self.dcost[i][0].ms(rows, rows) / draft_speed + t.ms(rows, rows * (1 + rate * k))
+        return tokens, ms / rows
 
     def _setup_clients(self) -> None:
         cfg = self.cfg
@@ -488,7 +501,7 @@ class Simulation:
         lat, per_byte, jitter, dspeed = self.links[cls]
         req_b, tok_b, prompt_b, resp_b = self.msg
         draft = self.draft_of_domain[req.domain]
-        negc = self.negc[draft, req.domain]
+        negc, propose = self.negc[draft, req.domain], self.propose[draft, req.domain]
         step_s = self.draft_step_s[draft] / dspeed
         adaptive, k, k_min, k_max = cfg.k.kind == "adaptive" and draft != self.none, self._k(draft), cfg.k.k_min, cfg.k.k_max
         warm, out = cfg.warmup_s, req.output
@@ -505,6 +518,8 @@ class Simulation:
             self.window_tokens += 1
         while committed < out:
             kk = min(k, out - committed - 1)  # never draft past the output length
+            if propose < 1.0 and rng.random() >= propose:
+                kk = 0  # nothing to propose: a plain one-token step
             up = lat + (req_b + tok_b * kk) * per_byte + (rng.expovariate(1.0 / jitter) if jitter else 0.0)
             # Receive the verdict, draft K tokens, send them: one delay.
             yield max(arrive, draft_ready) - env.now + kk * step_s + up, kk + 1, 0
@@ -520,7 +535,7 @@ class Simulation:
             self.total_tokens += new
             if env.now >= warm:
                 self.window_tokens += new
-            if adaptive:
+            if adaptive and (kk > 0 or propose == 1.0):  # a step without a proposal says nothing of K
                 k = min(k + 2, k_max) if n == kk else max(k - 1, k_min)
             arrive = draft_ready = env.now + down + (rng.expovariate(1.0 / jitter) if jitter else 0.0)
         self._finish(client, req, t, ttft, arrive, draft)
@@ -588,7 +603,7 @@ class Simulation:
         cls = self.client_class[client]
         s.draft = self.draft_of_domain[req.domain]
         s.client, s.req, s.k, s.committed, s.new = client, req, self._k(s.draft), 0, True
-        s.negc = self.negc[s.draft, req.domain]
+        s.negc, s.propose = self.negc[s.draft, req.domain], self.propose[s.draft, req.domain]
         s.sent, s.ttft = req.sent, -1.0  # set when its first tokens go out
         lat, per_byte, jitter, _ = self.links[cls]
         s.down = (lat, self.msg[3] * per_byte, jitter)
@@ -627,6 +642,9 @@ class Simulation:
                     acc[2] += s.req.prompt
                 if s.committed < s.req.output:
                     kk = min(s.k, s.req.output - s.committed - 1)
+                    if s.propose < 1.0 and rng.random() >= s.propose:
+                        kk = 0  # nothing to propose: a plain one-token step
+                    s.kk = kk
                     step += kk + 1
                     widest = max(widest, kk + 1)
                     acc[0] += 1
@@ -655,7 +673,7 @@ class Simulation:
                     s.ttft = arrive - s.sent
                     new = 1
                 if s.committed < s.req.output:
-                    kk = min(s.k, s.req.output - s.committed - 1)
+                    kk = s.kk
                     a = bisect.bisect_left(s.negc, -rng.random())
                     if a > kk:
                         a = kk
@@ -666,7 +684,7 @@ class Simulation:
                     self.verify_tokens += a + 1
                     self.drafted += kk
                     self.accepted += a
-                    if adaptive and s.draft != self.none:
+                    if adaptive and s.draft != self.none and (kk > 0 or s.propose == 1.0):
                         s.k = min(s.k + 2, k_max) if a == kk else max(s.k - 1, k_min)
                 self.total_tokens += new
                 if warm:
