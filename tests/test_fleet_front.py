@@ -248,6 +248,39 @@ def test_a_saturated_pool_sends_the_request_to_the_next(model_dirs, fleet_router
         spec.kill()
 
 
+@pytest.mark.unit
+def test_streams_whose_clients_leave_at_once_give_their_replica_back(model_dirs, fleet_router, tmp_path):
+    """A streaming client that hangs up before its first chunk: the front must still count the
+    request off its replica (a leaked count makes the replica look busy, then saturated, forever)."""
+    model = str(model_dirs["target"])
+    plain = Stub(model, "plain", spec=False, delay=0.05)
+    fleet = write_fleet(tmp_path / "fleet.yaml", model, [{"name": "plain", "replicas": [plain.url], "max_inflight": 3}])
+    srv = front(fleet, fleet_router)
+    port = int(srv.url.rsplit(":", 1)[1])
+    body = json.dumps({"model": srv.model, "prompt": "p", "max_tokens": 50, "stream": True}).encode()
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\nAuthorization: Bearer x\r\n\r\n").encode() + body  # fmt: skip
+
+    def load() -> float:
+        text = urllib.request.urlopen(f"{srv.url}/metrics", timeout=10).read().decode()
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("choral_replica_load{"))
+
+    try:
+        for _ in range(6):  # twice max_inflight: a leak would saturate the pool
+            with socket.create_connection(("127.0.0.1", port)) as conn:
+                conn.sendall(request)
+            time.sleep(0.05)
+        deadline = time.time() + 10
+        while load() > 0 and time.time() < deadline:
+            time.sleep(0.2)
+        assert load() == 0
+        out = srv.client.completions.create(model=srv.model, prompt="p", max_tokens=5)
+        assert out.model_extra["choral"]["pool"] == "plain"
+    finally:
+        srv.stop()
+        plain.kill()
+
+
 @pytest.mark.e2e
 def test_a_replica_with_the_wrong_config_is_never_used(model_dirs, fleet_router, tmp_path):
     model = str(model_dirs["target"])
