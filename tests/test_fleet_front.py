@@ -261,9 +261,12 @@ def test_streams_whose_clients_leave_at_once_give_their_replica_back(model_dirs,
     request = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                f"Content-Length: {len(body)}\r\nAuthorization: Bearer x\r\n\r\n").encode() + body  # fmt: skip
 
-    def load() -> float:
+    def metric(prefix: str) -> float:
         text = urllib.request.urlopen(f"{srv.url}/metrics", timeout=10).read().decode()
-        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("choral_replica_load{"))
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix))
+
+    def load() -> float:
+        return metric("choral_replica_load{")
 
     try:
         for _ in range(6):  # twice max_inflight: a leak would saturate the pool
@@ -274,8 +277,9 @@ def test_streams_whose_clients_leave_at_once_give_their_replica_back(model_dirs,
         while load() > 0 and time.time() < deadline:
             time.sleep(0.2)
         assert load() == 0
+        assert metric('choral_pool_requests_total{pool="plain",status="499"}') == 6  # every hang-up counted off
         out = srv.client.completions.create(model=srv.model, prompt="p", max_tokens=5)
-        assert out.model_extra["choral"]["pool"] == "plain"
+        assert out.model_extra["choral"]["fallback"] == []  # the pool is not taken for saturated
     finally:
         srv.stop()
         plain.kill()

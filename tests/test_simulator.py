@@ -24,7 +24,7 @@ from serving.fleet.profile import (
     iid_curve,
     load_profile,
 )
-from serving.fleet.simulator import SimulateConfig, simulate
+from serving.fleet.simulator import SimulateConfig, Simulation, simulate
 
 pytestmark = pytest.mark.unit
 
@@ -99,21 +99,32 @@ def test_fused_first_chunk_comes_after_prefill_and_one_step(tmp_path):
 
 @pytest.mark.parametrize("architecture", ["distributed", "fused"])
 def test_a_drafter_that_proposes_on_some_steps_runs_plain_steps_on_the_rest(tmp_path, architecture):
-    """vLLM's ngram without a match runs a plain one-token step. A free drafter that proposes on
-    40% of steps and is then always right, with the per-step curve the profile stores (0.4 at
-    every position): 1 + 0.4 K tokens per step, and the target's cost per token fed shows that the
-    other steps verify one token, not K + 1."""
+    """vLLM's ngram without a match runs a plain one-token step. A drafter that proposes on 40% of
+    steps, i.i.d. 0.9 per position given a proposal (the profile stores the per-step curve, 0.4 x
+    that): the drafts are accepted at 0.9's rate, and the clock charges K draft forwards and a K+1
+    verify only on a step that proposed, one plain token on the others."""
     rate, per_token_ms = 0.4, 1.0
+    given = iid_curve(0.9, K)
     p = iid_profile()
     p.target = CostModel(base_ms=TARGET_MS, per_token_ms=per_token_ms)
-    p.drafts = {"d": DraftProfile(cost=CostModel(base_ms=0.0), acceptance={"all": [rate] * K}, proposes={"all": rate})}
-    s = simulate(one_on_one(tmp_path, f"architecture={architecture}"), p)["summary"]
+    p.drafts = {"d": DraftProfile(cost=CostModel(base_ms=DRAFT_MS), acceptance={"all": [rate * c for c in given]},
+                                  proposes={"all": rate})}  # fmt: skip
+    cfg = one_on_one(tmp_path, f"architecture={architecture}")
+    s = simulate(cfg, p)["summary"]
     n = s["verify_calls"]
-    assert s["tokens_per_target_call"] == pytest.approx(1 + rate * K, abs=4 * K / 2 / math.sqrt(n))
-    step_ms = TARGET_MS + per_token_ms * (1 + rate * K) + (2 * LATENCY_MS if architecture == "distributed" else 0.0)
-    assert s["throughput_tokens_per_s"] == pytest.approx(1e3 * (1 + rate * K) / step_ms, rel=0.03)
-    with pytest.raises(ValueError, match="proposes.all=0.3"):
+    tokens = 1 + rate * sum(given)
+    assert s["tokens_per_target_call"] == pytest.approx(tokens, abs=4 * K / 2 / math.sqrt(n))
+    assert s["acceptance_rate"] == pytest.approx(sum(given) / K, abs=0.02)  # per drafted token: given a proposal
+    step_ms = TARGET_MS + per_token_ms * (1 + rate * K) + rate * K * DRAFT_MS
+    step_ms += 2 * LATENCY_MS if architecture == "distributed" else 0.0
+    assert s["throughput_tokens_per_s"] == pytest.approx(1e3 * tokens / step_ms, rel=0.03)
+    if architecture == "fused":  # the router's and simulate_pools.py's estimate of the same step
+        est_tokens, est_ms = Simulation(cfg, p).lone_step(0, 0)
+        assert (est_tokens, est_ms) == pytest.approx((tokens, step_ms))
+    with pytest.raises(ValueError, match="exceeds proposes.all=0.3"):
         DraftProfile(cost=CostModel(base_ms=0.0), acceptance={"all": [0.4] * K}, proposes={"all": 0.3})
+    with pytest.raises(ValueError, match="exceeds proposes.code=0.5"):  # a domain that falls back to `all`
+        DraftProfile(cost=CostModel(base_ms=0.0), acceptance={"all": [0.3], "code": [0.8]}, proposes={"all": 0.5})
 
 
 def test_acceptance_rate_is_per_position_mean(tmp_path):

@@ -103,20 +103,22 @@ def profile(args: argparse.Namespace) -> int:
         before, rows, curves, proposes = spec_counters(url), [], {}, {}
         # Steps are counted as tokens less accepted tokens (each step emits its accepted drafts plus
         # one), not as vLLM's num_drafts: a drafter that finds nothing to propose (ngram without a
-        # match) runs a plain step that num_drafts leaves out. The curves are per step likewise, and
-        # num_drafts / steps is the fraction of steps that proposed (the simulator runs the others
-        # as plain one-token steps).
+        # match) runs a plain step that num_drafts leaves out. The curves are per decode step
+        # likewise, and for a model-free method num_drafts / decode steps is the fraction of steps
+        # that proposed (the simulator runs the others as plain one-token steps).
         for d in args.domains:  # per domain: the acceptance curve the simulator draws from
             start = spec_counters(url)
             got = [ask(client, mid, p, args.max_tokens) for p in prompts if p.domain == d]
             rows += got
             end = spec_counters(url)
-            steps_d = sum(r["tokens"] for r in got) - (end[SPEC[2]] - start[SPEC[2]])
+            # Decode steps: tokens less accepted drafts, less each request's first token (its
+            # prefill, where nothing is drafted; the simulator decodes in the prefill's iteration).
+            steps_d = sum(r["tokens"] for r in got) - (end[SPEC[2]] - start[SPEC[2]]) - len(got)
             curves[d] = [min(1.0, (end[PER_POS].get(i, 0) - start[PER_POS].get(i, 0)) / steps_d) if steps_d > 0 else 0.0
                          for i in range(pool.k)]  # fmt: skip
-            proposed = end[SPEC[0]] - start[SPEC[0]]
-            proposes[d] = min(1.0, max(proposed, 1.0) / steps_d) if steps_d > 0 else 1.0
-            curves[d] = [min(c, proposes[d]) for c in curves[d]]
+            if pool.method in ("ngram", "suffix"):  # model-free: may find nothing to propose (a model always does)
+                proposes[d] = min(1.0, (end[SPEC[0]] - start[SPEC[0]]) / steps_d) if steps_d > 0 else 0.0
+                curves[d] = [min(c, proposes[d]) for c in curves[d]]
         after = spec_counters(url)
         drafted, accepted = after[SPEC[1]] - before[SPEC[1]], after[SPEC[2]] - before[SPEC[2]]
         seconds, tokens = sum(r["s"] for r in rows), sum(r["tokens"] for r in rows)
@@ -129,7 +131,8 @@ def profile(args: argparse.Namespace) -> int:
         out_fleet["pools"][i]["step_cost"] = round(step_cost, 4) if step_cost else None
         result["pools"][pool.name]["acceptance_by_position"] = curves
         result["pools"][pool.name]["proposes"] = proposes
-        propose_rate = (after[SPEC[0]] - before[SPEC[0]]) / steps if steps else 1.0
+        decode_steps = steps - len(rows)
+        propose_rate = min(1.0, (after[SPEC[0]] - before[SPEC[0]]) / decode_steps) if proposes and decode_steps > 0 else 1.0
         sim_drafts[pool.drafter] = (step_cost * s0 if step_cost else None, pool.k, curves, proposes, propose_rate)
         print(f"pool {pool.name}: {result['pools'][pool.name]}")
     out = Path(args.out)
@@ -168,10 +171,9 @@ def sim_profile(s0: float, s_batch: float, batch: int, drafts: dict, alone: list
         if step_s is None:
             continue
         # A mean step: on the proposing fraction, K draft forwards and a verify of K + 1 tokens; on
-        # the rest, a plain step.
-        rate = min(1.0, max(rate, 1e-6))
+        # the rest, a plain step. A drafter that (almost) never proposed has no draft cost to tell.
         verify_ms = rate * target.ms(1, k + 1) + (1 - rate) * target.ms(1, 1)
-        draft_ms = max(0.0, (step_s * 1e3 - verify_ms) / (k * rate))
+        draft_ms = max(0.0, (step_s * 1e3 - verify_ms) / (k * rate)) if rate > 0.01 else 0.0
         sim_drafts[name] = DraftProfile(cost=CostModel(base_ms=draft_ms), acceptance=curves, proposes=proposes)
     prompt_tokens = {d: statistics.mean(r["prompt_tokens"] for r in alone if r["domain"] == d) for d in args.domains}
     domains = {d: DomainProfile(weight=1.0, prompt_tokens=LengthDist(mean=max(1.0, prompt_tokens[d])),

@@ -129,9 +129,9 @@ class DraftProfile:
     proposes: dict[str, float] = field(
         default_factory=dict,
         metadata=doc(
-            "domain -> the fraction of steps on which the drafter proposes anything (1 where absent). A "
-            "model-free drafter (vLLM's ngram) that finds no match runs a plain one-token step; "
-            "`acceptance` still counts every step"
+            "domain -> the fraction of decode steps on which the drafter proposes anything (key `all` for "
+            "other domains; 1 where absent). A model-free drafter (vLLM's ngram) that finds no match runs "
+            "a plain one-token step; `acceptance` still counts every step"
         ),
     )
 
@@ -142,8 +142,10 @@ class DraftProfile:
             if not curve or any(not 0.0 <= p <= 1.0 for p in curve):
                 raise ValueError(f"acceptance.{domain}={curve} must be a non-empty list of probabilities in [0, 1]")
         for domain, rate in self.proposes.items():
-            if not 0.0 < rate <= 1.0:
-                raise ValueError(f"proposes.{domain}={rate} must be in (0, 1]: the fraction of steps with a proposal")
+            if not 0.0 <= rate <= 1.0:
+                raise ValueError(f"proposes.{domain}={rate} must be in [0, 1]: the fraction of steps with a proposal")
+        for domain in {*self.acceptance, *self.proposes}:
+            rate = self.propose_rate(domain)
             if any(c > rate + 1e-9 for c in self.curve(domain)):
                 raise ValueError(f"acceptance.{domain}={self.curve(domain)} exceeds proposes.{domain}={rate}: "
                                  "a position can only be accepted on a step that proposed it")  # fmt: skip

@@ -330,7 +330,7 @@ class Simulation:
             for j, d in enumerate(self.domains):
                 rate = p.drafts[name].propose_rate(d) if i != self.none else 1.0
                 curve = _extend(p.drafts[name].curve(d), self.k_top) if i != self.none else [0.0] * self.k_top
-                self.negc[i, j] = [-min(1.0, c / rate) for c in curve]
+                self.negc[i, j] = [-min(1.0, c / rate) if rate > 0 else 0.0 for c in curve]
                 self.propose[i, j] = rate
         if cfg.draft.policy == "fixed":
             fixed = self.draft_names.index(cfg.draft.name) if cfg.draft.name else 0
@@ -372,12 +372,14 @@ class Simulation:
 
     def lone_step(self, i: int, j: int, draft_speed: float = 1.0, rows: int = 1) -> tuple[float, float]:
         """(expected tokens, ms) per row of one step of drafter ``i`` on domain ``j`` when ``rows``
-        rows of it run together (1: alone): K draft forwards (``draft_speed`` times faster than
-        measured) and a verify of K + 1 tokens for a row that proposes, one plain token for a row
-        that does not; the batch's time shared over its rows."""
+        rows of it run together (1: alone), as the fused server charges it: K draft forwards over the
+        rows (``draft_speed`` times faster than measured) when any row proposes, and a verify of K + 1
+        tokens for a row that proposes, one plain token for a row that does not; the batch's time
+        shared over its rows."""
         t, k, rate = self.profile.target, self._k(i), self.propose[i, j]
         tokens = 1 + rate * sum(-c for c in self.negc[i, j][:k])
-        ms = k * self.dcost[i][0].ms(rows, rows) / draft_speed + t.ms(rows, rows * (1 + rate * k))
+        drafting = 1.0 - (1.0 - rate) ** rows  # the chance that some row proposes
+        ms = drafting * k * self.dcost[i][0].ms(rows, rows) / draft_speed + t.ms(rows, rows * (1 + rate * k))
         return tokens, ms / rows
 
     def _setup_clients(self) -> None:
