@@ -506,3 +506,69 @@ def test_a_q4_target_gives_its_own_greedy_output_in_any_batch():
     ref = [alone.generate([Request(p, max_new_tokens=24)])[0].token_ids for p in prompts]
     out = SpeculativeEngine(target, tok, draft, config).generate([Request(p, max_new_tokens=24) for p in prompts])
     assert [o.token_ids for o in out] == ref
+
+
+@pytest.mark.integration
+@needs_rowdot
+@pytest.mark.parametrize("weights", ["q4", "int8"])
+def test_a_converted_model_is_cached_once_and_loads_bitwise_the_same(weights, tmp_path, monkeypatch, caplog):
+    """int8/q4 conversion is stored per model folder (serving.engine.weights_cache) and loaded
+    next time instead of converting again, to the same bits; a model changed since it was loaded,
+    or a damaged entry, is converted afresh."""
+    from serving.engine import weights_cache
+    from serving.engine.models import load_model
+
+    monkeypatch.setenv("CHORAL_HOME", str(tmp_path / "home"))
+    folder = tmp_path / "model"
+    _on_q4_lattice(_tiny(0), skip=("down_proj", "lm_head")).save_pretrained(folder)
+    x = _ids(7)
+
+    def prepared():
+        model = load_model(folder)
+        return prepare_for_cpu(model, token_counts=(1, 5), weights=weights), model
+
+    first, _ = prepared()
+    entries = list((tmp_path / "home" / "prepared").glob(f"*-{weights}-*.safetensors"))
+    assert len(entries) == 1
+    with torch.no_grad():
+        ref = first(x).logits
+
+    def refuse(*a, **k):
+        raise AssertionError("converted although cached")
+
+    int8_init = cpu_kernels.Int8Linear.__init__
+
+    def int8_from_buffers_only(self, linear):
+        if linear is not None:
+            refuse()
+        int8_init(self, None)
+
+    with monkeypatch.context() as m:  # the second load converts nothing
+        m.setattr(cpu_kernels, "q4_lattice", refuse)
+        m.setattr(cpu_kernels.Int8Linear, "__init__", int8_from_buffers_only)
+        second, _ = prepared()
+    kinds = lambda mdl: [type(mod).__name__ for mod in mdl.modules()]  # noqa: E731
+    assert kinds(second) == kinds(first) and (weights == "int8" or "Q4Linear" in kinds(second))
+    with torch.no_grad():
+        assert torch.equal(second(x).logits, ref)
+
+    # Changed after loading (as a trained draft is): no entry, so it is converted from its own weights.
+    changed = load_model(folder)
+    with torch.no_grad():
+        changed.model.layers[0].mlp.up_proj.weight.mul_(2)
+    assert weights_cache.entry(changed, weights) is None
+    prepare_for_cpu(changed, token_counts=(1, 5), weights=weights)
+    with torch.no_grad():
+        assert not torch.equal(changed(x).logits, ref)
+
+    # A damaged entry: a warning, converted again, the same bits, and a sound entry written back.
+    entries[0].write_bytes(entries[0].read_bytes()[:100])
+    third, _ = prepared()
+    assert "could not be read" in caplog.text
+    with torch.no_grad():
+        assert torch.equal(third(x).logits, ref)
+    assert weights_cache.load(entries[0]) is not None
+    # Another kind of weights is its own entry; the fp32 kernels store nothing.
+    prepare_for_cpu(load_model(folder), token_counts=(1, 5), weights="int8" if weights == "q4" else "q4")
+    prepare_for_cpu(load_model(folder), token_counts=(1, 5), weights="fp32")
+    assert len(list((tmp_path / "home" / "prepared").glob("*.safetensors"))) == 2

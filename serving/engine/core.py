@@ -157,6 +157,7 @@ def use_cpu_kernels(
     draft_weights: str = "fp32",
     own_draft_tensors: bool = True,
     target_weights: str = "fp32",
+    weights_cache: bool = True,
 ) -> bool:
     """Swap in ``serving.engine.cpu_kernels`` where they apply (CPU, fp32, not quantized), so that
     verifying any of ``widths`` tokens costs about one token and rows are bitwise identical.
@@ -168,7 +169,8 @@ def use_cpu_kernels(
     ``own_tensors``). ``target_weights`` "int8" stores the ``models`` as W8A8 int8 too, "q4" keeps
     their 4-bit GGUF tensors in 4-bit groups (W4A8) and the rest in int8: their numerics change
     (the output is then that precision's target's), their rows stay batch-invariant.
-    Returns whether the kernels were applied."""
+    ``weights_cache``: reuse int8/q4 conversions stored by an earlier run (``prepare_for_cpu``'s
+    ``cache``). Returns whether the kernels were applied."""
     if draft_weights not in DRAFT_WEIGHTS:
         raise ValueError(f"draft_weights={draft_weights!r} must be one of {DRAFT_WEIGHTS}")
     applies = torch.device(device).type == "cpu" and resolve_dtype(dtype) == torch.float32 and quantize is None
@@ -185,9 +187,10 @@ def use_cpu_kernels(
                              f"no quantize (got device {device}, dtype {dtype}); use draft_weights=fp32")
         return False
     for model in models:
-        prepare_for_cpu(model, token_counts=widths, weights=target_weights)
+        prepare_for_cpu(model, token_counts=widths, weights=target_weights, cache=weights_cache)
     for model in drafts:
-        prepare_for_cpu(model, token_counts=widths, weights=draft_weights, own_tensors=own_draft_tensors)
+        prepare_for_cpu(model, token_counts=widths, weights=draft_weights, own_tensors=own_draft_tensors,
+                        cache=weights_cache)
     return True
 
 

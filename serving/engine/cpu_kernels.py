@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from serving.engine import weights_cache
+
 log = logging.getLogger(__name__)
 
 KERNELS = ("auto", "rowdot", "mkl")
@@ -161,6 +163,15 @@ class Int8Linear(nn.Module):
         self.register_buffer("row_sums", qweight.sum(dim=1, dtype=torch.int32).contiguous())  # [N]
         self.bias = None if bias is None else nn.Parameter(bias.clone(), requires_grad=False)
 
+    @classmethod
+    def from_buffers(cls, in_features: int, qweight: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None) -> "Int8Linear":
+        """A layer from stored buffers (``serving.engine.weights_cache``)."""
+        mod = cls(None)
+        mod.in_features, mod.out_features = in_features, qweight.shape[0]
+        mod._set(qweight, scale, bias)
+        return mod
+
     def select_rows(self, ids: torch.Tensor) -> "Int8Linear":
         """The same layer computing only output rows ``ids`` (a reduced draft vocabulary)."""
         sub = Int8Linear(None)
@@ -258,8 +269,10 @@ class Q4Linear(nn.Module):
     scaled and added in one fixed order, so rows are batch-invariant and a prefill runs on the same
     kernel. A step reads 0.625 bytes per weight (4 bits + two fp16 per 32) instead of 1 or 4."""
 
-    def __init__(self, linear: nn.Linear, lattice: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
+    def __init__(self, linear: nn.Linear | None, lattice: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None):
         super().__init__()
+        if linear is None:  # filled in by from_buffers
+            return
         self.out_features, self.in_features = linear.weight.shape
         q, d, m = lattice
         kp = -(-self.in_features // 64) * 64  # pad to whole pairs of groups, as the int8 layout
@@ -276,6 +289,17 @@ class Q4Linear(nn.Module):
         self.register_buffer("minimum", torch.cat([m.float(), pad], dim=1).half().contiguous())  # [N, G]
         bias = linear.bias
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
+
+    @classmethod
+    def from_buffers(cls, in_features: int, qweight: torch.Tensor, step: torch.Tensor, minimum: torch.Tensor,
+                     bias: torch.Tensor | None) -> "Q4Linear":
+        """A layer from stored buffers (``serving.engine.weights_cache``)."""
+        mod = cls(None, None)
+        mod.in_features, mod.out_features = in_features, qweight.shape[0]
+        for name, t in (("qweight", qweight), ("step", step), ("minimum", minimum)):
+            mod.register_buffer(name, t.contiguous())
+        mod.bias = None if bias is None else nn.Parameter(bias.float().clone(), requires_grad=False)
+        return mod
 
     def dequantized(self) -> torch.Tensor:
         n = self.qweight.shape[0]
@@ -440,6 +464,7 @@ def prepare_for_cpu(
     weights: str = "fp32",
     own_tensors: bool = True,
     lean: bool = True,
+    cache: bool = True,
 ) -> nn.Module:
     """Make the forward of `model` batch-invariant and cheap for small token counts, in place.
 
@@ -460,6 +485,9 @@ def prepare_for_cpu(
     lean: where the model fits (Qwen2, Llama), have ``ModelRunner`` run it through
       ``serving.engine.decoder.LeanDecoder`` (fused projections, a dozen calls a layer) instead of
       the Hugging Face forward.
+    cache: with int8 or q4, keep the converted layers of a model loaded from a folder (and not
+      changed since) under CHORAL_HOME/prepared and load them next time instead of converting
+      (``serving.engine.weights_cache``).
     """
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
@@ -478,18 +506,29 @@ def prepare_for_cpu(
     if max(counts) > max_rows:
         raise ValueError(f"token_counts {counts} exceed max_rows={max_rows}")
     model.eval().requires_grad_(False)
+    # A model as loaded from its folder finds its low-bit layers converted by an earlier run.
+    entry = weights_cache.entry(model, weights) if cache and weights != "fp32" else None
+    stored = weights_cache.load(entry) if entry is not None else None
     checked: dict[tuple, bool] = {}
-    for parent in list(model.modules()):
+    converted: dict[str, nn.Module] = {}
+    fresh = False  # some layer converted here rather than loaded
+    for prefix, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear or child.weight.dtype != torch.float32:
                 continue
-            lattice = q4_lattice(child.weight) if weights == "q4" else None
-            if lattice is not None:
-                new = Q4Linear(child, lattice)
-            elif weights in ("int8", "q4"):
-                new = Int8Linear(child)
-            else:
-                new = InvariantLinear(child, kernel, max_rows, pack_rows=max(2, counts[-1]))
+            full = f"{prefix}.{name}" if prefix else name
+            new = stored.get(full) if stored is not None else None
+            if new is not None and (new.in_features, new.out_features) != (child.in_features, child.out_features):
+                new = None
+            if new is None:
+                fresh = True
+                lattice = q4_lattice(child.weight) if weights == "q4" else None
+                if lattice is not None:
+                    new = Q4Linear(child, lattice)
+                elif weights in ("int8", "q4"):
+                    new = Int8Linear(child)
+                else:
+                    new = InvariantLinear(child, kernel, max_rows, pack_rows=max(2, counts[-1]))
             key = (type(new).__name__, child.out_features, child.in_features, child.bias is not None)
             if key not in checked:
                 checked[key] = _check_invariance(new, counts)
@@ -497,6 +536,9 @@ def prepare_for_cpu(
                     log.warning("choral: %s kernel not batch-invariant for Linear%s; using F.linear", kernel, key)
             if checked[key]:
                 setattr(parent, name, new)
+                converted[full] = new
+    if entry is not None and converted and fresh:
+        weights_cache.save(entry, converted)  # before fuse_linears makes the layers views of shared storage
     if weights == "q4":
         kinds = [type(m).__name__ for m in model.modules()]
         log.info("choral: q4 weights: %d Linear layers in 4-bit groups, %d not on a 4-bit lattice in int8",

@@ -117,6 +117,9 @@ class EngineSettings:
         "int8: drafts run as W8A8 int8 on the CPU kernels (~2.5x cheaper draft steps; the target keeps "
         "target_weights, so outputs are unchanged, only acceptance may move); q4: a GGUF draft's 4-bit "
         "tensors in 4-bit groups (as target_weights=q4), the rest int8; auto: int8 wherever the CPU kernels run"))
+    weights_cache: bool = field(default=True, metadata=doc(
+        "keep each model folder's int8/q4 conversion under CHORAL_HOME/prepared and load it next time "
+        "instead of converting again (the q4 1.5B target: about a minute to convert)"))
     compile_backend: str | None = field(default=None, metadata=doc(
         "torch.compile backend of the step shapes (inductor, neuron), or auto for the device's; "
         "null: eager. Compiled shapes are warmed up at load"))
@@ -342,5 +345,5 @@ def prepare_kernels(
         list(targets), drafts=list(drafts), draft_weights=settings.draft_weights, target_weights=settings.target_weights,
         device=device if device is not None else resolve_device(settings.device),
         dtype=dtype if dtype is not None else settings.dtype, widths=tuple(sorted(set(widths))), quantize=settings.quantize,
-        own_draft_tensors=own_draft_tensors,
+        own_draft_tensors=own_draft_tensors, weights_cache=settings.weights_cache,
     )  # fmt: skip

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from serving.engine.bundled import is_bundled_name, resolve_bundled
 from serving.engine.devices import resolve_dtype
+from serving.engine.weights_cache import mark_loaded
 
 # Texts whose encodings must agree between a draft and its target: code, prose, digits, unicode,
 # whitespace runs and the chat template's special tokens, which Qwen-family tokenizers share.
@@ -91,9 +92,12 @@ def load_model(
 ) -> PreTrainedModel:
     """An inference-ready causal LM: eval mode, no grads, on ``device`` in ``dtype``;
     ``quantize="int8-dynamic"`` (CPU only) swaps in dynamic int8 Linear layers."""
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_ref(ref), dtype=resolve_dtype(dtype))
+    source = resolve_model_ref(ref)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype))
     model.requires_grad_(False)
     model = model.to(device).eval()
+    if Path(source).is_dir():  # its CPU-kernel conversion can then be cached (serving.engine.weights_cache)
+        mark_loaded(model, source)
     if quantize is None:
         return model
     if quantize not in QUANTIZE_MODES:
