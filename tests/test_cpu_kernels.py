@@ -572,3 +572,31 @@ def test_a_converted_model_is_cached_once_and_loads_bitwise_the_same(weights, tm
     prepare_for_cpu(load_model(folder), token_counts=(1, 5), weights="int8" if weights == "q4" else "q4")
     prepare_for_cpu(load_model(folder), token_counts=(1, 5), weights="fp32")
     assert len(list((tmp_path / "home" / "prepared").glob("*.safetensors"))) == 2
+
+
+@pytest.mark.integration
+@needs_rowdot
+def test_the_hugging_face_mlp_path_is_batch_invariant_on_many_threads():
+    """A model run through the Hugging Face forward (``lean=False``: what a model the lean forward
+    does not cover gets) keeps a 5-token step equal to five 1-token steps with a wide MLP on 16
+    threads, where torch's own SiLU rounds an element by where its thread's block ends."""
+    torch.set_num_threads(16)  # restored by the _threads fixture
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=18944, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    cfg._attn_implementation = "sdpa"
+    model = prepare_for_cpu(Qwen2ForCausalLM(cfg).eval(), token_counts=(1, 5), lean=False)
+    assert any(isinstance(m, cpu_kernels.RowSiLU) for m in model.modules())
+    for seed in range(6):
+        prompt, draft = _ids(20, seed=10 + seed), _ids(5, seed=20 + seed)
+        with torch.no_grad():
+            a, b = DynamicCache(config=model.config), DynamicCache(config=model.config)
+            model(prompt, past_key_values=a, use_cache=True)
+            model(prompt, past_key_values=b, use_cache=True)
+            one_by_one = torch.cat([model(draft[:, i : i + 1], past_key_values=a, use_cache=True).logits
+                                    for i in range(5)], dim=1)
+            together = model(draft, past_key_values=b, use_cache=True).logits
+        assert torch.equal(one_by_one, together), f"seed {seed}"
+    act = next(m for m in model.modules() if isinstance(m, cpu_kernels.RowSiLU))
+    g = torch.randn(3, 40) * 4
+    torch.testing.assert_close(act(g), F.silu(g), rtol=2e-6, atol=1e-6)

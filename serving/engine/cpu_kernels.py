@@ -319,6 +319,33 @@ class Q4Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
+class RowSiLU(nn.Module):
+    """SiLU for the Hugging Face MLP (``act_fn``) with every element computed the same way wherever
+    it falls: torch's SiLU takes a vector exp for most of a block and a scalar one for its last
+    elements, and splits a tensor into blocks by its size and the thread count, so an element's last
+    bit depended on how many rows ran together (13 of 30 rows of [5, 18944] on 16 threads). This
+    is ``rowdot_silu_mul`` with up = 1 (an exact multiply); the lean forward calls that kernel itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enabled = True
+
+    def forward(self, g: torch.Tensor) -> torch.Tensor:
+        if not (self.enabled and _low_bit_ok(g)):
+            return F.silu(g)
+        flat = g.reshape(-1, g.shape[-1])  # [M, I]
+        gu = torch.cat([flat, torch.ones_like(flat)], dim=-1)  # [M, 2I]
+        return _rowdot_ext().rowdot_silu_mul(gu, g.shape[-1]).view(g.shape)
+
+
+def _use_row_silu(model: nn.Module) -> None:
+    """Swap every SiLU ``act_fn`` (transformers' ``SiLUActivation``, ``nn.SiLU``) for ``RowSiLU``."""
+    for mod in model.modules():
+        act = getattr(mod, "act_fn", None)
+        if isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation":
+            mod.act_fn = RowSiLU()
+
+
 def fuse_linears(mods: Sequence[nn.Module]) -> nn.Module | None:
     """One module computing ``torch.cat([m(x) for m in mods], -1)`` in one kernel call, for Choral's
     integer modules of one kind over the same input (q, k and v; gate and up). Each output row is the
@@ -545,6 +572,8 @@ def prepare_for_cpu(
                  kinds.count("Q4Linear"), kinds.count("Int8Linear"))
     if weights != "fp32" and own_tensors:
         _own_tensors(model)
+    if kernel == "rowdot":
+        _use_row_silu(model)
     if attention and hasattr(model, "set_attn_implementation"):
         _rowwise_sdpa.max_rows = max_rows
         _use_rowwise_attention(model)
@@ -569,7 +598,7 @@ def _own_tensors(model: nn.Module) -> None:
 def set_enabled(model: nn.Module, enabled: bool) -> None:
     """Switch a prepared model between its invariant kernels and the stock ones (for A/B)."""
     for m in model.modules():
-        if isinstance(m, InvariantLinear):
+        if isinstance(m, (InvariantLinear, RowSiLU)):
             m.enabled = enabled
     if getattr(model, "_choral_decoder", None) is not None:
         model._choral_decoder.enabled = enabled
