@@ -600,3 +600,26 @@ def test_the_hugging_face_mlp_path_is_batch_invariant_on_many_threads():
     act = next(m for m in model.modules() if isinstance(m, cpu_kernels.RowSiLU))
     g = torch.randn(3, 40) * 4
     torch.testing.assert_close(act(g), F.silu(g), rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.unit
+def test_the_attention_fallback_gives_each_row_exactly_its_own_keys(monkeypatch):
+    """Without the C++ kernel (no compiler), the row-wise attention still takes each sequence's rows
+    over its own keys only: a ragged verify batch gives every row what that sequence's one-token
+    step alone gives (over the batch's longest extent, a short row's softmax rounds differently)."""
+    monkeypatch.setattr(cpu_kernels, "_rowdot_ext", lambda: None)
+    torch.manual_seed(0)
+    B, H, HKV, T, S, D = 3, 4, 2, 5, 48, 16
+    q, k, v = torch.randn(B, H, T, D), torch.randn(B, HKV, S, D), torch.randn(B, HKV, S, D)
+    start = [3, 9, 30]  # tokens already in each sequence's cache: 4..8 keys for the first one's rows
+    mask = torch.zeros(B, 1, T, S, dtype=torch.bool)
+    for b, p in enumerate(start):
+        for i in range(T):
+            mask[b, 0, i, : p + i + 1] = True
+    with torch.no_grad():
+        together, _ = cpu_kernels._rowwise_sdpa(None, q, k, v, mask, scaling=0.25)  # [B, T, H, D]
+        for b, p in enumerate(start):
+            for i in range(T):
+                alone, _ = cpu_kernels._rowwise_sdpa(None, q[b : b + 1, :, i : i + 1], k[b : b + 1], v[b : b + 1],
+                                                     mask[b : b + 1, :, i : i + 1].clone(), scaling=0.25)  # fmt: skip
+                assert torch.equal(together[b : b + 1, i : i + 1], alone), (b, i)

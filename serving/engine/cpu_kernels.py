@@ -414,27 +414,34 @@ def _rowwise_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
             n = int(seen.max()) + 1 if seen.numel() else key.shape[2]
             key, value, attention_mask = key[:, :, :n], value[:, :, :n], attention_mask[..., :n]
         return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+    # Each (sequence, query row) over exactly its own keys, one call each: the call the one-token
+    # step of that sequence alone makes at that position, so the reduction never depends on what
+    # else is in the batch (over the batch's longest extent, a row's softmax and value sums round
+    # differently on AVX-512). Slow, and only where the C++ kernel cannot run.
     lengths, full = _row_extents(attention_mask)
-    outs = []
-    for i, (n, dense) in enumerate(zip(lengths, full)):
-        mask = None if dense else attention_mask[:, :, i : i + 1, :n]
-        outs.append(_gqa_row(query[:, :, i : i + 1], key[:, :, :n], value[:, :, :n], mask, scaling))
-    return torch.cat(outs, dim=1), None
+    rows = []
+    for b, (ns, dense_row) in enumerate(zip(lengths, full)):
+        outs = []
+        for i, (n, dense) in enumerate(zip(ns, dense_row)):
+            mask = None if dense else attention_mask[b : b + 1, :, i : i + 1, :n]
+            outs.append(_gqa_row(query[b : b + 1, :, i : i + 1], key[b : b + 1, :, :n], value[b : b + 1, :, :n], mask, scaling))
+        rows.append(torch.cat(outs, dim=1))
+    return torch.cat(rows, dim=0), None
 
 
-def _row_extents(attention_mask: torch.Tensor) -> tuple[list[int], list[bool]]:
-    """For each query row of a step's boolean mask [B, 1, q, kv]: how many key slots it needs (up to
-    the last one any row of the batch may see at that query index) and whether none is masked inside
-    that range. Every layer of a forward gets the same mask tensor, so this (and its host sync)
-    runs once per forward, not once per layer."""
+def _row_extents(attention_mask: torch.Tensor) -> tuple[list[list[int]], list[list[bool]]]:
+    """For each sequence and query row of a step's boolean mask [B, 1, q, kv]: how many key slots it
+    needs (up to the last one it may see) and whether none is masked inside that range. Every layer
+    of a forward gets the same mask tensor, so this (and its host sync) runs once per forward, not
+    once per layer."""
     cached = _row_extents.last
     if cached is not None and cached[0]() is attention_mask:
         return cached[1]
     allowed = attention_mask.any(dim=1)  # [B, q, kv]
     pos = torch.arange(1, allowed.shape[-1] + 1, device=allowed.device)
-    lengths = (allowed.any(dim=0) * pos).amax(dim=-1)  # [q] keys up to the last allowed one
-    full = (allowed.sum(dim=-1) == lengths).all(dim=0)  # [q] nothing masked inside that range
-    got = ([max(int(n), 1) for n in lengths.tolist()], full.tolist())
+    lengths = (allowed * pos).amax(dim=-1)  # [B, q] keys up to the last allowed one
+    full = allowed.sum(dim=-1) == lengths  # [B, q] nothing masked inside that range
+    got = ([[max(int(n), 1) for n in row] for row in lengths.tolist()], full.tolist())
     _row_extents.last = (weakref.ref(attention_mask), got)
     return got
 
