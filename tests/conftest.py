@@ -22,6 +22,21 @@ CORPUS = [
 VOCAB = 384
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _prepared_cache_in_a_temp_dir(tmp_path_factory):
+    """Converted low-bit layers (serving.engine.weights_cache) go to a folder of this run, not to the
+    user's $CHORAL_HOME: the tests' models are temporary folders."""
+    import os
+
+    before = os.environ.get("CHORAL_PREPARED_DIR")
+    os.environ["CHORAL_PREPARED_DIR"] = str(tmp_path_factory.mktemp("prepared"))
+    yield
+    if before is None:
+        os.environ.pop("CHORAL_PREPARED_DIR", None)
+    else:
+        os.environ["CHORAL_PREPARED_DIR"] = before
+
+
 def no_recompile():
     """A context in which any torch.compile recompile raises, with dynamo's reason (the failed guard).
     ``set_stance`` is the supported API; the older ``torch._dynamo.config.error_on_recompile`` is not

@@ -512,26 +512,33 @@ def test_a_q4_target_gives_its_own_greedy_output_in_any_batch():
 @needs_rowdot
 @pytest.mark.parametrize("weights", ["q4", "int8"])
 def test_a_converted_model_is_cached_once_and_loads_bitwise_the_same(weights, tmp_path, monkeypatch, caplog):
-    """int8/q4 conversion is stored per model folder (serving.engine.weights_cache) and loaded
-    next time instead of converting again, to the same bits; a model changed since it was loaded,
-    or a damaged entry, is converted afresh."""
+    """int8/q4 conversion is stored (serving.engine.weights_cache) and loaded next time instead of
+    converting again, to the same bits. The entry is found by the weights' content, so a model
+    changed since it was loaded misses, however it was changed; a damaged entry, or a disk that
+    cannot take one, costs only a conversion."""
     from serving.engine import weights_cache
     from serving.engine.models import load_model
 
-    monkeypatch.setenv("CHORAL_HOME", str(tmp_path / "home"))
+    cache_dir = tmp_path / "prepared"
+    monkeypatch.setenv("CHORAL_PREPARED_DIR", str(cache_dir))
     folder = tmp_path / "model"
     _on_q4_lattice(_tiny(0), skip=("down_proj", "lm_head")).save_pretrained(folder)
     x = _ids(7)
 
-    def prepared():
-        model = load_model(folder)
-        return prepare_for_cpu(model, token_counts=(1, 5), weights=weights), model
+    def prepared(model=None):
+        model = load_model(folder) if model is None else model
+        return prepare_for_cpu(model, token_counts=(1, 5), weights=weights)
 
-    first, _ = prepared()
-    entries = list((tmp_path / "home" / "prepared").glob(f"*-{weights}-*.safetensors"))
-    assert len(entries) == 1
-    with torch.no_grad():
-        ref = first(x).logits
+    def logits(model):
+        with torch.no_grad():
+            return model(x).logits
+
+    def entries():
+        return sorted(cache_dir.glob(f"*-{weights}-*.safetensors"))
+
+    first = prepared()
+    assert len(entries()) == 1
+    ref = logits(first)
 
     def refuse(*a, **k):
         raise AssertionError("converted although cached")
@@ -546,32 +553,43 @@ def test_a_converted_model_is_cached_once_and_loads_bitwise_the_same(weights, tm
     with monkeypatch.context() as m:  # the second load converts nothing
         m.setattr(cpu_kernels, "q4_lattice", refuse)
         m.setattr(cpu_kernels.Int8Linear, "__init__", int8_from_buffers_only)
-        second, _ = prepared()
+        second = prepared()
     kinds = lambda mdl: [type(mod).__name__ for mod in mdl.modules()]  # noqa: E731
     assert kinds(second) == kinds(first) and (weights == "int8" or "Q4Linear" in kinds(second))
-    with torch.no_grad():
-        assert torch.equal(second(x).logits, ref)
+    assert torch.equal(logits(second), ref)
 
-    # Changed after loading (as a trained draft is): no entry, so it is converted from its own weights.
+    # Changed after loading, visibly (an in-place op, as an optimizer step): not cached at all.
     changed = load_model(folder)
     with torch.no_grad():
         changed.model.layers[0].mlp.up_proj.weight.mul_(2)
-    assert weights_cache.entry(changed, weights) is None
-    prepare_for_cpu(changed, token_counts=(1, 5), weights=weights)
-    with torch.no_grad():
-        assert not torch.equal(changed(x).logits, ref)
+    assert not torch.equal(logits(prepared(changed)), ref) and len(entries()) == 1
+    # Changed behind the version counter (through .data, as an in-place peft merge or a fused
+    # optimizer does): the content differs, so the entry misses and the model is converted from
+    # its own weights (and that conversion becomes an entry of its own).
+    sneaky = load_model(folder)
+    sneaky.model.layers[0].mlp.up_proj.weight.data.mul_(2)
+    assert torch.equal(logits(prepared(sneaky)), logits(changed)) and len(entries()) == 2
 
     # A damaged entry: a warning, converted again, the same bits, and a sound entry written back.
-    entries[0].write_bytes(entries[0].read_bytes()[:100])
-    third, _ = prepared()
+    original = weights_cache.entry(load_model(folder), weights, [
+        (n, mod) for n, mod in load_model(folder).named_modules() if type(mod) is nn.Linear])
+    assert original is not None and original.exists()
+    original.write_bytes(original.read_bytes()[:100])
+    third = prepared()
     assert "could not be read" in caplog.text
-    with torch.no_grad():
-        assert torch.equal(third(x).logits, ref)
-    assert weights_cache.load(entries[0]) is not None
+    assert torch.equal(logits(third), ref)
+    assert weights_cache.load(original) is not None
+    # A disk that cannot take an entry: a warning, and the model still runs.
+    for e in entries():
+        e.unlink()
+    monkeypatch.setenv("CHORAL_PREPARED_DIR", str(folder / "config.json" / "sub"))  # under a file
+    assert torch.equal(logits(prepared()), ref) and "could not write" in caplog.text
+    monkeypatch.setenv("CHORAL_PREPARED_DIR", str(cache_dir))
     # Another kind of weights is its own entry; the fp32 kernels store nothing.
+    prepared()
     prepare_for_cpu(load_model(folder), token_counts=(1, 5), weights="int8" if weights == "q4" else "q4")
     prepare_for_cpu(load_model(folder), token_counts=(1, 5), weights="fp32")
-    assert len(list((tmp_path / "home" / "prepared").glob("*.safetensors"))) == 2
+    assert len(list(cache_dir.glob("*.safetensors"))) == 2
 
 
 @pytest.mark.integration

@@ -540,37 +540,39 @@ def prepare_for_cpu(
     if max(counts) > max_rows:
         raise ValueError(f"token_counts {counts} exceed max_rows={max_rows}")
     model.eval().requires_grad_(False)
+    targets = [(f"{prefix}.{name}" if prefix else name, parent, name, child)
+               for prefix, parent in list(model.named_modules()) for name, child in list(parent.named_children())
+               if type(child) is nn.Linear and child.weight.dtype == torch.float32]  # fmt: skip
     # A model as loaded from its folder finds its low-bit layers converted by an earlier run.
-    entry = weights_cache.entry(model, weights) if cache and weights != "fp32" else None
+    entry = None
+    if cache and weights != "fp32":
+        entry = weights_cache.entry(model, weights, [(full, child) for full, _, _, child in targets])
     stored = weights_cache.load(entry) if entry is not None else None
     checked: dict[tuple, bool] = {}
     converted: dict[str, nn.Module] = {}
     fresh = False  # some layer converted here rather than loaded
-    for prefix, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear or child.weight.dtype != torch.float32:
-                continue
-            full = f"{prefix}.{name}" if prefix else name
-            new = stored.get(full) if stored is not None else None
-            if new is not None and (new.in_features, new.out_features) != (child.in_features, child.out_features):
-                new = None
-            if new is None:
-                fresh = True
-                lattice = q4_lattice(child.weight) if weights == "q4" else None
-                if lattice is not None:
-                    new = Q4Linear(child, lattice)
-                elif weights in ("int8", "q4"):
-                    new = Int8Linear(child)
-                else:
-                    new = InvariantLinear(child, kernel, max_rows, pack_rows=max(2, counts[-1]))
-            key = (type(new).__name__, child.out_features, child.in_features, child.bias is not None)
-            if key not in checked:
-                checked[key] = _check_invariance(new, counts)
-                if not checked[key]:
-                    log.warning("choral: %s kernel not batch-invariant for Linear%s; using F.linear", kernel, key)
-            if checked[key]:
-                setattr(parent, name, new)
-                converted[full] = new
+    for full, parent, name, child in targets:
+        new = stored.get(full) if stored is not None else None
+        if new is not None and (new.in_features, new.out_features) != (child.in_features, child.out_features):
+            new = None
+        built = new is None
+        if built:
+            lattice = q4_lattice(child.weight) if weights == "q4" else None
+            if lattice is not None:
+                new = Q4Linear(child, lattice)
+            elif weights in ("int8", "q4"):
+                new = Int8Linear(child)
+            else:
+                new = InvariantLinear(child, kernel, max_rows, pack_rows=max(2, counts[-1]))
+        key = (type(new).__name__, child.out_features, child.in_features, child.bias is not None)
+        if key not in checked:
+            checked[key] = _check_invariance(new, counts)
+            if not checked[key]:
+                log.warning("choral: %s kernel not batch-invariant for Linear%s; using F.linear", kernel, key)
+        if checked[key]:
+            setattr(parent, name, new)
+            converted[full] = new
+            fresh |= built
     if entry is not None and converted and fresh:
         weights_cache.save(entry, converted)  # before fuse_linears makes the layers views of shared storage
     if weights == "q4":

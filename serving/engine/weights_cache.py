@@ -3,16 +3,21 @@
 Putting the bundled 1.5B target in 4-bit groups (``target_weights=q4``: recovering every Q4_K
 group from the dequantized fp32 weights) took about 60 s on the 2-core VM, and int8 conversion
 5-15 s a model, in every command that loaded them: serve, collect-router-data, spec-bench.
-``prepare_for_cpu`` now stores each converted Linear's buffers under ``CHORAL_HOME/prepared/`` the
-first time and loads them afterwards (a few seconds; the converted 1.5B is about 1.2 GB).
+``prepare_for_cpu`` now stores each converted Linear's buffers under ``$CHORAL_HOME/prepared/``
+(or ``$CHORAL_PREPARED_DIR``) the first time and loads them afterwards.
 
-A cached entry stands for exactly what ``load_model`` read from a folder. ``mark_loaded`` records
-the folder's files (names, sizes, modification times) and, for each parameter, its storage and
-version counter. A model changed since then has no entry and is converted as before: trained
-(train-draft's student; an optimizer step bumps the version), merged, or given new tensors. The
-key also covers the weights kind and this package's conversion code (``cpu_kernels.py``), so a
-change to either makes a new entry. Entries are written to a temporary file and renamed, so an
-interrupted write leaves no half entry; an unreadable one is converted again, with a warning.
+An entry is found by the **content** of the layers it replaces: an xxh3 hash of every fp32 Linear's
+name, shape and bytes (about a second for the 1.5B target's 6 GB, against a minute to convert),
+with the weights kind, the conversion code (this file and ``cpu_kernels.py`` as imported) and the
+torch version. So a model whose weights changed in any way, however they were changed, misses
+and is converted from its own weights. Only models that ``load_model`` read from a folder and that
+are still as loaded (``mark_loaded``: each parameter's storage and version) are cached at all, so a
+draft that train-draft is training does not write an entry at every evaluation.
+
+Entries are written to a temporary file, fsynced and renamed, so an interrupted write leaves no
+half entry; an unreadable one is converted again, with a warning; a disk that cannot take the
+entry costs only the conversion next time. Each folder keeps its ``KEEP`` most recently used
+entries per weights kind.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -28,39 +34,48 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1  # bump when the stored layout of a layer changes in a way the code digest does not show
-_WEIGHT_FILES = (".safetensors", ".bin")
+FORMAT = 2  # bump when the stored layout of a layer changes
+KEEP = 3  # entries kept per (folder, weights kind): two installs sharing a home do not evict each other
 _ATTR = "_choral_loaded"
+# The conversion code as imported (not as it may be on disk when prepare_for_cpu runs).
+_CODE = hashlib.sha256(b"".join(Path(__file__).with_name(n).read_bytes() for n in ("cpu_kernels.py", "weights_cache.py"))).hexdigest()
+
+
+def prepared_dir() -> Path:
+    from serving.engine.bundled import choral_home
+
+    return Path(os.environ.get("CHORAL_PREPARED_DIR") or choral_home() / "prepared").expanduser()
 
 
 def mark_loaded(model: nn.Module, folder: str | Path) -> None:
-    """Record that ``model`` holds exactly the weights of ``folder`` as of now."""
-    folder = Path(folder).resolve()
-    files = sorted(p for p in folder.iterdir() if p.suffix in _WEIGHT_FILES or p.name == "config.json")
-    stamp = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    model.__dict__[_ATTR] = (str(folder), stamp, _param_state(model))
+    """Record that ``model`` was just read from ``folder``: its conversion may be cached."""
+    model.__dict__[_ATTR] = (str(Path(folder).resolve()), _param_state(model))
 
 
 def _param_state(model: nn.Module) -> dict[str, tuple[int, int]]:
     return {name: (p.data_ptr(), p._version) for name, p in model.named_parameters(remove_duplicate=False)}
 
 
-def entry(model: nn.Module, weights: str) -> Path | None:
-    """Where ``model``'s layers in ``weights`` are (or would be) cached, or None when the model is
-    not as it was loaded from a folder (or never was)."""
-    info = model.__dict__.get(_ATTR)
-    if info is None:
-        return None
-    folder, stamp, params = info
-    if _param_state(model) != params:
-        return None
-    from serving.engine import cpu_kernels
-    from serving.engine.bundled import choral_home
+def entry(model: nn.Module, weights: str, layers: list[tuple[str, nn.Linear]]) -> Path | None:
+    """Where the conversion of ``layers`` (module name, fp32 Linear) to ``weights`` is (or would be)
+    cached; None for a model not read by ``load_model`` or changed since (never cached)."""
+    import xxhash
 
-    code = hashlib.sha256(Path(cpu_kernels.__file__).read_bytes()).hexdigest()
-    key = hashlib.sha256(json.dumps([FORMAT, weights, stamp, code, torch.__version__]).encode()).hexdigest()[:16]
-    where = hashlib.sha256(folder.encode()).hexdigest()[:8]
-    return choral_home() / "prepared" / f"{Path(folder).name}-{where}-{weights}-{key}.safetensors"
+    info = model.__dict__.get(_ATTR)
+    if info is None or _param_state(model) != info[1]:
+        return None
+    h = xxhash.xxh3_128()
+    for name, lin in sorted(layers, key=lambda x: x[0]):
+        for part in ("weight", "bias"):
+            t = getattr(lin, part)
+            if t is None:
+                continue
+            t = t.detach().contiguous()
+            h.update(f"{name}.{part}:{tuple(t.shape)}:{t.dtype};".encode())
+            h.update(t.view(torch.uint8).numpy().data if t.numel() else b"")
+    key = hashlib.sha256(json.dumps([FORMAT, weights, h.hexdigest(), _CODE, torch.__version__]).encode()).hexdigest()[:16]
+    folder = hashlib.sha256(info[0].encode()).hexdigest()[:8]
+    return prepared_dir() / f"{Path(info[0]).name}-{folder}-{weights}-{key}.safetensors"
 
 
 def load(path: Path) -> dict[str, nn.Module] | None:
@@ -88,6 +103,7 @@ def load(path: Path) -> dict[str, nn.Module] | None:
                 raise ValueError(f"unknown layer kind {kind!r}")
             if built[name].out_features != out_features:
                 raise ValueError(f"{name}: {built[name].out_features} rows stored, {out_features} expected")
+        os.utime(path)  # most recently used: pruning keeps it
     except Exception as exc:  # noqa: BLE001 - a damaged entry is converted again, not fatal
         log.warning("choral: the prepared-weights cache %s could not be read (%s); converting again", path, exc)
         return None
@@ -95,8 +111,9 @@ def load(path: Path) -> dict[str, nn.Module] | None:
 
 
 def save(path: Path, layers: dict[str, nn.Module]) -> None:
-    """Store ``layers`` (module name -> Q4Linear / Int8Linear) at ``path``, atomically, and remove
-    older entries of the same folder and weights."""
+    """Store ``layers`` (module name -> Q4Linear / Int8Linear) at ``path``, atomically; keep the
+    folder's ``KEEP`` most recently used entries of this weights kind. Never raises: a cache that
+    cannot be written only means converting again next time."""
     from safetensors.torch import save_file
 
     tensors, meta = {}, {}
@@ -107,16 +124,43 @@ def save(path: Path, layers: dict[str, nn.Module]) -> None:
                 tensors[f"{name}.{b}"] = t.contiguous()
         if mod.bias is not None:
             tensors[f"{name}.bias"] = mod.bias.detach().contiguous()
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temporaries(path.parent)
         save_file(tensors, str(tmp), metadata={"layers": json.dumps(meta)})
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
-    except OSError as exc:  # a full or read-only disk: the model still runs, only unconverted next time
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except Exception as exc:  # noqa: BLE001 - a full or read-only disk: the model still runs
         log.warning("choral: could not write the prepared-weights cache %s (%s)", path, exc)
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
         return
     prefix = path.name.rsplit("-", 1)[0] + "-"
-    for old in path.parent.glob(f"{prefix}*.safetensors"):
-        if old != path:
+    try:  # another process may be pruning too
+        same = [p for p in path.parent.iterdir() if p.name.startswith(prefix) and p.suffix == ".safetensors"]
+        for old in sorted(same, key=lambda p: p.stat().st_mtime, reverse=True)[KEEP:]:
             old.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+def _remove_stale_temporaries(folder: Path, older_than_s: float = 3600.0) -> None:
+    """Temporary files a killed writer left (ours, ``.*.tmp``, and safetensors' own ``.tmp*``)."""
+    now = time.time()
+    for p in folder.iterdir():
+        if p.name.startswith(".") and (p.name.endswith(".tmp") or p.name.startswith(".tmp")):
+            try:
+                if now - p.stat().st_mtime > older_than_s:
+                    p.unlink()
+            except OSError:
+                pass
