@@ -37,8 +37,18 @@ log = logging.getLogger(__name__)
 FORMAT = 2  # bump when the stored layout of a layer changes
 KEEP = 3  # entries kept per (folder, weights kind): two installs sharing a home do not evict each other
 _ATTR = "_choral_loaded"
-# The conversion code as imported (not as it may be on disk when prepare_for_cpu runs).
-_CODE = hashlib.sha256(b"".join(Path(__file__).with_name(n).read_bytes() for n in ("cpu_kernels.py", "weights_cache.py"))).hexdigest()
+
+
+def _code_digest() -> str | None:
+    """The conversion code as imported (not as it may be on disk when prepare_for_cpu runs); None
+    where the sources are not there to read (then nothing is cached)."""
+    try:
+        return hashlib.sha256(b"".join(Path(__file__).with_name(n).read_bytes() for n in ("cpu_kernels.py", "weights_cache.py"))).hexdigest()
+    except OSError:
+        return None
+
+
+_CODE = _code_digest()
 
 
 def prepared_dir() -> Path:
@@ -62,7 +72,7 @@ def entry(model: nn.Module, weights: str, layers: list[tuple[str, nn.Linear]]) -
     import xxhash
 
     info = model.__dict__.get(_ATTR)
-    if info is None or _param_state(model) != info[1]:
+    if info is None or _CODE is None or _param_state(model) != info[1]:
         return None
     h = xxhash.xxh3_128()
     for name, lin in sorted(layers, key=lambda x: x[0]):
