@@ -89,6 +89,20 @@ MUTANTS = [
            "    p = probs_from_logits(target.forward(verify_in, verify_pos), type(sampling)(sampling.temperature, "
            "sampling.top_k, torch.ones_like(sampling.top_p), sampling.filters, sampling.all_greedy))  # [B, K+1, V]",
            DISTRIBUTION),
+    # The CPU kernels' batch invariance on the paths the bundled models do not take, and the
+    # prepared-weights cache's key.
+    Mutant("torch-silu-on-hf-path", "the Hugging Face MLP keeps torch's SiLU (an element's last bit depends on "
+           "how many rows run together)", "serving/engine/cpu_kernels.py",
+           "    if kernel == \"rowdot\":\n        _use_row_silu(model)\n", "",
+           ("tests/test_cpu_kernels.py", "-k", "hugging_face_mlp")),
+    Mutant("fallback-attention-batch-extent", "without the C++ kernel, a row attends over the batch's longest extent",
+           "serving/engine/cpu_kernels.py", "    lengths = (allowed * pos).amax(dim=-1)  # [B, q] keys up to the last allowed one\n",
+           "    lengths = (allowed * pos).amax(dim=-1).amax(dim=0, keepdim=True).expand(allowed.shape[0], -1)\n",
+           ("tests/test_cpu_kernels.py", "-k", "fallback_gives")),
+    Mutant("cache-key-ignores-content", "a cached conversion is found without looking at the weights",
+           "serving/engine/weights_cache.py",
+           "            h.update(t.view(torch.uint8).numpy().data if t.numel() else b\"\")\n", "",
+           ("tests/test_cpu_kernels.py", "-k", "cached_once")),
 ]
 
 
