@@ -45,8 +45,8 @@ MUTANTS = [
            "serving/engine/core.py", "                del slot.generated[end:]\n", "                pass\n", STOP_TESTS),
     Mutant("stop-after-limit", "the length limit is checked before the stop strings (a step that reaches "
            "both keeps the tokens past the stop)", "serving/engine/core.py",
-           "            stopped = self._hit_stop(slot, before)\n            if done or stopped:",
-           "            if done or self._hit_stop(slot, before):", STOP_TESTS),
+           "                stopped = self._hit_stop(slot, before)\n",
+           "                stopped = not done and self._hit_stop(slot, before)\n", STOP_TESTS),
     Mutant("accept-reuses-draft-uniforms", "accept tests reuse the uniforms that drew the draft tokens",
            "serving/engine/core.py", "draft[b, :kb], accept[b, :kb], nxt[b] = u[:kb], u[kb : 2 * kb], u[2 * kb]",
            "draft[b, :kb], accept[b, :kb], nxt[b] = u[:kb], u[:kb], u[2 * kb]", DISTRIBUTION),
