@@ -215,3 +215,26 @@ def test_chi_square_catches_a_wrong_acceptor_of_point_masses(monkeypatch):
     p_table, _ = tables(10 + K)
     samples = point_mass_samples(p_table, params, K, seed=9)
     assert p_value(samples, exact_distribution(p_table, 1, params)) < 1e-6
+
+
+@pytest.mark.unit
+def test_every_mutant_of_the_mutation_check_still_applies():
+    """scripts/mutation_check.py's known-bad changes are exact text replacements; a refactor that
+    moves their code makes them stale, and a stale mutant checks nothing (one had gone stale
+    unnoticed). Each one's text must occur exactly once in its file."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("mutation_check", root / "scripts" / "mutation_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
+    assert module.MUTANTS
+    stale = [(m.name, (root / m.path).read_text().count(m.old)) for m in module.MUTANTS
+             if (root / m.path).read_text().count(m.old) != 1]  # fmt: skip
+    assert not stale, f"stale mutants (name, occurrences): {stale}; make each follow its code"
