@@ -11,6 +11,8 @@ kernels (by kind), attention, and everything else (the lean forward's C++ RMSNor
 calls included). Writes ``profile.json`` under ``--out`` and prints a table.
 
     python scripts/experiments/profile_step.py --model qwen2.5-coder-1.5b-instruct --weights q4 --out runs/profile-q4
+    # ... and where a 109-token prefill's time goes (fp32 prefills run on F.linear: "other")
+    python scripts/experiments/profile_step.py --weights q4 --prefill 109 --prefill-repeats 3 --tokens 1 --steps 5
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ def main(argv=None) -> dict:
     p.add_argument("--paths", default="lean",
                    help="forwards to time, interleaved step by step: lean (serving.engine.decoder), hf "
                         "(the Hugging Face forward on the same kernels), or lean,hf")
+    p.add_argument("--prefill-repeats", type=int, default=0,
+                   help="also time this many prefills of --prefill tokens (the median is reported as a row)")
     p.add_argument("--out", default="runs/profile-step")
     args = p.parse_args(argv)
     widths = [int(t) for t in args.tokens.split(",")]
@@ -88,6 +92,22 @@ def main(argv=None) -> dict:
         prompt = torch.randint(100, 20000, (1, args.prefill), generator=torch.Generator().manual_seed(0))
         runners[path].prefill(prompt, slot=0)
     rows = []
+    for path in paths if args.prefill_repeats else ():  # whole prompts: the prefill's own split
+        if lean is not None:
+            lean.enabled = path == "lean"
+        timed = []
+        for i in range(args.prefill_repeats + 1):  # one untimed warm-up
+            prompt = torch.randint(100, 20000, (1, args.prefill), generator=torch.Generator().manual_seed(100 + i))
+            clock.reset()
+            t0 = time.perf_counter()
+            runners[path].prefill(prompt, slot=0)
+            if i:
+                timed.append((time.perf_counter() - t0, dict(clock.spent)))
+        total, spent = sorted(timed, key=lambda x: x[0])[len(timed) // 2]
+        med = {name: spent.get(name, 0.0) * 1e3 for name in KERNEL_NAMES}
+        rows.append({"path": path, "tokens": f"prefill {args.prefill}", "step_ms": total * 1e3, "kernels_ms": med,
+                     "other_ms": total * 1e3 - sum(med.values())})
+        runners[path].prefill(torch.randint(100, 20000, (1, args.prefill), generator=torch.Generator().manual_seed(0)), slot=0)
     pos = args.prefill
     for width in widths:
         totals = {path: [] for path in paths}
