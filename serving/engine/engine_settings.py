@@ -118,8 +118,8 @@ class EngineSettings:
         "target_weights, so outputs are unchanged, only acceptance may move); q4: a GGUF draft's 4-bit "
         "tensors in 4-bit groups (as target_weights=q4), the rest int8; auto: int8 wherever the CPU kernels run"))
     weights_cache: bool = field(default=True, metadata=doc(
-        "keep each model folder's int8/q4 conversion under CHORAL_HOME/prepared and load it next time "
-        "instead of converting again (the q4 1.5B target: about a minute to convert)"))
+        "keep each loaded model's int8/q4 conversion under CHORAL_HOME/prepared (keyed by the weights' "
+        "content) and load it next time instead of converting again (the q4 1.5B target: about a minute)"))
     compile_backend: str | None = field(default=None, metadata=doc(
         "torch.compile backend of the step shapes (inductor, neuron), or auto for the device's; "
         "null: eager. Compiled shapes are warmed up at load"))
