@@ -86,7 +86,7 @@ def platform_env(args: argparse.Namespace, slot: int) -> tuple[dict[str, str], l
             # Consecutive ranges while the host has cores left; past that, ranges wrap round to core 0
             # (a range past the last core would make vLLM fail to bind), and the replicas that
             # share cores are told so: run them one at a time, or give the host fewer replicas.
-            per_host = max(1, args.cpus_per_host // args.cpus_per_replica)
+            per_host = max(1, args.cpus_per_host // args.cpus_per_replica) if args.cpus_per_host else slot + 1
             first = (slot % per_host) * args.cpus_per_replica
             env["VLLM_CPU_OMP_THREADS_BIND"] = f"{first}-{first + args.cpus_per_replica - 1}"
             if slot >= per_host:
@@ -177,8 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fleet", help="a fleet file: write every replica's launch command")
     ap.add_argument("--platform", choices=PLATFORMS, default="cpu", help="--fleet: where the replicas run")
     ap.add_argument("--cpus-per-replica", type=int, default=0, help="cpu: cores bound to each replica on a host (0: vLLM's choice)")
-    ap.add_argument("--cpus-per-host", type=int, default=os.cpu_count() or 1,
-                    help="cpu: cores of each host (default: this machine's); bind ranges wrap round past them")
+    ap.add_argument("--cpus-per-host", type=int, default=0,
+                    help="cpu: cores of each host; bind ranges wrap round past them (0: unknown, consecutive ranges)")
     ap.add_argument("--kv-cache-gib", type=int, default=1, help="cpu: VLLM_CPU_KVCACHE_SPACE of each replica")
     ap.add_argument("--gpus-per-replica", type=int, default=1, help="cuda: GPUs (tensor-parallel size) of each replica")
     ap.add_argument("--cores-per-replica", type=int, default=2, help="neuron: NeuronCores (tensor-parallel size) of each replica")
@@ -190,10 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="runs/vllm")
     args = ap.parse_args(argv)
     for name in ("cpus_per_replica", "cpus_per_host", "kv_cache_gib", "gpus_per_replica", "cores_per_replica", "k"):
-        low = 0 if name == "cpus_per_replica" else 1
+        low = 0 if name in ("cpus_per_replica", "cpus_per_host") else 1
         if getattr(args, name) < low:
             ap.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= {low}")
-    if args.cpus_per_replica > args.cpus_per_host:
+    if args.cpus_per_host and args.cpus_per_replica > args.cpus_per_host:
         ap.error(f"--cpus-per-replica {args.cpus_per_replica} is more than a host's {args.cpus_per_host} cores "
                  "(--cpus-per-host); lower it")
     if args.fleet and (args.target or args.draft):

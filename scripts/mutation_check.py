@@ -93,7 +93,7 @@ MUTANTS = [
     # prepared-weights cache's key.
     Mutant("torch-silu-on-hf-path", "the Hugging Face MLP keeps torch's SiLU (an element's last bit depends on "
            "how many rows run together)", "serving/engine/cpu_kernels.py",
-           "    if kernel == \"rowdot\":\n        _use_row_silu(model)\n", "",
+           "    if kernel == \"rowdot\":\n        _use_row_silu(model, max_rows)\n", "",
            ("tests/test_cpu_kernels.py", "-k", "hugging_face_mlp")),
     Mutant("fallback-attention-batch-extent", "without the C++ kernel, a row attends over the batch's longest extent",
            "serving/engine/cpu_kernels.py", "    lengths = (allowed * pos).amax(dim=-1)  # [B, q] keys up to the last allowed one\n",

@@ -554,9 +554,12 @@ def test_a_converted_model_is_cached_once_and_loads_bitwise_the_same(weights, tm
         m.setattr(cpu_kernels, "q4_lattice", refuse)
         m.setattr(cpu_kernels.Int8Linear, "__init__", int8_from_buffers_only)
         second = prepared()
+        # A cache this process may read but not touch (read-only, another user's): still used.
+        m.setattr(weights_cache.os, "utime", lambda *a, **k: (_ for _ in ()).throw(PermissionError("read-only")))
+        read_only = prepared()
     kinds = lambda mdl: [type(mod).__name__ for mod in mdl.modules()]  # noqa: E731
     assert kinds(second) == kinds(first) and (weights == "int8" or "Q4Linear" in kinds(second))
-    assert torch.equal(logits(second), ref)
+    assert torch.equal(logits(second), ref) and torch.equal(logits(read_only), ref)
 
     # Changed after loading, visibly (an in-place op, as an optimizer step): not cached at all.
     changed = load_model(folder)
@@ -618,6 +621,8 @@ def test_the_hugging_face_mlp_path_is_batch_invariant_on_many_threads():
     act = next(m for m in model.modules() if isinstance(m, cpu_kernels.RowSiLU))
     g = torch.randn(3, 40) * 4
     torch.testing.assert_close(act(g), F.silu(g), rtol=2e-6, atol=1e-6)
+    long = torch.randn(1, 40, 8)  # 40 tokens > max_rows: a prefill keeps torch's SiLU, bit for bit
+    assert torch.equal(act(long), F.silu(long))
 
 
 @pytest.mark.unit
@@ -641,3 +646,9 @@ def test_the_attention_fallback_gives_each_row_exactly_its_own_keys(monkeypatch)
                 alone, _ = cpu_kernels._rowwise_sdpa(None, q[b : b + 1, :, i : i + 1], k[b : b + 1], v[b : b + 1],
                                                      mask[b : b + 1, :, i : i + 1].clone(), scaling=0.25)  # fmt: skip
                 assert torch.equal(together[b : b + 1, i : i + 1], alone), (b, i)
+        # A mask broadcast over the batch gives every sequence its rows (the same keys for all).
+        shared, _ = cpu_kernels._rowwise_sdpa(None, q, k, v, mask[2:3], scaling=0.25)
+        assert shared.shape == together.shape
+        for b in range(B):
+            own, _ = cpu_kernels._rowwise_sdpa(None, q[b : b + 1], k[b : b + 1], v[b : b + 1], mask[2:3].clone(), scaling=0.25)
+            assert torch.equal(shared[b : b + 1], own)

@@ -74,6 +74,8 @@ def main(argv=None) -> dict:
                    help="also time this many prefills of --prefill tokens (the median is reported as a row)")
     p.add_argument("--out", default="runs/profile-step")
     args = p.parse_args(argv)
+    if args.prefill_repeats < 0:
+        p.error(f"--prefill-repeats {args.prefill_repeats} must be >= 0")
     widths = [int(t) for t in args.tokens.split(",")]
     paths = args.paths.split(",")
 

@@ -324,26 +324,28 @@ class RowSiLU(nn.Module):
     it falls: torch's SiLU takes a vector exp for most of a block and a scalar one for its last
     elements, and splits a tensor into blocks by its size and the thread count, so an element's last
     bit depended on how many rows ran together (13 of 30 rows of [5, 18944] on 16 threads). This
-    is ``rowdot_silu_mul`` with up = 1 (an exact multiply); the lean forward calls that kernel itself."""
+    is ``rowdot_silu_mul`` with up = 1 (an exact multiply); the lean forward calls that kernel itself.
+    Like ``InvariantLinear``, only steps of at most ``max_rows`` tokens per sequence: a prefill (or a
+    teacher's long forward in train-draft) keeps torch's SiLU and its numerics."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_rows: int) -> None:
         super().__init__()
-        self.enabled = True
+        self.max_rows, self.enabled = max_rows, True
 
     def forward(self, g: torch.Tensor) -> torch.Tensor:
-        if not (self.enabled and _low_bit_ok(g)):
+        if not (self.enabled and _low_bit_ok(g) and step_tokens(g, g.shape[-1]) <= self.max_rows):
             return F.silu(g)
         flat = g.reshape(-1, g.shape[-1])  # [M, I]
         gu = torch.cat([flat, torch.ones_like(flat)], dim=-1)  # [M, 2I]
         return _rowdot_ext().rowdot_silu_mul(gu, g.shape[-1]).view(g.shape)
 
 
-def _use_row_silu(model: nn.Module) -> None:
+def _use_row_silu(model: nn.Module, max_rows: int) -> None:
     """Swap every SiLU ``act_fn`` (transformers' ``SiLUActivation``, ``nn.SiLU``) for ``RowSiLU``."""
     for mod in model.modules():
         act = getattr(mod, "act_fn", None)
         if isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation":
-            mod.act_fn = RowSiLU()
+            mod.act_fn = RowSiLU(max_rows)
 
 
 def fuse_linears(mods: Sequence[nn.Module]) -> nn.Module | None:
@@ -420,10 +422,11 @@ def _rowwise_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
     # differently on AVX-512). Slow, and only where the C++ kernel cannot run.
     lengths, full = _row_extents(attention_mask)
     rows = []
-    for b, (ns, dense_row) in enumerate(zip(lengths, full)):
+    for b in range(query.shape[0]):
+        mb = b if attention_mask.shape[0] > 1 else 0  # a mask may be broadcast over the batch
         outs = []
-        for i, (n, dense) in enumerate(zip(ns, dense_row)):
-            mask = None if dense else attention_mask[b : b + 1, :, i : i + 1, :n]
+        for i, (n, dense) in enumerate(zip(lengths[mb], full[mb])):
+            mask = None if dense else attention_mask[mb : mb + 1, :, i : i + 1, :n]
             outs.append(_gqa_row(query[b : b + 1, :, i : i + 1], key[b : b + 1, :, :n], value[b : b + 1, :, :n], mask, scaling))
         rows.append(torch.cat(outs, dim=1))
     return torch.cat(rows, dim=0), None
@@ -440,7 +443,7 @@ def _row_extents(attention_mask: torch.Tensor) -> tuple[list[list[int]], list[li
     allowed = attention_mask.any(dim=1)  # [B, q, kv]
     pos = torch.arange(1, allowed.shape[-1] + 1, device=allowed.device)
     lengths = (allowed * pos).amax(dim=-1)  # [B, q] keys up to the last allowed one
-    full = allowed.sum(dim=-1) == lengths  # [B, q] nothing masked inside that range
+    full = (allowed.sum(dim=-1) == lengths) & (lengths > 0)  # [B, q] nothing masked inside (a padding row keeps its mask)
     got = ([[max(int(n), 1) for n in row] for row in lengths.tolist()], full.tolist())
     _row_extents.last = (weakref.ref(attention_mask), got)
     return got
@@ -582,7 +585,7 @@ def prepare_for_cpu(
     if weights != "fp32" and own_tensors:
         _own_tensors(model)
     if kernel == "rowdot":
-        _use_row_silu(model)
+        _use_row_silu(model, max_rows)
     if attention and hasattr(model, "set_attn_implementation"):
         _rowwise_sdpa.max_rows = max_rows
         _use_rowwise_attention(model)

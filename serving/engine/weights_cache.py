@@ -69,10 +69,13 @@ def _param_state(model: nn.Module) -> dict[str, tuple[int, int]]:
 def entry(model: nn.Module, weights: str, layers: list[tuple[str, nn.Linear]]) -> Path | None:
     """Where the conversion of ``layers`` (module name, fp32 Linear) to ``weights`` is (or would be)
     cached; None for a model not read by ``load_model`` or changed since (never cached)."""
-    import xxhash
-
     info = model.__dict__.get(_ATTR)
     if info is None or _CODE is None or _param_state(model) != info[1]:
+        return None
+    try:
+        import xxhash
+    except ImportError:  # an environment installed before it was a dependency: convert, do not cache
+        log.warning("choral: xxhash is not installed (pip install xxhash); int8/q4 conversions are not cached")
         return None
     h = xxhash.xxh3_128()
     for name, lin in sorted(layers, key=lambda x: x[0]):
@@ -113,10 +116,13 @@ def load(path: Path) -> dict[str, nn.Module] | None:
                 raise ValueError(f"unknown layer kind {kind!r}")
             if built[name].out_features != out_features:
                 raise ValueError(f"{name}: {built[name].out_features} rows stored, {out_features} expected")
-        os.utime(path)  # most recently used: pruning keeps it
     except Exception as exc:  # noqa: BLE001 - a damaged entry is converted again, not fatal
         log.warning("choral: the prepared-weights cache %s could not be read (%s); converting again", path, exc)
         return None
+    try:
+        os.utime(path)  # most recently used: pruning keeps it
+    except OSError:  # a read-only cache, or another user's entry: still a good entry
+        pass
     return built
 
 
