@@ -280,14 +280,18 @@ class Q4Linear(nn.Module):
         qp = torch.zeros(n, kp, dtype=torch.uint8)
         qp[:, : self.in_features] = q
         qp = qp.view(n, groups, 2, 16)  # byte j of a group: q[j] low nibble, q[j + 16] high
-        self.register_buffer("qweight", (qp[:, :, 0] | (qp[:, :, 1] << 4)).reshape(n, kp // 2).contiguous())  # [N, KP/2]
         pad = torch.zeros(n, groups - d.shape[1])
         # fp16, as the GGUF's own super-block scales: a group's step and minimum then cost 4 bytes
         # per 32 weights (16 bytes of 4-bit values) instead of 8, and move each weight by at most
         # 2^-11 of its value, far inside the 4-bit rounding the file already made.
-        self.register_buffer("step", torch.cat([d.float(), pad], dim=1).half().contiguous())  # [N, G]
-        self.register_buffer("minimum", torch.cat([m.float(), pad], dim=1).half().contiguous())  # [N, G]
-        bias = linear.bias
+        self._set((qp[:, :, 0] | (qp[:, :, 1] << 4)).reshape(n, kp // 2),  # [N, KP/2]
+                  torch.cat([d.float(), pad], dim=1).half(), torch.cat([m.float(), pad], dim=1).half(),  # [N, G] each
+                  linear.bias)  # fmt: skip
+
+    def _set(self, qweight: torch.Tensor, step: torch.Tensor, minimum: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.register_buffer("qweight", qweight.contiguous())  # [N, KP/2]
+        self.register_buffer("step", step.contiguous())  # [N, G] fp16
+        self.register_buffer("minimum", minimum.contiguous())  # [N, G] fp16
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
 
     @classmethod
@@ -296,9 +300,7 @@ class Q4Linear(nn.Module):
         """A layer from stored buffers (``serving.engine.weights_cache``)."""
         mod = cls(None, None)
         mod.in_features, mod.out_features = in_features, qweight.shape[0]
-        for name, t in (("qweight", qweight), ("step", step), ("minimum", minimum)):
-            mod.register_buffer(name, t.contiguous())
-        mod.bias = None if bias is None else nn.Parameter(bias.float().clone(), requires_grad=False)
+        mod._set(qweight, step, minimum, bias)
         return mod
 
     def dequantized(self) -> torch.Tensor:
