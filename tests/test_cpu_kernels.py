@@ -430,7 +430,7 @@ def _on_q4_lattice(model: nn.Module, skip: tuple[str, ...] = ()) -> nn.Module:
 
 @pytest.mark.unit
 @needs_rowdot
-# 4160 inputs: 130 groups, three column blocks of 64 groups, the last a lone pair.
+# 4160 inputs: 130 groups, padded to 9 blocks of 16 groups (the last holds 2 real groups).
 @pytest.mark.parametrize("in_f,out_f,bias", [(64, 40, False), (96, 19, True), (320, 8, False), (4160, 11, False)])
 def test_q4_linear_recovers_the_groups_and_is_the_w4a8_arithmetic(in_f, out_f, bias):
     torch.manual_seed(0)
@@ -443,7 +443,7 @@ def test_q4_linear_recovers_the_groups_and_is_the_w4a8_arithmetic(in_f, out_f, b
     w = lin.weight.detach()
     assert torch.allclose(mod.dequantized(), w, rtol=0, atol=3 * 2**-11 * float(w.abs().max()))
     assert mod.step.dtype == mod.minimum.dtype == torch.float16
-    assert mod.qweight.dtype == torch.uint8 and mod.qweight.shape[1] * 2 % 64 == 0
+    assert mod.qweight.dtype == torch.uint8 and mod.qweight.shape[1] * 2 % cpu_kernels.Q4_BLOCK == 0
     x = torch.randn(23, in_f)
     with torch.no_grad():
         got = mod(x)
@@ -459,6 +459,43 @@ def test_q4_linear_recovers_the_groups_and_is_the_w4a8_arithmetic(in_f, out_f, b
         assert (got - exact).norm() / exact.norm() < 0.03
     # A float layer is not on a 4-bit lattice: it is not taken for one.
     assert cpu_kernels.q4_lattice(nn.Linear(in_f, out_f).weight) is None
+
+
+@pytest.mark.integration
+@needs_rowdot
+def test_q4_kernel_paths_agree_bit_for_bit():
+    """The W4A8 kernel's AVX-512 VNNI, AVX2 and scalar paths do the same float operations in the
+    same order, so a q4 target gives the same bits on every x86 CPU kind: the AVX2 path (built for
+    Haswell, no AVX-512) and the scalar path (forced with CHORAL_Q4_PATH=0) match this machine's
+    build, at one row, a verify and a prefill, with padded and unpadded widths."""
+    import hashlib
+    import subprocess
+
+    from torch.utils.cpp_extension import load_inline
+
+    probe = subprocess.run(["c++", "-march=haswell", "-x", "c++", "-fsyntax-only", "-"], input="int main() {}",
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"the C++ compiler does not take -march=haswell: {probe.stderr.strip()[:200]}")
+    source = cpu_kernels.ROWDOT_SOURCE.read_text()
+    tag = hashlib.sha256((source + torch.__version__).encode()).hexdigest()[:12]
+    builds = {}
+    for name, flags in (("avx2", ["-march=haswell"]), ("scalar", ["-march=native", "-DCHORAL_Q4_PATH=0"])):
+        # A build error fails the test: nothing else compiles these paths on a VNNI machine.
+        builds[name] = load_inline(name=f"choral_rowdot_q4_{name}_{tag}", cpp_sources=source,
+                                   functions=["rowdot_linear_w4a8"], verbose=False,
+                                   extra_cflags=["-O3", "-fno-fast-math", "-fopenmp", *flags], extra_ldflags=["-fopenmp"])
+    torch.manual_seed(0)
+    for in_f, out_f in ((64, 40), (4160, 11), (1536, 70)):
+        lin = _on_q4_lattice(nn.Linear(in_f, out_f))
+        mod = cpu_kernels.Q4Linear(lin, cpu_kernels.q4_lattice(lin.weight))
+        for rows in (1, 5, 23):
+            x = torch.randn(rows, in_f)
+            x[0, :7] = 0.0  # zero inputs and a row's zero padding: +0 contributions, no -0 or NaN
+            native = cpu_kernels._rowdot_ext().rowdot_linear_w4a8(x, mod.qweight, mod.step, mod.minimum, None)
+            for name, ext in builds.items():
+                got = ext.rowdot_linear_w4a8(x, mod.qweight, mod.step, mod.minimum, None)
+                assert torch.equal(got, native), (name, in_f, rows)
 
 
 @pytest.mark.unit

@@ -202,6 +202,7 @@ def _low_bit_ok(x: torch.Tensor) -> bool:
 
 
 Q4_GROUP = 32
+Q4_BLOCK = 16 * Q4_GROUP  # the kernel's block of groups (rowdot.cpp)
 
 
 def q4_lattice(w: torch.Tensor, tol: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -267,7 +268,8 @@ class Q4Linear(nn.Module):
     step d and a minimum m (the GGUF's Q4_K sub-blocks, ``q4_lattice``), each input row is int8
     with one scale, as in ``Int8Linear``. The group sums of q x input are exact integers and are
     scaled and added in one fixed order, so rows are batch-invariant and a prefill runs on the same
-    kernel. A step reads 0.625 bytes per weight (4 bits + two fp16 per 32) instead of 1 or 4."""
+    kernel. A step reads 0.625 bytes per weight (4 bits + two fp16 per 32) instead of 1 or 4, plus the
+    padding of each row to whole blocks of 512 inputs (3% for a 8960-wide down projection)."""
 
     def __init__(self, linear: nn.Linear | None, lattice: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None):
         super().__init__()
@@ -275,16 +277,20 @@ class Q4Linear(nn.Module):
             return
         self.out_features, self.in_features = linear.weight.shape
         q, d, m = lattice
-        kp = -(-self.in_features // 64) * 64  # pad to whole pairs of groups, as the int8 layout
+        # Pad to whole blocks of 16 groups (512 weights; zero weights, steps and minimums add
+        # exact zeros) and store each block as the kernel reads it (rowdot.cpp, "4-bit weights"):
+        # four 64-byte vectors v whose byte 4i + c holds group i's weights 8v + c (low nibble) and
+        # 8v + 4 + c (high nibble), so that every 32-bit lane of a vector is one group's.
+        kp = -(-self.in_features // Q4_BLOCK) * Q4_BLOCK
         n, groups = q.shape[0], kp // Q4_GROUP
         qp = torch.zeros(n, kp, dtype=torch.uint8)
         qp[:, : self.in_features] = q
-        qp = qp.view(n, groups, 2, 16)  # byte j of a group: q[j] low nibble, q[j + 16] high
+        qp = qp.view(n, kp // Q4_BLOCK, 16, 4, 2, 4).permute(0, 1, 3, 2, 4, 5)  # [N, B, v, i, nibble, c]
         pad = torch.zeros(n, groups - d.shape[1])
         # fp16, as the GGUF's own super-block scales: a group's step and minimum then cost 4 bytes
         # per 32 weights (16 bytes of 4-bit values) instead of 8, and move each weight by at most
         # 2^-11 of its value, far inside the 4-bit rounding the file already made.
-        self._set((qp[:, :, 0] | (qp[:, :, 1] << 4)).reshape(n, kp // 2),  # [N, KP/2]
+        self._set((qp[..., 0, :] | (qp[..., 1, :] << 4)).reshape(n, kp // 2),  # [N, KP/2]
                   torch.cat([d.float(), pad], dim=1).half(), torch.cat([m.float(), pad], dim=1).half(),  # [N, G] each
                   linear.bias)  # fmt: skip
 
@@ -305,8 +311,9 @@ class Q4Linear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         n = self.qweight.shape[0]
-        b = self.qweight.view(n, -1, 16)
-        q = torch.stack([b & 0x0F, b >> 4], dim=2).reshape(n, -1, Q4_GROUP).float()  # [N, G, 32]
+        b = self.qweight.view(n, -1, 4, 16, 4)  # [N, B, v, i, c]
+        q = torch.stack([b & 0x0F, b >> 4], dim=4).permute(0, 1, 3, 2, 4, 5)  # [N, B, i, v, nibble, c]
+        q = q.reshape(n, -1, Q4_GROUP).float()  # [N, G, 32]: weight 8v + 4 nibble + c of group i
         w = q * self.step.float()[..., None] + self.minimum.float()[..., None]
         return w.reshape(n, -1)[:, : self.in_features]  # [N, K]
 

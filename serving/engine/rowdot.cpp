@@ -290,40 +290,36 @@ torch::Tensor rowdot_linear_w8a8(torch::Tensor x, torch::Tensor w, torch::Tensor
   return y;
 }
 
-// ---- 4-bit weights for a target (W4A8): the GGUF's Q4_K layout, one group of 32 weights per
-// (scale d, minimum m) with 4-bit q in 0..15, value = d * q + m. Inputs are int8 per row (scale a,
+// ---- 4-bit weights for a target (W4A8): the GGUF's Q4_K sub-blocks, one group of 32 weights per
+// (step d, minimum m) with 4-bit q in 0..15, value = d * q + m. Inputs are int8 per row (scale a,
 // as in W8A8) with per-group sums X. For one weight row and one input row:
-//   y = a * (sum_g d_g * S_g + sum_g m_g * X_g),  S_g = sum over the group of q * xq (exact ints).
-// Each output accumulates in one fixed order (pairs of groups left to right, the same lanes)
-// whatever the blocking, so rows are batch-invariant bit for bit. A group's 16 bytes hold q[j] in
-// the low and q[j + 16] in the high nibble of byte j. Inputs are stored per pair of groups in the
-// order the nibbles unpack to: x_g[0..15] x_g+1[0..15] x_g[16..31] x_g+1[16..31].
-
-// With AVX-512 VNNI the kernel unpacks four groups per 64-byte load (vpdpbusd takes the nibbles as
-// its unsigned operand, the int8 inputs as the signed one), so inputs are stored per four groups:
-// x_g[0..15] .. x_g+3[0..15] x_g[16..31] .. x_g+3[16..31]; a last pair (G % 4 == 2) as above.
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define Q4_VNNI 1
-#else
-#define Q4_VNNI 0
-#endif
+//   y = a * sum_g (d_g * S_g + m_g * X_g),  S_g = sum over the group of q * xq (exact ints).
+//
+// Layout: the input features are padded to blocks of 16 groups (512 weights, 256 bytes), and a
+// block is four 64-byte vectors v; byte 4i + c of vector v holds group i's weight 8v + c in its low
+// nibble and 8v + 4 + c in its high nibble. So every 32-bit lane of a vector belongs to one group
+// (lane i = group i), an integer dot product leaves each group's whole S_g in its own lane after
+// the block's eight vpdpbusd, and the float work (one convert, two FMAs for d and m) comes once per
+// 16 groups per input row, not once per 4 as with the file's own group order; the nibble unpacking
+// is shared by all the rows of a chunk. Inputs are stored in the same order (q4_order_row).
+//
+// Batch invariance: lane i accumulates group 16b + i of block b, block after block, in fp32
+// (d_g * S_g and m_g * X_g apart, then their sum), and the 16 lanes are added in one fixed tree, whatever
+// the number of rows and however they are chunked. The AVX-512 VNNI, AVX2 and scalar paths do the
+// same float operations in the same order, so they agree bit for bit, on any x86 CPU.
+constexpr int64_t Q4_BLOCK = 512;         // weights per block: 16 groups of 32
+constexpr int64_t Q4_MAX_GROUPS = 1024;  // 32768 input features
 
 static inline void q4_order_row(const int8_t* q, int64_t KP, int8_t* out) {
-  int64_t p = 0;
-  if (Q4_VNNI)
-    for (; p + 128 <= KP; p += 128)
-      for (int h = 0; h < 2; ++h)
-        for (int g = 0; g < 4; ++g)
-          for (int j = 0; j < 16; ++j) out[p + h * 64 + g * 16 + j] = q[p + g * 32 + h * 16 + j];
-  for (; p < KP; p += 64)
-    for (int h = 0; h < 2; ++h)        // low nibbles, then high nibbles
-      for (int g = 0; g < 2; ++g)      // group g, then g + 1
-        for (int j = 0; j < 16; ++j) out[p + h * 32 + g * 16 + j] = q[p + g * 32 + h * 16 + j];
+  for (int64_t p = 0; p < KP; p += Q4_BLOCK)
+    for (int v = 0; v < 4; ++v)
+      for (int h = 0; h < 2; ++h)  // the low nibbles' inputs, then the high ones'
+        for (int i = 0; i < 16; ++i)
+          for (int c = 0; c < 4; ++c) out[p + v * 128 + h * 64 + i * 4 + c] = q[p + i * 32 + v * 8 + h * 4 + c];
 }
 
 // Scales and minimums are stored in fp16 (a quarter of the bytes a 4-bit weight takes, against half
-// in fp32) and widened to fp32 per panel of weight rows; the arithmetic after that is as before.
-constexpr int64_t Q4_MAX_GROUPS = 1024;  // 32768 input features
+// in fp32) and widened to fp32 per panel of weight rows.
 static inline void halves_to_floats(const at::Half* h, int64_t n, float* out) {
   int64_t i = 0;
 #if defined(__F16C__)
@@ -333,105 +329,125 @@ static inline void halves_to_floats(const at::Half* h, int64_t n, float* out) {
   for (; i < n; ++i) out[i] = float(h[i]);
 }
 
-// One weight row against R input rows.
+// CHORAL_Q4_PATH (a compile flag) forces a path: the tests build the others to compare them.
+#if defined(CHORAL_Q4_PATH)
+#define Q4_PATH CHORAL_Q4_PATH
+#elif defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define Q4_PATH 2
+#elif defined(__AVX2__) && defined(__FMA__)
+#define Q4_PATH 1
+#else
+#define Q4_PATH 0
+#endif
+
+// One weight row (G groups, G a multiple of 16) against R input rows. Per lane (group i of each
+// block): a += d_g * S_g over the blocks in order, b += m_g * X_g likewise, lane = a + b.
+// The integer sums are exact in any order, so a block's eight vpdpbusd per row run as two
+// independent chains (low and high nibbles) added at the end, and the minimums' term is a pass of
+// its own: fewer dependent instructions in a row, which is what limits a one-row step.
 template <int R>
 static inline void q4rows(const uint8_t* w, const float* d, const float* mn, int64_t G, const int8_t* x, int64_t KP,
                           const float* xsum, const float* xa, float* out, int64_t ldo) {
-  float dotv[R];
-#if Q4_VNNI
-  // Four groups per step: each int32 lane sums 8 products of one group (4 low, 4 high nibbles),
-  // lanes 4i..4i+3 belong to group g + i; then scaled by that group's d into 16 fp32 lanes.
+#if Q4_PATH == 2
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  const __m512i quads = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  int64_t g = 0;
-  for (; g + 4 <= G; g += 4) {
-    const __m512i b = _mm512_loadu_si512(w + g * 16);
-    const __m512i lo = _mm512_and_si512(b, low4);
-    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
-    const __m512 dv = _mm512_permutexvar_ps(quads, _mm512_castps128_ps512(_mm_loadu_ps(d + g)));
-    for (int r = 0; r < R; ++r) {
-      const int8_t* xr = x + r * KP + g * 32;
-      __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xr));
-      s = _mm512_dpbusd_epi32(s, hi, _mm512_loadu_si512(xr + 64));
+  for (int64_t g = 0; g < G; g += 16) {
+    const uint8_t* wb = w + g * 16;  // 256 bytes
+    const int8_t* xb = x + g * 32;   // 512 bytes per row
+    __m512i lo[4], hi[4];
+    for (int v = 0; v < 4; ++v) {
+      const __m512i b = _mm512_loadu_si512(wb + v * 64);
+      lo[v] = _mm512_and_si512(b, low4);
+      hi[v] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
+    }
+    const __m512 dv = _mm512_loadu_ps(d + g);
+    for (int r = 0; r < R; ++r) {  // nibbles unsigned, inputs signed
+      const int8_t* xr = xb + r * KP;
+      __m512i t0 = _mm512_setzero_si512(), t1 = _mm512_setzero_si512();
+      for (int v = 0; v < 4; ++v) {
+        t0 = _mm512_dpbusd_epi32(t0, lo[v], _mm512_loadu_si512(xr + v * 128));
+        t1 = _mm512_dpbusd_epi32(t1, hi[v], _mm512_loadu_si512(xr + v * 128 + 64));
+      }
+      const __m512i s = _mm512_add_epi32(t0, t1);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), dv, acc[r]);
     }
   }
-  __m256 tail[R];  // a last pair of groups, in 8 lanes as the AVX2 path
-  for (int r = 0; r < R; ++r) tail[r] = _mm256_setzero_ps();
-  if (g < G) {
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 16));
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    const __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
-    const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(d + g)));
-    const __m256 dv = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
-    for (int r = 0; r < R; ++r) {
-      const int8_t* xr = x + r * KP + g * 32;
-      __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr)));
-      s = _mm256_dpbusd_epi32(s, hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32)));
-      tail[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), dv, tail[r]);
-    }
+  for (int r = 0; r < R; ++r) {
+    __m512 am = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g += 16) am = _mm512_fmadd_ps(_mm512_loadu_ps(mn + g), _mm512_loadu_ps(xsum + r * G + g), am);
+    out[r * ldo] = xa[r] * hsum8(half_sum(_mm512_add_ps(acc[r], am)));  // lane i + lane i + 8, then the tree
   }
-  for (int r = 0; r < R; ++r) dotv[r] = hsum8(_mm256_add_ps(half_sum(acc[r]), tail[r]));
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif Q4_PATH == 1
+  // Groups 0-7 and 8-15 of a block as two 8-lane halves; the same per-lane arithmetic.
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i pairs = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; g += 2) {
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 16));
-    const __m256i lo = _mm256_and_si256(b, low4);
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
-    const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(d + g)));
-    const __m256 dv = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), pairs);  // d_g x4, d_g+1 x4
+  __m256 halves[2][R];
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g += 16) {
+      const uint8_t* wb = w + g * 16 + half * 32;
+      const int8_t* xb = x + g * 32 + half * 32;
+      __m256i lo[4], hi[4];
+      for (int v = 0; v < 4; ++v) {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + v * 64));
+        lo[v] = _mm256_and_si256(b, low4);
+        hi[v] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+      }
+      const __m256 dv = _mm256_loadu_ps(d + g + half * 8);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xr = xb + r * KP;
+        // u8 (0..15) x s8 pairs: a vpmaddubsw lane is at most 2 * 15 * 127 = 3810 in size, so the
+        // eight of a lane's block (4 vectors, low and high) sum to at most 30480: exact in int16.
+        __m256i t[4];
+        for (int v = 0; v < 4; ++v)
+          t[v] = _mm256_add_epi16(
+              _mm256_maddubs_epi16(lo[v], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + v * 128))),
+              _mm256_maddubs_epi16(hi[v], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + v * 128 + 64))));
+        const __m256i s = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(t[0], t[1]), _mm256_add_epi16(t[2], t[3])), ones);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), dv, acc[r]);
+      }
+    }
     for (int r = 0; r < R; ++r) {
-      const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * KP + g * 32));
-      const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * KP + g * 32 + 32));
-      // u8 (0..15) x s8 pairs: each vpmaddubsw lane is at most 2 * 15 * 127, two of them 7620.
-      const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
-      const __m256i s = _mm256_madd_epi16(s16, ones);  // lanes 0-3: group g, 4-7: group g + 1
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), dv, acc[r]);
+      __m256 am = _mm256_setzero_ps();
+      for (int64_t g = half * 8; g < G; g += 16)
+        am = _mm256_fmadd_ps(_mm256_loadu_ps(mn + g), _mm256_loadu_ps(xsum + r * G + g), am);
+      halves[half][r] = _mm256_add_ps(acc[r], am);
     }
   }
-  for (int r = 0; r < R; ++r) dotv[r] = hsum8(acc[r]);
+  for (int r = 0; r < R; ++r) out[r * ldo] = xa[r] * hsum8(_mm256_add_ps(halves[0][r], halves[1][r]));
 #else
-  for (int r = 0; r < R; ++r) {
-    float a = 0.f;
-    for (int64_t g = 0; g < G; g += 2) {
-      int32_t s[2] = {0, 0};
-      for (int h = 0; h < 2; ++h)
-        for (int k = 0; k < 2; ++k)
-          for (int j = 0; j < 16; ++j) {
-            const uint8_t b = w[(g + k) * 16 + j];
-            s[k] += int32_t(h ? b >> 4 : b & 0x0F) * x[r * KP + g * 32 + h * 32 + k * 16 + j];
+  float lanes[R][16];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 16; ++i) {
+      float a = 0.f, b = 0.f;
+      for (int64_t g = 0; g < G; g += 16) {
+        int32_t s = 0;
+        for (int v = 0; v < 4; ++v)
+          for (int c = 0; c < 4; ++c) {
+            const uint8_t q = w[g * 16 + v * 64 + i * 4 + c];
+            s += int32_t(q & 0x0F) * x[r * KP + g * 32 + v * 128 + i * 4 + c];
+            s += int32_t(q >> 4) * x[r * KP + g * 32 + v * 128 + 64 + i * 4 + c];
           }
-      a = std::fma(float(s[0]), d[g], a);
-      a = std::fma(float(s[1]), d[g + 1], a);
+        a = std::fma(float(s), d[g + i], a);
+        b = std::fma(mn[g + i], xsum[r * G + g + i], b);
+      }
+      lanes[r][i] = a + b;
     }
-    dotv[r] = a;
-  }
-#endif
   for (int r = 0; r < R; ++r) {
-    // sum_g m_g * X_g in a fixed order: 8 lanes over the groups, then the fixed tree.
-    int64_t g = 0;
-    float m = 0.f;
-#if defined(__AVX2__) && defined(__FMA__)
-    __m256 am = _mm256_setzero_ps();
-    for (; g + 8 <= G; g += 8) am = _mm256_fmadd_ps(_mm256_loadu_ps(mn + g), _mm256_loadu_ps(xsum + r * G + g), am);
-    m = hsum8(am);
-#endif
-    for (; g < G; ++g) m = std::fma(mn[g], xsum[r * G + g], m);
-    out[r * ldo] = xa[r] * (dotv[r] + m);
+    float t[8];
+    for (int i = 0; i < 8; ++i) t[i] = lanes[r][i] + lanes[r][i + 8];
+    out[r * ldo] = xa[r] * hsum8(_mm256_loadu_ps(t));
   }
+#endif
 }
 
 torch::Tensor rowdot_linear_w4a8(torch::Tensor x, torch::Tensor w, torch::Tensor d, torch::Tensor mn,
                                  c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && d.dim() == 2 && mn.sizes() == d.sizes(), "shape mismatch");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), G = d.size(1), KP = G * 32;
-  TORCH_CHECK(G % 2 == 0 && G > 0 && w.size(1) * 2 == KP && d.size(0) == N && K <= KP, "shape mismatch");
+  TORCH_CHECK(G % 16 == 0 && G > 0 && w.size(1) * 2 == KP && d.size(0) == N && K <= KP, "shape mismatch");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kByte, "fp32 input, uint8 packed weight");
   TORCH_CHECK(d.scalar_type() == at::kHalf && mn.scalar_type() == at::kHalf, "fp16 scales and minimums");
   TORCH_CHECK(G <= Q4_MAX_GROUPS, "at most ", Q4_MAX_GROUPS * 32, " input features");

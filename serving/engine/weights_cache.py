@@ -8,7 +8,7 @@ group from the dequantized fp32 weights) took about 60 s on the 2-core VM, and i
 
 An entry is found by the **content** of the layers it replaces: an xxh3 hash of every fp32 Linear's
 name, shape and bytes (about a second for the 1.5B target's 6 GB, against a minute to convert),
-with the weights kind, the conversion code (this file and ``cpu_kernels.py`` as imported) and the
+with the weights kind, the conversion code (this file, ``cpu_kernels.py`` and the kernels' ``rowdot.cpp``, as imported) and the
 torch version. So a model whose weights changed in any way, however they were changed, misses
 and is converted from its own weights. Only models that ``load_model`` read from a folder and that
 are still as loaded (``mark_loaded``: each parameter's storage and version) are cached at all, so a
@@ -34,16 +34,18 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2  # bump when the stored layout of a layer changes
+FORMAT = 3  # bump when the stored layout of a layer changes (3: Q4Linear in blocks of 16 groups)
 KEEP = 3  # entries kept per (folder, weights kind): two installs sharing a home do not evict each other
 _ATTR = "_choral_loaded"
 
 
 def _code_digest() -> str | None:
-    """The conversion code as imported (not as it may be on disk when prepare_for_cpu runs); None
-    where the sources are not there to read (then nothing is cached)."""
+    """The conversion code as imported (not as it may be on disk when prepare_for_cpu runs), and the
+    kernel source whose weight layout it writes; None where the sources are not there to read
+    (then nothing is cached)."""
+    names = ("cpu_kernels.py", "weights_cache.py", "rowdot.cpp")
     try:
-        return hashlib.sha256(b"".join(Path(__file__).with_name(n).read_bytes() for n in ("cpu_kernels.py", "weights_cache.py"))).hexdigest()
+        return hashlib.sha256(b"".join(Path(__file__).with_name(n).read_bytes() for n in names)).hexdigest()
     except OSError:
         return None
 

@@ -1,0 +1,132 @@
+"""One integer Linear kernel at two git revisions, timed call by call in one process (CPU).
+
+A kernel change is often worth 10-20%, while this kind of VM drifts by more than that between two
+runs of a benchmark. Here the kernel of revision REV (its `cpu_kernels.py` and `rowdot.cpp`,
+taken with `git show` and built as an extension of their own) and the working tree's alternate
+call by call on the same weights and inputs, so both see the same machine; the medians are
+compared. Each side converts the Linear with its own `Q4Linear` / `Int8Linear`, so a change of
+weight layout is compared too.
+
+    python scripts/experiments/compare_kernels.py --rev HEAD~1 --linear 1536x8960 --weights q4 --tokens 1,5,9,128
+
+Prints a markdown table and writes JSON (default runs/compare_kernels.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from serving.engine import cpu_kernels  # noqa: E402
+
+FILES = ("cpu_kernels.py", "rowdot.cpp")
+
+
+def kernels_at(rev: str, into: Path):
+    """The `cpu_kernels` module of revision ``rev``, loaded under a name of its own (its C++ is
+    built from its own `rowdot.cpp`: the extension's name carries a hash of the source)."""
+    for name in FILES:
+        try:
+            text = subprocess.run(["git", "show", f"{rev}:serving/engine/{name}"], cwd=ROOT, check=True,
+                                  capture_output=True, text=True).stdout
+        except subprocess.CalledProcessError as e:
+            raise SystemExit(f"compare_kernels: git show {rev}:serving/engine/{name} failed: {e.stderr.strip()}; "
+                             "give --rev a commit of this repository") from e
+        (into / name).write_text(text)
+    spec = importlib.util.spec_from_file_location("choral_cpu_kernels_at_rev", into / "cpu_kernels.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    if mod._rowdot_ext() is None:
+        raise SystemExit(f"compare_kernels: the kernel of {rev} does not build here")
+    return mod
+
+
+def on_q4_lattice(lin: nn.Linear) -> nn.Linear:
+    """The Linear's weights rounded onto 4-bit groups of 32 (as a GGUF Q4_K tensor dequantized is)."""
+    with torch.no_grad():
+        n, k = lin.weight.shape
+        g = lin.weight.reshape(n, k // 32, 32)
+        lo = g.amin(-1, keepdim=True)
+        d = (g.amax(-1, keepdim=True) - lo) / 15
+        lin.weight.copy_((torch.round((g - lo) / d) * d + lo).reshape(n, k))
+    return lin
+
+
+def convert(mod, lin: nn.Linear, weights: str) -> nn.Module:
+    if weights == "q4":
+        return mod.Q4Linear(lin, mod.q4_lattice(lin.weight))
+    return mod.Int8Linear(lin)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rev", default="HEAD", help="the git revision to compare the working tree with")
+    p.add_argument("--linear", default="8960x1536", help="OUTxIN: one Linear(IN, OUT)")
+    p.add_argument("--weights", default="q4", choices=("q4", "int8"))
+    p.add_argument("--tokens", default="1,5,9,128", help="rows per call")
+    p.add_argument("--calls", type=int, default=300, help="timed calls per side, divided by the rows (at least 10)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--json", default="runs/compare_kernels.json")
+    args = p.parse_args(argv)
+    try:
+        out_f, in_f = (int(v) for v in args.linear.lower().split("x"))
+        tokens = [int(t) for t in args.tokens.split(",")]
+    except ValueError:
+        raise SystemExit(f"compare_kernels: --linear {args.linear!r} --tokens {args.tokens!r}: "
+                         "give --linear as OUTxIN (e.g. 8960x1536) and --tokens as a comma list (e.g. 1,5,128)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if cpu_kernels._rowdot_ext() is None:
+        raise SystemExit("compare_kernels: the working tree's kernel does not build here")
+    torch.manual_seed(0)
+    lin = nn.Linear(in_f, out_f, bias=False)
+    if args.weights == "q4":
+        on_q4_lattice(lin)
+    with tempfile.TemporaryDirectory() as tmp:
+        old = kernels_at(args.rev, Path(tmp))
+        sides = {args.rev: convert(old, lin, args.weights), "working tree": convert(cpu_kernels, lin, args.weights)}
+        rows = []
+        with torch.no_grad():
+            for t in tokens:
+                x = torch.randn(t, in_f)
+                ys = {name: m(x) for name, m in sides.items()}  # also the first call's one-off costs
+                a, b = ys.values()
+                diff = float((a - b).abs().max() / a.abs().max().clamp_min(1e-30))
+                times = {name: [] for name in sides}
+                for _ in range(max(10, args.calls // t)):
+                    for name, m in sides.items():
+                        t0 = time.perf_counter()
+                        m(x)
+                        times[name].append(time.perf_counter() - t0)
+                med = {name: statistics.median(v) * 1e3 for name, v in times.items()}
+                rows.append({"tokens": t, "ms": med, "calls": len(times[args.rev]), "max_rel_diff": diff})
+    names = list(sides)
+    print(f"| {args.weights} {out_f}x{in_f} | tokens | {names[0]} ms | {names[1]} ms | {names[0]} / {names[1]} | max rel diff |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        a, b = (r["ms"][n] for n in names)
+        print(f"| | {r['tokens']} | {a:.3f} | {b:.3f} | {a / b:.2f}x | {r['max_rel_diff']:.1e} |")
+    result = {"rev": args.rev, "weights": args.weights, "shape": [out_f, in_f], "threads": torch.get_num_threads(),
+              "machine": platform.processor() or platform.machine(), "torch": torch.__version__, "rows": rows}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.json}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
