@@ -465,7 +465,7 @@ def test_q4_linear_recovers_the_groups_and_is_the_w4a8_arithmetic(in_f, out_f, b
 @needs_rowdot
 def test_q4_kernel_paths_agree_bit_for_bit():
     """The W4A8 kernel's AVX-512 VNNI, AVX2 and scalar paths do the same float operations in the
-    same order, so a q4 target gives the same bits on every x86 CPU kind: the AVX2 path (built for
+    same order, so 4-bit layers give the same bits on every x86 CPU kind: the AVX2 path (built for
     Haswell, no AVX-512) and the scalar path (forced with CHORAL_Q4_PATH=0) match this machine's
     build, at one row, a verify and a prefill, with padded and unpadded widths."""
     import hashlib

@@ -306,7 +306,8 @@ torch::Tensor rowdot_linear_w8a8(torch::Tensor x, torch::Tensor w, torch::Tensor
 // Batch invariance: lane i accumulates group 16b + i of block b, block after block, in fp32
 // (d_g * S_g and m_g * X_g apart, then their sum), and the 16 lanes are added in one fixed tree, whatever
 // the number of rows and however they are chunked. The AVX-512 VNNI, AVX2 and scalar paths do the
-// same float operations in the same order, so they agree bit for bit, on any x86 CPU.
+// same float operations in the same order, so they agree bit for bit: this kernel's output does not
+// depend on which x86 CPU kind runs it.
 constexpr int64_t Q4_BLOCK = 512;         // weights per block: 16 groups of 32
 constexpr int64_t Q4_MAX_GROUPS = 1024;  // 32768 input features
 
