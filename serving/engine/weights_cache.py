@@ -7,12 +7,13 @@ group from the dequantized fp32 weights) took about 60 s on the 2-core VM, and i
 (or ``$CHORAL_PREPARED_DIR``) the first time and loads them afterwards.
 
 An entry is found by the **content** of the layers it replaces: an xxh3 hash of every fp32 Linear's
-name, shape and bytes (about a second for the 1.5B target's 6 GB, against a minute to convert),
-with the weights kind, the conversion code (this file, ``cpu_kernels.py`` and the kernels' ``rowdot.cpp``, as imported) and the
-torch version. So a model whose weights changed in any way, however they were changed, misses
-and is converted from its own weights. Only models that ``load_model`` read from a folder and that
-are still as loaded (``mark_loaded``: each parameter's storage and version) are cached at all, so a
-draft that train-draft is training does not write an entry at every evaluation.
+name, shape and bytes (about a second for the 1.5B target's 6 GB, against a minute to convert), with
+the weights kind, the conversion code (this file, ``cpu_kernels.py`` and the kernels'
+``rowdot.cpp``, as imported) and the torch version. So a model whose weights changed in any way,
+however they were changed, misses and is converted from its own weights. Only models that
+``load_model`` read from a folder and that are still as loaded (``mark_loaded``: each parameter's
+storage and version) are cached at all, so a draft that train-draft is training does not write an
+entry at every evaluation.
 
 Entries are written to a temporary file, fsynced and renamed, so an interrupted write leaves no
 half entry; an unreadable one is converted again, with a warning; a disk that cannot take the
