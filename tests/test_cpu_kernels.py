@@ -420,11 +420,7 @@ def _on_q4_lattice(model: nn.Module, skip: tuple[str, ...] = ()) -> nn.Module:
     with torch.no_grad():
         for name, m in model.named_modules():
             if isinstance(m, nn.Linear) and not any(s in name for s in skip):
-                n, k = m.weight.shape
-                g = m.weight.reshape(n, k // 32, 32)
-                lo = g.amin(-1, keepdim=True)
-                d = (g.amax(-1, keepdim=True) - lo) / 15
-                m.weight.copy_((torch.round((g - lo) / d) * d + lo).reshape(n, k))
+                m.weight.copy_(cpu_kernels.snap_to_q4_lattice(m.weight))
     return model
 
 

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from serving.engine.cpu_kernels import KERNELS, InvariantLinear, prepare_for_cpu, set_enabled  # noqa: E402
+from serving.engine.cpu_kernels import KERNELS, InvariantLinear, prepare_for_cpu, set_enabled, snap_to_q4_lattice  # noqa: E402
 
 
 def _busy_jiffies() -> tuple[int, int]:
@@ -146,10 +146,7 @@ def bench_linear(args) -> dict:
         for m, src in zip(mods, lins):
             m[0].load_state_dict(src.state_dict())
             with torch.no_grad():
-                g = m[0].weight.reshape(out_f, -1, 32)
-                lo = g.amin(-1, keepdim=True)
-                d = (g.amax(-1, keepdim=True) - lo) / 15
-                m[0].weight.copy_((torch.round((g - lo) / d) * d + lo).reshape(out_f, in_f))
+                m[0].weight.copy_(snap_to_q4_lattice(m[0].weight))
             prepare_for_cpu(m, token_counts=[n for n in args.tokens if n <= 16], weights="q4")
         paths["q4 (W4A8)"] = mods
     for src in lins:

@@ -55,17 +55,6 @@ def kernels_at(rev: str, into: Path):
     return mod
 
 
-def on_q4_lattice(lin: nn.Linear) -> nn.Linear:
-    """The Linear's weights rounded onto 4-bit groups of 32 (as a GGUF Q4_K tensor dequantized is)."""
-    with torch.no_grad():
-        n, k = lin.weight.shape
-        g = lin.weight.reshape(n, k // 32, 32)
-        lo = g.amin(-1, keepdim=True)
-        d = (g.amax(-1, keepdim=True) - lo) / 15
-        lin.weight.copy_((torch.round((g - lo) / d) * d + lo).reshape(n, k))
-    return lin
-
-
 def convert(mod, lin: nn.Linear, weights: str) -> nn.Module:
     if weights == "q4":
         return mod.Q4Linear(lin, mod.q4_lattice(lin.weight))
@@ -95,7 +84,8 @@ def main(argv=None) -> dict:
     torch.manual_seed(0)
     lin = nn.Linear(in_f, out_f, bias=False)
     if args.weights == "q4":
-        on_q4_lattice(lin)
+        with torch.no_grad():
+            lin.weight.copy_(cpu_kernels.snap_to_q4_lattice(lin.weight))
     with tempfile.TemporaryDirectory() as tmp:
         old = kernels_at(args.rev, Path(tmp))
         sides = {args.rev: convert(old, lin, args.weights), "working tree": convert(cpu_kernels, lin, args.weights)}

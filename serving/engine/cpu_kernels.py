@@ -225,6 +225,17 @@ def q4_lattice(w: torch.Tensor, tol: float = 1e-3) -> tuple[torch.Tensor, torch.
     return torch.cat(qs), torch.cat(ds), torch.cat(ms)
 
 
+def snap_to_q4_lattice(w: torch.Tensor) -> torch.Tensor:
+    """``w`` [N, K] (K a multiple of 32) rounded onto 4-bit groups of 32: each group's minimum plus
+    an integer 0..15 times (max - min) / 15, as a GGUF Q4_K tensor dequantized to fp32 is. What
+    tests and benchmarks give ``q4_lattice`` to stand in for the bundled target's weights."""
+    n, k = w.shape
+    g = w.reshape(n, k // Q4_GROUP, Q4_GROUP)  # [N, G, 32]
+    lo = g.amin(-1, keepdim=True)
+    d = (g.amax(-1, keepdim=True) - lo) / 15
+    return (torch.round((g - lo) / d) * d + lo).reshape(n, k)
+
+
 def _q4_lattice_rows(g: torch.Tensor, tol: float):
     lo = g.amin(dim=-1, keepdim=True)  # [n, G, 1]
     span = g.amax(dim=-1, keepdim=True) - lo
