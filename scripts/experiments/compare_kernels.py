@@ -69,6 +69,9 @@ def main(argv=None) -> dict:
     p.add_argument("--tokens", default="1,5,9,128", help="rows per call")
     p.add_argument("--calls", type=int, default=300, help="timed calls per side, divided by the rows (at least 10)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--copies", type=int, default=1, help="Linears of the shape (different weights), called in turn: "
+                   "enough of them to exceed the last-level cache makes every call read its weights from memory, "
+                   "as a model step does (one Linear of a 1.5B model stays in a 32 MB L3)")
     p.add_argument("--json", default="runs/compare_kernels.json")
     args = p.parse_args(argv)
     try:
@@ -81,24 +84,30 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
     if cpu_kernels._rowdot_ext() is None:
         raise SystemExit("compare_kernels: the working tree's kernel does not build here")
+    if args.copies < 1:
+        raise SystemExit(f"compare_kernels: --copies {args.copies} must be >= 1")
     torch.manual_seed(0)
-    lin = nn.Linear(in_f, out_f, bias=False)
+    lins = [nn.Linear(in_f, out_f, bias=False) for _ in range(args.copies)]
     if args.weights == "q4":
         with torch.no_grad():
-            lin.weight.copy_(cpu_kernels.snap_to_q4_lattice(lin.weight))
+            for lin in lins:
+                lin.weight.copy_(cpu_kernels.snap_to_q4_lattice(lin.weight))
     with tempfile.TemporaryDirectory() as tmp:
         old = kernels_at(args.rev, Path(tmp))
-        sides = {args.rev: convert(old, lin, args.weights), "working tree": convert(cpu_kernels, lin, args.weights)}
+        sides = {args.rev: [convert(old, lin, args.weights) for lin in lins],
+                 "working tree": [convert(cpu_kernels, lin, args.weights) for lin in lins]}
         rows = []
         with torch.no_grad():
             for t in tokens:
                 x = torch.randn(t, in_f)
-                ys = {name: m(x) for name, m in sides.items()}  # also the first call's one-off costs
-                a, b = ys.values()
-                diff = float((a - b).abs().max() / a.abs().max().clamp_min(1e-30))
+                diff = 0.0
+                for a, b in zip(*sides.values()):  # also the first calls' one-off costs
+                    ya, yb = a(x), b(x)
+                    diff = max(diff, float((ya - yb).abs().max() / ya.abs().max().clamp_min(1e-30)))
                 times = {name: [] for name in sides}
-                for _ in range(max(10, args.calls // t)):
-                    for name, m in sides.items():
+                for i in range(max(10, args.calls // t)):
+                    for name, ms in sides.items():
+                        m = ms[i % args.copies]
                         t0 = time.perf_counter()
                         m(x)
                         times[name].append(time.perf_counter() - t0)
@@ -110,7 +119,8 @@ def main(argv=None) -> dict:
     for r in rows:
         a, b = (r["ms"][n] for n in names)
         print(f"| | {r['tokens']} | {a:.3f} | {b:.3f} | {a / b:.2f}x | {r['max_rel_diff']:.1e} |")
-    result = {"rev": args.rev, "weights": args.weights, "shape": [out_f, in_f], "threads": torch.get_num_threads(),
+    result = {"rev": args.rev, "weights": args.weights, "shape": [out_f, in_f], "copies": args.copies,
+              "threads": torch.get_num_threads(),
               "machine": platform.processor() or platform.machine(), "torch": torch.__version__, "rows": rows}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))

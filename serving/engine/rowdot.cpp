@@ -310,6 +310,12 @@ torch::Tensor rowdot_linear_w8a8(torch::Tensor x, torch::Tensor w, torch::Tensor
 // depend on which x86 CPU kind runs it.
 constexpr int64_t Q4_BLOCK = 512;         // weights per block: 16 groups of 32
 constexpr int64_t Q4_MAX_GROUPS = 1024;  // 32768 input features
+// How far ahead (bytes) the VNNI path asks for the weights it streams when a call has more than
+// one input row: it then computes long enough per byte that the hardware prefetcher alone falls
+// behind (`scripts/experiments/compare_kernels.py --copies 8`: 1.06-1.33x at 5-16 rows on Zen 4,
+// the same at 1024 or 4096). A one-row call streams as fast as memory allows without it and was a
+// little slower with it; the int8 kernel gained nothing from it.
+constexpr int64_t Q4_PREFETCH = 2048;
 
 static inline void q4_order_row(const int8_t* q, int64_t KP, int8_t* out) {
   for (int64_t p = 0; p < KP; p += Q4_BLOCK)
@@ -356,6 +362,8 @@ static inline void q4rows(const uint8_t* w, const float* d, const float* mn, int
   for (int64_t g = 0; g < G; g += 16) {
     const uint8_t* wb = w + g * 16;  // 256 bytes
     const int8_t* xb = x + g * 32;   // 512 bytes per row
+    if (R > 1)
+      for (int c = 0; c < 256; c += 64) _mm_prefetch(reinterpret_cast<const char*>(wb + Q4_PREFETCH + c), _MM_HINT_T0);
     __m512i lo[4], hi[4];
     for (int v = 0; v < 4; ++v) {
       const __m512i b = _mm512_loadu_si512(wb + v * 64);
