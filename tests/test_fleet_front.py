@@ -129,6 +129,57 @@ def test_pool_speedup_and_the_pick_follow_rank_then_load():
     assert server._pick(route, set()) == (None, [{"pool": "spec", "reason": "down"}, {"pool": "plain", "reason": "down"}])
 
 
+@pytest.mark.unit
+def test_with_a_profile_a_busy_drafting_pool_gives_way_to_the_target_alone(tmp_path):
+    from serving.fleet.profile import CostModel, DomainProfile, DraftProfile, Profile
+    from serving.server.vllm_backend import FleetServer, load_fleet_profile
+
+    plain = PoolSettings(name="plain", replicas=["http://a:1"])
+    spec = PoolSettings(name="spec", drafter="base", replicas=["http://b:1"],
+                        speculative_config={"method": "draft_model", "model": "d", "num_speculative_tokens": 4})  # fmt: skip
+    # The VNNI VM's measured vLLM profile, rounded: a target step 100 ms + 12 ms per token fed,
+    # a draft forward 50 ms. Alone, 4 drafts + a 5-token verify cost 360 ms, 3.2x a plain step.
+    profile = Profile(target=CostModel(base_ms=100.0, per_token_ms=12.0),
+                      drafts={"base": DraftProfile(cost=CostModel(base_ms=50.0), acceptance={"all": [0.9, 0.8, 0.7, 0.6]})},
+                      domains={"all": DomainProfile()})  # fmt: skip
+    server = FleetServer.__new__(FleetServer)  # the replica table and the profile: no config, no network
+    server.profile = profile
+    server.replicas = [Replica("http://a:1", plain, 0, up=True, checked=True),
+                       Replica("http://b:1", spec, 0, up=True, checked=True)]  # fmt: skip
+
+    def route() -> Route:  # 4 tokens a step for this prompt; ranked by the lone step first
+        return Route([(spec, 1.2), (plain, 1.0)], tokens={"spec": 4.0, "plain": 1.0})
+
+    # Both idle: spec's 4 tokens per 360 ms beat plain's 1 per 112 ms.
+    r = route()
+    assert server._pick(r, set())[0].pool is spec
+    assert dict((p.name, s) for p, s in r.ranked) == pytest.approx({"spec": 4 * 112 / 360, "plain": 1.0})
+    # spec busy with 6 requests: its step for 7 rows (4 drafts + 7 x 5 tokens) is 720 ms for 4
+    # tokens, 180 ms a token, against plain's 112 while plain is idle: the target alone is faster now.
+    server.replicas[1].inflight = 6
+    r = route()
+    assert server._pick(r, set())[0].pool is plain and [p.name for p, _ in r.ranked] == ["plain", "spec"]
+    # plain busy too (vLLM's own queue counts): plain at 8 rows costs 196 ms a token, spec 180.
+    server.replicas[0].vllm_load = 7
+    assert server._pick(route(), set())[0].pool is spec
+    # A forced pool is not re-ranked, and without the router's tokens the lone order stands.
+    server.replicas[1].inflight = 6
+    server.replicas[0].vllm_load = 0
+    assert server._pick(Route([(spec, 1.0)], forced=True), set())[0].pool is spec
+    assert server._pick(Route([(spec, 1.2), (plain, 1.0)]), set())[0].pool is spec
+
+    # A fleet whose model-drafting pool the profile has no cost for is refused, naming both.
+    fleet = {"model": "m", "profile": str(profile.save(tmp_path / "p.yaml")),
+             "pools": [{"name": "plain", "replicas": ["http://a:1"]},
+                       {"name": "code-pool", "drafter": "code", "replicas": ["http://b:1"],
+                        "speculative_config": {"method": "draft_model", "model": "d", "num_speculative_tokens": 4}}]}  # fmt: skip
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml.safe_dump(fleet))
+    with pytest.raises(ConfigError, match=r"code-pool.*has no cost for \(it has \['base'\]\)"):
+        load_fleet_profile(load_config(FleetConfig, path))
+    assert cli_serve.main(["--backend", "vllm", "--fleet", str(path)]) == 2  # serve says so and exits
+
+
 @pytest.mark.e2e
 def test_the_front_routes_streams_forces_and_counts_per_pool(model_dirs, fleet_router, tmp_path):
     model = str(model_dirs["target"])

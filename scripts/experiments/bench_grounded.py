@@ -3,6 +3,9 @@ decoding, and Choral's ``ngram`` and ``suffix`` drafters, on the same prompts, p
 
     python scripts/experiments/bench_grounded.py --prompts-per-domain 10 --max-new-tokens 48 --k 4 \\
         --out runs/grounded
+    # choose a drafter setting on other prompts (10-19), then report on 0-9 with it
+    python scripts/experiments/bench_grounded.py --domains edit --offset 10 --paths target,ngram \\
+        --engine ngram.min_n=4 ngram.max_n=8 --out runs/grounded-val
 
 Per prompt of each grounded family (serving.prompts: edit, extract, summarize, quoted) the four
 decoders run one after the other, greedy, their order rotating from prompt to prompt so machine
@@ -25,6 +28,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from serving.config import load_config
 from serving.engine import SpeculativeEngine
 from serving.engine.devices import describe_machine
 from serving.engine.engine_settings import EngineSettings, load_models, prepare_kernels
@@ -45,13 +49,24 @@ def main(argv: list[str] | None = None) -> int:
                     help="families on which transformers' prompt lookup runs too (default: all); it is the slowest path")
     ap.add_argument("--target-weights", default="fp32", choices=["fp32", "int8", "q4"],
                     help="the target's precision on the CPU kernels; prompt lookup runs the same prepared model")
+    ap.add_argument("--offset", type=int, default=0,
+                    help="skip each family's first N prompts (e.g. tune drafter settings on prompts 10-19, report on 0-9)")
+    ap.add_argument("--paths", default=",".join(PATHS), help=f"decoders to run, a comma list of {', '.join(PATHS)} "
+                    "(the target alone always runs: the others are compared with it)")
+    ap.add_argument("--engine", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="engine settings for the drafters, dotted (e.g. ngram.min_n=2 suffix.max_depth=32)")
     ap.add_argument("--out", default="runs/grounded")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    settings = EngineSettings(device="cpu", k=args.k, max_batch_size=1, max_len=2048,  # grounded prompts stay under 1k tokens
-                              target_weights=args.target_weights)
+    paths = ["target", *(p for p in PATHS[1:] if p in {x.strip() for x in args.paths.split(",")})]
+    unknown = {x.strip() for x in args.paths.split(",")} - set(PATHS)
+    if unknown:
+        raise SystemExit(f"bench_grounded: unknown --paths {sorted(unknown)}; choose from {', '.join(PATHS)}")
+    # grounded prompts stay under 1k tokens
+    settings = load_config(EngineSettings, None, ["device=cpu", f"k={args.k}", "max_batch_size=1", "max_len=2048",
+                                                  f"target_weights={args.target_weights}", *args.engine])  # fmt: skip
     tokenizer, target, _ = load_models(settings, TARGET, [])
     spec = settings.engine_config(draft=True, device=target.device)
     prepare_kernels(settings, [target], [], spec.step_widths)
@@ -59,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         "target": SpeculativeEngine(target, tokenizer, config=dataclasses.replace(settings, k=1, k_buckets=(1,)).engine_config(
             draft=False, device=target.device)),
         **{name: SpeculativeEngine(target, tokenizer, config=spec, drafters={name: settings.host_drafter(name)})
-           for name in ("ngram", "suffix")},
+           for name in ("ngram", "suffix") if name in paths},
     }  # fmt: skip
     eos = sorted(engines["target"]._eos)
 
@@ -71,12 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         return out_ids, stats["total_time_s"], stats
 
     warm = encode_prompt(tokenizer, load_prompts("code", 1)[0])
-    for path in PATHS:
+    for path in paths:
         decode(path, warm, 8)
 
     domains = [d.strip() for d in args.domains.split(",")]
     hf_domains = None if args.hf_domains is None else {d.strip() for d in args.hf_domains.split(",")}
-    prompts = {d: load_prompts(d, args.prompts_per_domain) for d in domains}
+    prompts = {d: load_prompts(d, args.offset + args.prompts_per_domain)[args.offset :] for d in domains}
     rows: dict[str, list[dict]] = {}
     with tqdm(total=sum(len(p) for p in prompts.values()), desc="grounded", unit="prompt") as bar:
         for d in domains:
@@ -84,12 +99,12 @@ def main(argv: list[str] | None = None) -> int:
             for i, prompt in enumerate(prompts[d]):
                 ids = encode_prompt(tokenizer, prompt)
                 row: dict = {"id": prompt.id, "prompt_tokens": len(ids)}
-                paths = [p for p in PATHS if p != "prompt lookup" or hf_domains is None or d in hf_domains]
-                for path in paths[i % len(paths) :] + paths[: i % len(paths)]:
+                here = [p for p in paths if p != "prompt lookup" or hf_domains is None or d in hf_domains]
+                for path in here[i % len(here) :] + here[: i % len(here)]:
                     out_ids, seconds, stats = decode(path, ids, args.max_new_tokens)
                     row[path] = {"tokens": len(out_ids), "seconds": seconds, "ids": out_ids,
                                  "drafted": stats.get("drafted", 0), "accepted": stats.get("accepted", 0)}  # fmt: skip
-                for path in paths[1:]:
+                for path in here[1:]:
                     row[path]["identical"] = row[path]["ids"] == row["target"]["ids"]
                 rows[d].append(row)
                 bar.update(1)
@@ -100,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         "machine": describe_machine(),
         "settings": {"target": TARGET, "k": args.k, "max_new_tokens": args.max_new_tokens, "dtype": "float32",
                      "target_weights": args.target_weights,
-                     "choral_cpu_kernels": settings.cpu_kernels, "prompts_per_domain": args.prompts_per_domain},
+                     "choral_cpu_kernels": settings.cpu_kernels, "prompts_per_domain": args.prompts_per_domain,
+                     "offset": args.offset, "ngram": dataclasses.asdict(settings.ngram),
+                     "suffix": dataclasses.asdict(settings.suffix)},
         "summary": summary,
         "rows": rows,
     }  # fmt: skip
@@ -123,6 +140,8 @@ def summarize(rows: list[dict]) -> dict:
     out: dict = {"prompts": len(rows), "prompts_with_prompt_lookup": len(with_hf),
                  "tokens_per_s": {p: rate(p, rows) for p in PATHS}}  # fmt: skip
     for p in ("ngram", "suffix"):
+        if not any(p in r for r in rows):  # not among --paths
+            continue
         drafted = sum(r[p]["drafted"] for r in rows)
         out[p] = {
             "speedup_vs_target": rate(p, rows) / rate("target", rows),
@@ -142,7 +161,8 @@ def markdown(record: dict) -> str:
     lines = [
         f"`{record['command']}` ({record['date']}, {record['machine']}); {s['target']} {s['dtype']}, target weights "
         f"{s.get('target_weights', 'fp32')} (prompt lookup runs the same prepared model), greedy, "
-        f"{s['max_new_tokens']} new tokens, K={s['k']} (prompt lookup: prompt_lookup_num_tokens={s['k']}).",
+        f"{s['max_new_tokens']} new tokens, K={s['k']} (prompt lookup: prompt_lookup_num_tokens={s['k']}); "
+        f"prompts from index {s.get('offset', 0)} of each family; ngram {s.get('ngram')}.",
         "",
         "| family | prompts | target tok/s | prompt lookup tok/s | ngram tok/s | suffix tok/s | ngram vs target | suffix vs target "
         "| ngram vs prompt lookup | suffix vs prompt lookup | acceptance ngram / suffix | identical ngram / suffix / prompt lookup |",
@@ -152,13 +172,14 @@ def markdown(record: dict) -> str:
         return "-" if v is None else f"{v:.2f}{unit}"
 
     for d, v in record["summary"].items():
-        t, n, x = v["tokens_per_s"], v["ngram"], v["suffix"]
+        t, n, x = v["tokens_per_s"], v.get("ngram", {}), v.get("suffix", {})  # a path not run: "-"
         hf = v.get("prompt lookup", {}).get("identical")
         lines.append(
             f"| {d} | {v['prompts']} | {num(t['target'])} | {num(t['prompt lookup'])} | {num(t['ngram'])} | {num(t['suffix'])} "
-            f"| {num(n['speedup_vs_target'], 'x')} | {num(x['speedup_vs_target'], 'x')} | {num(n['vs_prompt_lookup'], 'x')} "
-            f"| {num(x['vs_prompt_lookup'], 'x')} | {n['acceptance']:.2f} / {x['acceptance']:.2f} "
-            f"| {n['identical']} / {x['identical']} / {'-' if hf is None else hf} of {v['prompts']} |"
+            f"| {num(n.get('speedup_vs_target'), 'x')} | {num(x.get('speedup_vs_target'), 'x')} "
+            f"| {num(n.get('vs_prompt_lookup'), 'x')} | {num(x.get('vs_prompt_lookup'), 'x')} "
+            f"| {num(n.get('acceptance'))} / {num(x.get('acceptance'))} "
+            f"| {n.get('identical', '-')} / {x.get('identical', '-')} / {'-' if hf is None else hf} of {v['prompts']} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -14,8 +14,9 @@ pool, asked directly): every output below must equal it (greedy). Then the same 
 router's choice), every request forced to one pool, and ``split`` (each request to a pool by a hash
 of its index: the same hardware as routing, without the router's choice). Policies are interleaved
 over ``--repeats`` rounds (ABCD, DCBA, ...) so drift on a shared machine hits them alike. Writes
-``run.json`` and ``run.md`` (and ``profile.json``, ``fleet.profiled.yaml``, ``profile.sim.yaml`` for
-scripts/experiments/simulate_pools.py). ``faults --kill URL`` kills that replica mid-load and
+``run.json`` and ``run.md`` (and ``profile.json``, ``profile.sim.yaml`` for
+scripts/experiments/simulate_pools.py, and ``fleet.profiled.yaml``, which names that profile so the
+front ranks pools at their replicas' load). ``faults --kill URL`` kills that replica mid-load and
 tallies what every request got (``faults.json``).
 """
 
@@ -141,6 +142,7 @@ def profile(args: argparse.Namespace) -> int:
     sim.save(out / "profile.sim.yaml")
     print(f"-> {out / 'profile.sim.yaml'}")
     result["command"] = vars(args) | {"date": time.strftime("%Y-%m-%d")}
+    out_fleet["profile"] = str((out / "profile.sim.yaml").resolve())  # the front ranks pools at their load with it
     (out / "profile.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "fleet.profiled.yaml").write_text(yaml.safe_dump(out_fleet, sort_keys=False))
     print(f"-> {out / 'profile.json'}\n-> {out / 'fleet.profiled.yaml'}")

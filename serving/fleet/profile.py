@@ -120,6 +120,18 @@ class CostModel:
         return math.sqrt(sum(e * e for e in errs) / len(errs))
 
 
+def step_ms(target: CostModel, draft: CostModel | None, k: int, rows: int, propose_rate: float = 1.0,
+            draft_speed: float = 1.0) -> float:
+    """Milliseconds of one speculative step of ``rows`` rows that draft up to ``k`` tokens each: K
+    draft forwards over the rows when any row proposes (a row proposes with ``propose_rate``; a
+    model always does), then one target forward verifying K + 1 tokens for a row that proposed
+    and one token for a row that did not. ``draft`` None or ``k`` 0: a plain target step."""
+    if draft is None or k == 0:
+        return target.ms(rows, rows * (1 + propose_rate * k))
+    drafting = 1.0 - (1.0 - propose_rate) ** rows  # the chance that some row proposes
+    return drafting * k * draft.ms(rows, rows) / draft_speed + target.ms(rows, rows * (1 + propose_rate * k))
+
+
 @dataclass
 class DraftProfile:
     cost: CostModel = field(metadata=doc("one draft forward on the measuring machine"))

@@ -51,7 +51,7 @@ import simpy
 from simpy.events import Event, Timeout
 
 from serving.config import ConfigError, to_dict
-from serving.fleet.profile import CostModel, LengthDist, Link, Profile, doc
+from serving.fleet.profile import CostModel, LengthDist, Link, Profile, doc, step_ms
 
 NONE = "none"  # the target alone, as a drafter name: no draft forwards, one token per step
 _FREE = CostModel(base_ms=0.0)
@@ -378,9 +378,7 @@ class Simulation:
         shared over its rows."""
         t, k, rate = self.profile.target, self._k(i), self.propose[i, j]
         tokens = 1 + rate * sum(-c for c in self.negc[i, j][:k])
-        drafting = 1.0 - (1.0 - rate) ** rows  # the chance that some row proposes
-        ms = drafting * k * self.dcost[i][0].ms(rows, rows) / draft_speed + t.ms(rows, rows * (1 + rate * k))
-        return tokens, ms / rows
+        return tokens, step_ms(t, self.dcost[i][0], k, rows, rate, draft_speed) / rows
 
     def _setup_clients(self) -> None:
         cfg = self.cfg

@@ -129,6 +129,9 @@ def _check_fleet(cfg: ServeConfig) -> None:
     from serving.fleet.fleet_file import FleetConfig
 
     fleet = load_config(FleetConfig, cfg.fleet)  # a ConfigError names the file and the key
+    from serving.server.vllm_backend import load_fleet_profile
+
+    load_fleet_profile(fleet)  # a profile that is missing, or lacks a pool's draft, fails here
     if cfg.router is not None and Path(cfg.router).is_file():
         from routing.router import NONE, RouterError, read_router_file
 

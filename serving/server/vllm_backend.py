@@ -9,6 +9,10 @@ router ranks first:
 1. **Rank the pools.** The router predicts each drafter's acceptance for the prompt; a pool's
    predicted speedup is the tokens one of its steps commits at its K, over the step's measured
    cost (``PoolSettings.step_cost``); ``none`` is 1. Without a router, the fleet file's order.
+   With a measured profile (``FleetConfig.profile``) the cost is the profile's step time at the
+   load the pool's least-loaded replica has now, plus this request: under load a verify of K + 1
+   tokens per row costs more next to a plain step than it does alone, so a busy drafting pool
+   gives way to the target alone for the prompts it would speed up least.
 2. **Pick a replica.** In the first pool that has one up and below ``max_inflight``, the replica
    with the least load: the requests this front has on it, or the queue vLLM reports in its own
    ``/metrics`` (``vllm:num_requests_running`` + ``vllm:num_requests_waiting``), whichever is
@@ -40,8 +44,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.requests import Request as HTTPRequest
 
-from serving.config import load_config
+from serving.config import ConfigError, load_config
 from serving.fleet.fleet_file import NONE, FleetConfig, PoolSettings
+from serving.fleet.profile import Profile, load_profile, step_ms
 from serving.server.metrics import ServerMetrics
 from serving.server.openai_api import APIError, ChatCompletionRequest, CompletionRequest, new_id, parse_request, sse
 from serving.server.serve_config import ServeConfig
@@ -86,10 +91,10 @@ class Replica:
         self.up, self.checked, self.unusable, self.model_id = False, False, None, ""
 
 
-def pool_speedup(pool: PoolSettings, acceptance_rate: float, collected_k: int, default_cost: float | None = None) -> float:
-    """A pool's predicted speedup over the target alone: the tokens one step commits with the
-    drafter's per-token acceptance at the pool's K (the router's rate was measured at
-    ``collected_k`` drafts), over the step's cost in target steps."""
+def pool_tokens(pool: PoolSettings, acceptance_rate: float, collected_k: int) -> float:
+    """The tokens one step of the pool commits for a request: with the drafter's per-token
+    acceptance at the pool's K (the router's rate was measured at ``collected_k`` drafts); 1 for
+    the target alone."""
     import torch
 
     from routing.router import expected_tokens, per_token_acceptance
@@ -97,9 +102,31 @@ def pool_speedup(pool: PoolSettings, acceptance_rate: float, collected_k: int, d
     if pool.drafter == NONE:
         return 1.0
     a = per_token_acceptance(torch.tensor([float(acceptance_rate)]), collected_k)
-    tokens = float(expected_tokens(a, torch.tensor(float(pool.k)))[0])
+    return float(expected_tokens(a, torch.tensor(float(pool.k)))[0])
+
+
+def pool_speedup(pool: PoolSettings, acceptance_rate: float, collected_k: int, default_cost: float | None = None) -> float:
+    """A pool's predicted speedup over the target alone for a lone request: ``pool_tokens`` over
+    the step's cost in target steps."""
+    if pool.drafter == NONE:
+        return 1.0
     cost = pool.step_cost or default_cost or (1.0 + 0.02 * pool.k)
-    return tokens / cost
+    return pool_tokens(pool, acceptance_rate, collected_k) / cost
+
+
+def load_fleet_profile(fleet: FleetConfig) -> Profile | None:
+    """The fleet's measured profile (None without one); every pool that drafts with a model must
+    have its draft's cost in it. Problems raise ``ConfigError`` naming the file and the fix."""
+    if not fleet.profile:
+        return None
+    profile = load_profile(fleet.profile)
+    missing = [p.name for p in fleet.pools
+               if p.method in ("draft_model", "eagle", "eagle3", "mtp") and p.drafter not in profile.drafts]  # fmt: skip
+    if missing:
+        raise ConfigError(f"fleet profile {fleet.profile}: pools {missing} draft with a model the profile has no cost for "
+                          f"(it has {sorted(profile.drafts)}); profile those pools "
+                          "(scripts/experiments/bench_vllm_fleet.py profile) or remove profile from the fleet file")  # fmt: skip
+    return profile
 
 
 @dataclass
@@ -110,10 +137,13 @@ class Route:
     router_choice: str | None = None
     predicted_acceptance: dict[str, float] = field(default_factory=dict)
     forced: bool = False
+    tokens: dict[str, float] = field(default_factory=dict)  # pool name -> tokens one of its steps commits
 
 
 class FleetServer:
     """The app's state for ``backend=vllm`` (the counterpart of ``server._Server``)."""
+
+    profile: Profile | None = None  # the fleet's measured step costs (FleetConfig.profile)
 
     def __init__(self, cfg: ServeConfig) -> None:
         self.cfg = cfg
@@ -130,6 +160,14 @@ class FleetServer:
         self._on_error: Callable[[BaseException], None] | None = None
         self._accepted_models = self._model_ids(self.fleet.model)
         self.model_name = cfg.model_name or self.fleet.served_model_name or Path(self._accepted_models[-1]).name
+        self.profile = load_fleet_profile(self.fleet)
+
+    def _step_ms(self, pool: PoolSettings, rows: int) -> float:
+        """The profile's time of one step of ``pool`` with ``rows`` rows (a model-free drafter
+        without a profile entry counts as free and always proposing)."""
+        draft = self.profile.drafts.get(pool.drafter) if pool.drafter != NONE else None
+        rate = sum(draft.proposes.values()) / len(draft.proposes) if draft is not None and draft.proposes else 1.0
+        return step_ms(self.profile.target, draft.cost if draft is not None else None, pool.k, rows, rate)
 
     @staticmethod
     def _model_ids(ref: str) -> list[str]:
@@ -267,13 +305,32 @@ class FleetServer:
         with self._choosing:
             choice = self.router.choose(text)
         collected_k = int(self.router.info.get("collected_k") or 4)
-        scored = []
+        scored, tokens = [], {}
         for p in pools:
             cost = self.router.costs.get(p.drafter)
             default = p.k * cost["draft_cost"] + cost["verify_cost"] if cost and p.method == "draft_model" else None
-            scored.append((p, pool_speedup(p, choice.predicted_acceptance.get(p.drafter, 0.0), collected_k, default)))
+            acceptance = choice.predicted_acceptance.get(p.drafter, 0.0)
+            scored.append((p, pool_speedup(p, acceptance, collected_k, default)))
+            tokens[p.name] = pool_tokens(p, acceptance, collected_k)
         scored.sort(key=lambda ps: -ps[1])  # stable: the file's order breaks ties
-        return Route(scored, choice.draft, choice.predicted_acceptance)
+        return Route(scored, choice.draft, choice.predicted_acceptance, tokens=tokens)
+
+    def _at_load(self, route: Route, tried: set[str]) -> list[PoolSettings]:
+        """The pools in the order to try them now. With a profile and the router's prediction, each
+        pool's speedup is recomputed at the load of its least-loaded usable replica plus this
+        request (tokens per step over the step's time at that many rows, against a lone
+        target-alone step) and the route records that ranking; otherwise the route's own order."""
+        if self.profile is None or route.forced or not route.tokens:
+            return [p for p, _ in route.ranked]
+        lone = self.profile.target.ms(1, 1)
+        scored = []
+        for p, _ in route.ranked:
+            loads = [r.load for r in self.replicas if r.pool is p and r.usable and r.url not in tried]
+            rows = 1 + int(round(min(loads, default=0.0)))
+            scored.append((p, route.tokens.get(p.name, 1.0) * lone / self._step_ms(p, rows)))
+        scored.sort(key=lambda ps: -ps[1])  # stable: the lone ranking breaks ties
+        route.ranked = scored
+        return [p for p, _ in scored]
 
     def _pick(self, route: Route, tried: set[str]) -> tuple[Replica | None, list[dict]]:
         """The least-loaded replica with room in the first ranked pool that has one, and the pools
@@ -281,7 +338,7 @@ class FleetServer:
         first-ranked pool that is up takes the request anyway (vLLM queues it): saturation
         moves traffic down the ranking, it never refuses it. None only when every pool is down."""
         passed, busy = [], None
-        for pool, _ in route.ranked:
+        for pool in self._at_load(route, tried):
             candidates = [r for r in self.replicas if r.pool is pool and r.usable and r.url not in tried]
             free = [r for r in candidates if not r.saturated]
             if free:
