@@ -153,12 +153,13 @@ def test_with_a_profile_a_busy_drafting_pool_gives_way_to_the_target_alone(tmp_p
     # Both idle: spec's 4 tokens per 360 ms beat plain's 1 per 112 ms.
     r = route()
     assert server._pick(r, set())[0].pool is spec
-    assert dict((p.name, s) for p, s in r.ranked) == pytest.approx({"spec": 4 * 112 / 360, "plain": 1.0})
+    assert dict((p.name, s) for p, s in r.at_load) == pytest.approx({"spec": 4 * 112 / 360, "plain": 1.0})
     # spec busy with 6 requests: its step for 7 rows (4 drafts + 7 x 5 tokens) is 720 ms for 4
     # tokens, 180 ms a token, against plain's 112 while plain is idle: the target alone is faster now.
     server.replicas[1].inflight = 6
     r = route()
-    assert server._pick(r, set())[0].pool is plain and [p.name for p, _ in r.ranked] == ["plain", "spec"]
+    assert server._pick(r, set())[0].pool is plain and [p.name for p, _ in r.at_load] == ["plain", "spec"]
+    assert [p.name for p, _ in r.ranked] == ["spec", "plain"]  # the lone ranking is kept: a retry starts from it
     # plain busy too (vLLM's own queue counts): plain at 8 rows costs 196 ms a token, spec 180.
     server.replicas[0].vllm_load = 7
     assert server._pick(route(), set())[0].pool is spec
@@ -178,6 +179,10 @@ def test_with_a_profile_a_busy_drafting_pool_gives_way_to_the_target_alone(tmp_p
     with pytest.raises(ConfigError, match=r"code-pool.*has no cost for \(it has \['base'\]\)"):
         load_fleet_profile(load_config(FleetConfig, path))
     assert cli_serve.main(["--backend", "vllm", "--fleet", str(path)]) == 2  # serve says so and exits
+    fleet["profile"] = str(tmp_path / "missing.yaml")
+    path.write_text(yaml.safe_dump(fleet))
+    with pytest.raises(ConfigError, match=r"missing.yaml does not exist .*bench_vllm_fleet.py profile"):
+        load_fleet_profile(load_config(FleetConfig, path))
 
 
 @pytest.mark.e2e

@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
+    if args.offset < 0 or args.prompts_per_domain < 1:
+        raise SystemExit(f"bench_grounded: --offset {args.offset} must be >= 0 and --prompts-per-domain "
+                         f"{args.prompts_per_domain} >= 1")
     paths = ["target", *(p for p in PATHS[1:] if p in {x.strip() for x in args.paths.split(",")})]
     unknown = {x.strip() for x in args.paths.split(",")} - set(PATHS)
     if unknown:
@@ -91,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
     domains = [d.strip() for d in args.domains.split(",")]
     hf_domains = None if args.hf_domains is None else {d.strip() for d in args.hf_domains.split(",")}
-    prompts = {d: load_prompts(d, args.offset + args.prompts_per_domain)[args.offset :] for d in domains}
+    prompts = {d: load_prompts(d, args.prompts_per_domain, offset=args.offset) for d in domains}
     rows: dict[str, list[dict]] = {}
     with tqdm(total=sum(len(p) for p in prompts.values()), desc="grounded", unit="prompt") as bar:
         for d in domains:
@@ -113,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python", "scripts/experiments/bench_grounded.py", *(argv if argv is not None else sys.argv[1:])]),
         "date": datetime.date.today().isoformat(),
         "machine": describe_machine(),
-        "settings": {"target": TARGET, "k": args.k, "max_new_tokens": args.max_new_tokens, "dtype": "float32",
-                     "target_weights": args.target_weights,
+        "settings": {"target": TARGET, "k": settings.k, "max_new_tokens": args.max_new_tokens, "dtype": settings.dtype,
+                     "target_weights": settings.target_weights,
                      "choral_cpu_kernels": settings.cpu_kernels, "prompts_per_domain": args.prompts_per_domain,
                      "offset": args.offset, "ngram": dataclasses.asdict(settings.ngram),
                      "suffix": dataclasses.asdict(settings.suffix)},
@@ -162,7 +165,7 @@ def markdown(record: dict) -> str:
         f"`{record['command']}` ({record['date']}, {record['machine']}); {s['target']} {s['dtype']}, target weights "
         f"{s.get('target_weights', 'fp32')} (prompt lookup runs the same prepared model), greedy, "
         f"{s['max_new_tokens']} new tokens, K={s['k']} (prompt lookup: prompt_lookup_num_tokens={s['k']}); "
-        f"prompts from index {s.get('offset', 0)} of each family; ngram {s.get('ngram')}.",
+        f"prompts from index {s.get('offset', 0)} of each family; ngram {s.get('ngram')}; suffix {s.get('suffix')}.",
         "",
         "| family | prompts | target tok/s | prompt lookup tok/s | ngram tok/s | suffix tok/s | ngram vs target | suffix vs target "
         "| ngram vs prompt lookup | suffix vs prompt lookup | acceptance ngram / suffix | identical ngram / suffix / prompt lookup |",

@@ -313,8 +313,9 @@ constexpr int64_t Q4_MAX_GROUPS = 1024;  // 32768 input features
 // How far ahead (bytes) the VNNI path asks for the weights it streams when a call has more than
 // one input row: it then computes long enough per byte that the hardware prefetcher alone falls
 // behind (`scripts/experiments/compare_kernels.py --copies 8` on Zen 4: 1.09-1.27x at 9 and 16
-// rows, 0.97-1.27x at 5; about the same at 1024 or 4096). A one-row call streams as fast as memory
-// allows without it and was a little slower with it; the int8 kernel gained nothing from it.
+// rows of 8960x1536, 0.97-1.27x at 5; about the same at 1024 or 4096; the down projection, in
+// chunks of 2 rows, about 1.0x). A one-row call streams as fast as memory allows without it and
+// ran at 0.92x and 0.98x with it; the int8 kernel gained nothing from it.
 constexpr int64_t Q4_PREFETCH = 2048;
 
 static inline void q4_order_row(const int8_t* q, int64_t KP, int8_t* out) {

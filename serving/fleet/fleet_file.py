@@ -101,9 +101,9 @@ class FleetConfig:
     connect_timeout_s: float = field(default=5.0, metadata=doc("connecting to a replica takes at most this long"))
     profile: str | None = field(default=None, metadata=doc(
         "a profile measured through these replicas (scripts/experiments/bench_vllm_fleet.py profile writes "
-        "profile.sim.yaml): each request then ranks the pools by their step time at the load of each pool's "
-        "least-loaded replica (a verify of K+1 tokens for 8 rows costs more per row than for one); null: by "
-        "each pool's lone step_cost"))
+        "profile.sim.yaml; a relative path is read from the working directory): each request then ranks the "
+        "pools by their step time at the load of each pool's least-loaded replica (a verify of K+1 tokens for 8 "
+        "rows costs more next to a plain step than for one row); null: by each pool's lone step_cost"))
     check_spec: bool = field(default=True, metadata=doc(
         "at start, check that each replica runs its pool's speculative config (vLLM's /metrics reports "
         "speculative counters only when it drafts) and serves the model"))

@@ -105,13 +105,14 @@ def pool_tokens(pool: PoolSettings, acceptance_rate: float, collected_k: int) ->
     return float(expected_tokens(a, torch.tensor(float(pool.k)))[0])
 
 
-def pool_speedup(pool: PoolSettings, acceptance_rate: float, collected_k: int, default_cost: float | None = None) -> float:
-    """A pool's predicted speedup over the target alone for a lone request: ``pool_tokens`` over
-    the step's cost in target steps."""
+def pool_speedup(pool: PoolSettings, acceptance_rate: float, collected_k: int, default_cost: float | None = None,
+                 tokens: float | None = None) -> float:
+    """A pool's predicted speedup over the target alone for a lone request: ``pool_tokens`` (or
+    ``tokens``, already computed) over the step's cost in target steps."""
     if pool.drafter == NONE:
         return 1.0
     cost = pool.step_cost or default_cost or (1.0 + 0.02 * pool.k)
-    return pool_tokens(pool, acceptance_rate, collected_k) / cost
+    return (tokens if tokens is not None else pool_tokens(pool, acceptance_rate, collected_k)) / cost
 
 
 def load_fleet_profile(fleet: FleetConfig) -> Profile | None:
@@ -119,7 +120,14 @@ def load_fleet_profile(fleet: FleetConfig) -> Profile | None:
     have its draft's cost in it. Problems raise ``ConfigError`` naming the file and the fix."""
     if not fleet.profile:
         return None
+    if not Path(fleet.profile).is_file():
+        raise ConfigError(f"fleet profile {fleet.profile} does not exist (the fleet file's profile key; a relative path is "
+                          "read from the working directory): measure one with scripts/experiments/bench_vllm_fleet.py "
+                          "profile, or remove profile from the fleet file")  # fmt: skip
     profile = load_profile(fleet.profile)
+    if not profile.target.ms(1, 1) > 0:
+        raise ConfigError(f"fleet profile {fleet.profile}: its target step costs {profile.target.ms(1, 1)} ms; a profile "
+                          "needs a measured target cost (bench_vllm_fleet.py profile)")  # fmt: skip
     missing = [p.name for p in fleet.pools
                if p.method in ("draft_model", "eagle", "eagle3", "mtp") and p.drafter not in profile.drafts]  # fmt: skip
     if missing:
@@ -138,6 +146,7 @@ class Route:
     predicted_acceptance: dict[str, float] = field(default_factory=dict)
     forced: bool = False
     tokens: dict[str, float] = field(default_factory=dict)  # pool name -> tokens one of its steps commits
+    at_load: list[tuple[PoolSettings, float]] | None = None  # the ranking at the replicas' load, when last picked
 
 
 class FleetServer:
@@ -166,8 +175,12 @@ class FleetServer:
         """The profile's time of one step of ``pool`` with ``rows`` rows (a model-free drafter
         without a profile entry counts as free and always proposing)."""
         draft = self.profile.drafts.get(pool.drafter) if pool.drafter != NONE else None
-        rate = sum(draft.proposes.values()) / len(draft.proposes) if draft is not None and draft.proposes else 1.0
-        return step_ms(self.profile.target, draft.cost if draft is not None else None, pool.k, rows, rate)
+        if draft is None:
+            return step_ms(self.profile.target, None, pool.k, rows)
+        # The profile's traffic mix weighs each domain's rate (the front does not know the prompt's domain).
+        domains = self.profile.domains
+        rate = sum(d.weight * draft.propose_rate(name) for name, d in domains.items()) / sum(d.weight for d in domains.values())
+        return step_ms(self.profile.target, draft.cost, pool.k, rows, rate)
 
     @staticmethod
     def _model_ids(ref: str) -> list[str]:
@@ -309,9 +322,8 @@ class FleetServer:
         for p in pools:
             cost = self.router.costs.get(p.drafter)
             default = p.k * cost["draft_cost"] + cost["verify_cost"] if cost and p.method == "draft_model" else None
-            acceptance = choice.predicted_acceptance.get(p.drafter, 0.0)
-            scored.append((p, pool_speedup(p, acceptance, collected_k, default)))
-            tokens[p.name] = pool_tokens(p, acceptance, collected_k)
+            tokens[p.name] = pool_tokens(p, choice.predicted_acceptance.get(p.drafter, 0.0), collected_k)
+            scored.append((p, pool_speedup(p, 0.0, collected_k, default, tokens=tokens[p.name])))
         scored.sort(key=lambda ps: -ps[1])  # stable: the file's order breaks ties
         return Route(scored, choice.draft, choice.predicted_acceptance, tokens=tokens)
 
@@ -319,17 +331,19 @@ class FleetServer:
         """The pools in the order to try them now. With a profile and the router's prediction, each
         pool's speedup is recomputed at the load of its least-loaded usable replica plus this
         request (tokens per step over the step's time at that many rows, against a lone
-        target-alone step) and the route records that ranking; otherwise the route's own order."""
+        target-alone step; rows at most the pool's max_inflight, past which requests wait rather
+        than join the batch) and the route records that ranking in ``at_load``; otherwise the
+        route's own order."""
         if self.profile is None or route.forced or not route.tokens:
             return [p for p, _ in route.ranked]
         lone = self.profile.target.ms(1, 1)
         scored = []
         for p, _ in route.ranked:
             loads = [r.load for r in self.replicas if r.pool is p and r.usable and r.url not in tried]
-            rows = 1 + int(round(min(loads, default=0.0)))
+            rows = min(1 + int(round(min(loads, default=0.0))), p.max_inflight)
             scored.append((p, route.tokens.get(p.name, 1.0) * lone / self._step_ms(p, rows)))
         scored.sort(key=lambda ps: -ps[1])  # stable: the lone ranking breaks ties
-        route.ranked = scored
+        route.at_load = scored
         return [p for p, _ in scored]
 
     def _pick(self, route: Route, tried: set[str]) -> tuple[Replica | None, list[dict]]:
@@ -481,7 +495,7 @@ class _Forward:
             "forced": route.forced,
             "router_choice": route.router_choice,
             "predicted_acceptance": route.predicted_acceptance.get(r.pool.drafter),
-            "predicted_speedup": {p.name: round(s, 4) for p, s in route.ranked},
+            "predicted_speedup": {p.name: round(s, 4) for p, s in (route.at_load or route.ranked)},
             "fallback": self.fallback,
         }
 
