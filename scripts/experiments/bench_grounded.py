@@ -63,8 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.offset < 0 or args.prompts_per_domain < 1:
         raise SystemExit(f"bench_grounded: --offset {args.offset} must be >= 0 and --prompts-per-domain "
                          f"{args.prompts_per_domain} >= 1")
-    paths = ["target", *(p for p in PATHS[1:] if p in {x.strip() for x in args.paths.split(",")})]
-    unknown = {x.strip() for x in args.paths.split(",")} - set(PATHS)
+    asked = {x.strip() for x in args.paths.split(",")}
+    paths = ["target", *(p for p in PATHS[1:] if p in asked)]
+    unknown = asked - set(PATHS)
     if unknown:
         raise SystemExit(f"bench_grounded: unknown --paths {sorted(unknown)}; choose from {', '.join(PATHS)}")
     # grounded prompts stay under 1k tokens

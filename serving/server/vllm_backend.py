@@ -105,14 +105,18 @@ def pool_tokens(pool: PoolSettings, acceptance_rate: float, collected_k: int) ->
     return float(expected_tokens(a, torch.tensor(float(pool.k)))[0])
 
 
-def pool_speedup(pool: PoolSettings, acceptance_rate: float, collected_k: int, default_cost: float | None = None,
-                 tokens: float | None = None) -> float:
-    """A pool's predicted speedup over the target alone for a lone request: ``pool_tokens`` (or
-    ``tokens``, already computed) over the step's cost in target steps."""
+def lone_step_cost(pool: PoolSettings, default_cost: float | None = None) -> float:
+    """One step of the pool for a lone request, in target-alone steps: its measured ``step_cost``,
+    else ``default_cost`` (the router's costs for a draft model), else 1 + 0.02 K; 1 for ``none``."""
     if pool.drafter == NONE:
         return 1.0
-    cost = pool.step_cost or default_cost or (1.0 + 0.02 * pool.k)
-    return (tokens if tokens is not None else pool_tokens(pool, acceptance_rate, collected_k)) / cost
+    return pool.step_cost or default_cost or (1.0 + 0.02 * pool.k)
+
+
+def pool_speedup(pool: PoolSettings, acceptance_rate: float, collected_k: int, default_cost: float | None = None) -> float:
+    """A pool's predicted speedup over the target alone for a lone request: ``pool_tokens`` over
+    ``lone_step_cost``."""
+    return pool_tokens(pool, acceptance_rate, collected_k) / lone_step_cost(pool, default_cost)
 
 
 def load_fleet_profile(fleet: FleetConfig) -> Profile | None:
@@ -323,7 +327,7 @@ class FleetServer:
             cost = self.router.costs.get(p.drafter)
             default = p.k * cost["draft_cost"] + cost["verify_cost"] if cost and p.method == "draft_model" else None
             tokens[p.name] = pool_tokens(p, choice.predicted_acceptance.get(p.drafter, 0.0), collected_k)
-            scored.append((p, pool_speedup(p, 0.0, collected_k, default, tokens=tokens[p.name])))
+            scored.append((p, tokens[p.name] / lone_step_cost(p, default)))
         scored.sort(key=lambda ps: -ps[1])  # stable: the file's order breaks ties
         return Route(scored, choice.draft, choice.predicted_acceptance, tokens=tokens)
 
