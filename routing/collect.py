@@ -1,10 +1,13 @@
 """The collection loop: run every prompt through the real engine with every draft (and the
 target alone, draft "none") and append one row per (prompt, draft, mode, repeat).
 
-The target is loaded once and shared by one ``SpeculativeEngine`` per draft (each engine has its
-own KV cache). Per prompt chunk the target alone runs first, so every draft row can carry its
-speedup (its tokens/s over the target alone's on the same prompt, mode and repeat) when it is
-written. Rows already in the output file are skipped, so rerunning resumes.
+One ``SpeculativeEngine`` holds the target and every drafter; each request names its drafter.
+Per prompt chunk the target alone runs first, so every draft row can carry its speedup (its
+tokens/s over the target alone's on the same prompt, mode and repeat) when it is written. The
+target's prefill of a prompt is computed by the first of its rows and reused by the others, which
+are charged its measured time (``EngineSettings.reuse_prefill``; the draft model's own prefill is
+computed and timed in every row that uses it). Rows already in the output file are skipped, so
+rerunning resumes.
 """
 
 from __future__ import annotations
@@ -123,6 +126,7 @@ def make_row(cfg: CollectConfig, prompt: Prompt, n_prompt: int, draft: str, mode
         "target_step_ms": s["target_step_ms"],
         "draft_target_cost_ratio": s["draft_target_cost_ratio"],
         "prefill_ms": 1e3 * s["prefill_time_s"],
+        "prefill_reused": s.get("prefill_reused", False),  # the target's prefill was this prompt's earlier one, its time charged
         "total_ms": 1e3 * s["total_time_s"],
         "tokens_per_second": s["tokens_per_second"],
         "speedup": speedup,
@@ -159,7 +163,10 @@ def collect(
     tokenizer = load_tokenizer(cfg.target)
     ids = {p.id: encode_prompt(tokenizer, p) for p in prompts}
     max_len = cfg.engine.max_len or max(len(i) for i in ids.values()) + cfg.decode.max_new_tokens + cfg.engine.k + 1
-    engines = _build_engines(cfg, dataclasses.replace(cfg.engine, max_len=max_len))
+    # Each prompt runs once per drafter in the same rows: its target prefill is computed once and
+    # charged to every row at its measured time (EngineSettings.reuse_prefill, null here means on).
+    reuse = True if cfg.engine.reuse_prefill is None else cfg.engine.reuse_prefill
+    engines = _build_engines(cfg, dataclasses.replace(cfg.engine, max_len=max_len, reuse_prefill=reuse))
 
     B = cfg.engine.max_batch_size
     with tqdm(total=total, initial=total - len(todo), desc="collect-router-data", unit="row") as bar:

@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Iterable
 
 KEY_FIELDS = ("prompt_id", "draft", "mode", "repeat")
-# Fields that come from clocks: they differ between runs of the same work, everything else must not.
+# Fields that come from clocks, or from how a run was cut (a resumed prompt's first row prefills
+# again): they differ between runs of the same work, everything else must not.
 TIMING_FIELDS = (
     "draft_step_ms", "target_step_ms", "draft_target_cost_ratio", "tokens_per_second", "speedup",
-    "prefill_ms", "total_ms",
+    "prefill_ms", "total_ms", "prefill_reused",
 )  # fmt: skip
 
 Key = tuple[str, str, str, int]

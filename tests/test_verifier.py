@@ -103,3 +103,40 @@ def test_close_aborts_everything_and_releases_the_rows(tiny_target, tokenizer):
     engine.close()
     assert not engine.has_unfinished_requests() and sorted(flaky.released) == [0, 1]
     assert torch.all(engine.state.done)
+
+
+def test_a_reused_prefill_changes_no_output_and_is_charged_its_measured_time(tiny_target, tiny_draft, tokenizer):
+    """``reuse_prefill``: a prompt prefilled again into the row that holds it takes the row's KV and
+    first logits. Every drafter's output, greedy and seeded, is the same as when each request
+    prefills (rows finish at different steps and keep decoding frozen beside the others, so any
+    write below a prompt's end would show), the reusing requests are marked and charged, and a
+    warm-up (which writes every row) forgets what the rows held."""
+    from serving.engine.sampling import SamplingParams
+
+    prompts = ragged_prompts(3, seed=31)
+    params = [SamplingParams(), SamplingParams(temperature=0.9, seed=7), SamplingParams()]
+    order = ["none", "draft", "none", "draft"]
+
+    def run(reuse):
+        engine = SpeculativeEngine(tiny_target, tokenizer, config=EngineConfig(max_batch_size=2, max_len=96, k=3,
+                                   reuse_prefill=reuse), drafters={"draft": tiny_draft, "none": None})  # fmt: skip
+        calls = []
+        prefill = engine.verifier.runner.prefill
+        engine.verifier.runner.prefill = lambda *a, **k: calls.append(1) or prefill(*a, **k)
+        outs = [engine.generate([Request(p, params=s, max_new_tokens=12 + 5 * i, drafter=name)
+                                 for i, (p, s) in enumerate(zip(prompts, params))]) for name in order]  # fmt: skip
+        return engine, outs, len(calls)
+
+    _, fresh, fresh_calls = run(False)
+    engine, reused, reused_calls = run(True)
+    assert [[o.token_ids for o in out] for out in reused] == [[o.token_ids for o in out] for out in fresh]
+    assert fresh_calls == 12 and reused_calls < fresh_calls
+    stats = [o.stats for out in reused for o in out]
+    assert sum(s["prefill_reused"] for s in stats) == fresh_calls - reused_calls
+    assert not any(o.stats["prefill_reused"] for o in reused[0])  # nothing kept before the first prefills
+    kept = {row: seconds for row, (_, _, seconds) in engine.verifier._kept.items()}
+    hits = [s for s in stats if s["prefill_reused"]]
+    assert kept and all(s["prefill_time_s"] >= min(kept.values()) for s in hits)
+    assert all(s["total_time_s"] >= s["prefill_time_s"] for s in stats)
+    engine.verifier.warmup((1,), rows=2)
+    assert not engine.verifier._kept

@@ -88,6 +88,10 @@ class EngineConfig:
         more than a draft model should): with a fixed k, rows of that drafter draft up to it.
     request_k_max: the largest K a request may set for itself (``Request.k``, vLLM's
         ``num_speculative_tokens`` per request, e.g. the router's choice); 0: requests use ``k``.
+    reuse_prefill: a request whose prompt is the one last prefilled into its batch row takes that
+        row's KV and first logits instead of prefilling again (``LocalVerifier.prefill``), and is
+        charged the measured time of the prefill it reuses. For collect-router-data and benchmarks,
+        which run each prompt once per drafter in the same row.
     """
 
     max_batch_size: int = 1
@@ -100,6 +104,7 @@ class EngineConfig:
     batch_buckets: tuple[int, ...] | None = None
     host_k: int = 0
     request_k_max: int = 0
+    reuse_prefill: bool = False
 
     def __post_init__(self) -> None:
         if self.draft_stop not in DRAFT_STOPS:
@@ -652,6 +657,9 @@ class SpeculativeEngine:
             raise
         if first_id is None:
             return None
+        reused_s = self.verifier.reused_prefill_s
+        if reused_s is not None:  # charged as if computed here, so its timings compare with any other request's
+            started -= reused_s
         draft_row = None
         if drafter in self.model_drafters:
             rows = self._draft_rows[id(self.model_drafters[drafter])]
@@ -663,7 +671,7 @@ class SpeculativeEngine:
             self.host_drafters[drafter].start(b, RowContext(index, request.prompt_ids, request.prediction, private))
         done = start_row(self.state, b, ids[0], first_id, request.max_new_tokens)
         self._sampling = None
-        stats = RequestStats(new_tokens=1)
+        stats = RequestStats(new_tokens=1, prefill_reused=reused_s is not None)
         stats.prefill_time_s = time.perf_counter() - started
         slot = _Slot(index, request, ids.shape[1], generator, [first_id], stats, started, drafter, k_value=self._k_start,
                      draft_row=draft_row)  # fmt: skip

@@ -157,19 +157,25 @@ class Int8Linear(nn.Module):
         padded[:, : w.shape[1]] = q
         self._set(padded, scale, None if linear.bias is None else linear.bias.detach().float())
 
-    def _set(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def _set(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+             row_sums: torch.Tensor | None = None) -> None:
         self.register_buffer("qweight", qweight.contiguous())  # [N, KP]
         self.register_buffer("scale", scale.float().contiguous())  # [N]
-        self.register_buffer("row_sums", qweight.sum(dim=1, dtype=torch.int32).contiguous())  # [N]
+        if row_sums is None:
+            row_sums = qweight.sum(dim=1, dtype=torch.int32)
+        self.register_buffer("row_sums", row_sums.contiguous())  # [N] int32
         self.bias = None if bias is None else nn.Parameter(bias.clone(), requires_grad=False)
 
     @classmethod
     def from_buffers(cls, in_features: int, qweight: torch.Tensor, scale: torch.Tensor,
-                     bias: torch.Tensor | None) -> "Int8Linear":
-        """A layer from stored buffers (``serving.engine.weights_cache``)."""
+                     bias: torch.Tensor | None, row_sums: torch.Tensor | None = None) -> "Int8Linear":
+        """A layer from stored buffers (``serving.engine.weights_cache``); ``row_sums`` as stored
+        (summing 0.7 GB of int8 rows again took over a second of every start)."""
         mod = cls(None)
         mod.in_features, mod.out_features = in_features, qweight.shape[0]
-        mod._set(qweight, scale, bias)
+        if row_sums is not None and (row_sums.dtype != torch.int32 or row_sums.shape != qweight.shape[:1]):
+            raise ValueError(f"row_sums {tuple(row_sums.shape)} {row_sums.dtype}: expected ({qweight.shape[0]},) int32")
+        mod._set(qweight, scale, bias, row_sums)
         return mod
 
     def select_rows(self, ids: torch.Tensor) -> "Int8Linear":
@@ -623,8 +629,14 @@ def _own_tensors(model: nn.Module) -> None:
     counts as resident for as long as any tensor still points into that mapping: 1.4 GB of a 0.5B
     draft's 2.5 GB file stayed resident through its fp32 embedding alone. Owning the few kept
     tensors releases the mapping."""
-    for t in (*model.parameters(), *model.buffers()):
-        t.data = t.data.clone()
+    seen: set[int] = set()  # a tied weight (embedding and head) is one tensor, cloned once
+    for mod in model.modules():
+        if isinstance(mod, (Int8Linear, Q4Linear)):
+            continue  # converted here, or read whole from the prepared cache: never the model's mapping
+        for t in (*mod.parameters(recurse=False), *mod.buffers(recurse=False)):
+            if id(t) not in seen:
+                seen.add(id(t))
+                t.data = t.data.clone()
 
 
 def set_enabled(model: nn.Module, enabled: bool) -> None:

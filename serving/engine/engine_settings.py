@@ -144,6 +144,10 @@ class EngineSettings:
     request_k_max: int | None = field(default=None, metadata=doc(
         "the largest K a request may set for itself (num_speculative_tokens per request; the router's K "
         "when serving); null: requests draft k tokens (serve with a router: the router's largest K bucket)"))
+    reuse_prefill: bool | None = field(default=None, metadata=doc(
+        "a request whose prompt is the one last prefilled into its batch row reuses that row's KV and "
+        "first logits (bit-identical) and is charged that prefill's measured time; null: on in "
+        "collect-router-data (each prompt runs once per drafter in the same row), off elsewhere"))
     batch_buckets: tuple[int, ...] | None = field(default=None, metadata=doc(
         "batch sizes a step can run at (compiled shapes); a step runs at the smallest holding its "
         "rows. null: 1, 2, 4, ... up to max_batch_size"))
@@ -211,6 +215,7 @@ class EngineSettings:
             batch_buckets=s.batch_buckets,
             host_k=max((x.k or 0 for x in (s.ngram, s.suffix, s.prediction)), default=0) if draft else 0,
             request_k_max=(s.request_k_max or 0) if draft else 0,
+            reuse_prefill=bool(s.reuse_prefill),
         )
 
     def host_drafter(self, ref: str):

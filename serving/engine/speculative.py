@@ -224,9 +224,14 @@ def prefill_first_token(
 ) -> int:
     """Prefill ``prompt`` ([1, L] long) into the target's cache row ``slot`` and draw the first new
     token with uniform ``u`` ([1]) under ``params``."""
-    logits = target.prefill(prompt, slot)  # [1, 1, V]
-    probs = probs_from_logits(logits, SamplingTensors.build([params], prompt.device))
-    return int(sample(probs[:, 0], u.to(prompt.device)))
+    return first_token(target.prefill(prompt, slot), params, u)
+
+
+def first_token(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor) -> int:
+    """The first new token from the logits after the prompt ([1, 1, V]), drawn with uniform ``u``
+    ([1]) under ``params``."""
+    probs = probs_from_logits(logits, SamplingTensors.build([params], logits.device))
+    return int(sample(probs[:, 0], u.to(logits.device)))
 
 
 def start_row(state: DecodeState, slot: int, prompt: torch.Tensor, first: int, max_new_tokens: int) -> bool:

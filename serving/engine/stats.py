@@ -18,6 +18,7 @@ class RequestStats:
     target_time_s: float = 0.0
     prefill_time_s: float = 0.0
     total_time_s: float = 0.0
+    prefill_reused: bool = False  # the target's prefill was a row's kept one (EngineConfig.reuse_prefill), its time charged
     k_used: list[int] = field(default_factory=list)  # K of each step, for adaptive K
 
     def record_step(self, k: int, n_accepted: int, n_new: int, draft_s: float, target_s: float) -> None:
@@ -53,6 +54,7 @@ class RequestStats:
             "draft_time_s": self.draft_time_s,
             "target_time_s": self.target_time_s,
             "prefill_time_s": self.prefill_time_s,
+            "prefill_reused": self.prefill_reused,
             "total_time_s": self.total_time_s,
             "draft_step_ms": 1e3 * draft_step,
             "target_step_ms": 1e3 * target_step,

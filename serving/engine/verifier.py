@@ -18,6 +18,7 @@ forward over [x_{n-1}, drafts] per step and the acceptance rule (``serving.engin
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -27,7 +28,7 @@ import torch
 from serving.engine.models import eos_token_ids
 from serving.engine.runner import ModelRunner
 from serving.engine.sampling import SamplingParams, SamplingTensors
-from serving.engine.speculative import DecodeState, StepRandom, prefill_first_token, verify_tokens
+from serving.engine.speculative import DecodeState, StepRandom, first_token, verify_tokens
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -79,6 +80,9 @@ class Verifier(ABC):
     max_len: int  # context per row: prompt + new tokens + K + 1
     k_max: int | None = None  # the largest K it verifies; None: any
     device: torch.device | None = None  # where verification reads the state; None: anywhere (the engine's choice)
+    # After each ``prefill``: the measured seconds of the prefill it reused instead of computing
+    # (``EngineConfig.reuse_prefill``); None when it computed one.
+    reused_prefill_s: float | None = None
 
     @abstractmethod
     def bind(self, config: EngineConfig) -> None:
@@ -126,6 +130,12 @@ class LocalVerifier(Verifier):
         self.eos_ids = eos_token_ids(target, tokenizer)
         self.max_position_embeddings = getattr(target.config, "max_position_embeddings", None) or 2048
         self.runner: ModelRunner | None = None  # built by bind, for the engine's batch
+        self.reuse = False
+        # row -> (prompt [1, L], logits after it [1, 1, V], seconds the prefill took): what the row
+        # holds, for ``reuse_prefill``. Only prefills write a row's cache at positions below its
+        # prompt's end: a step writes at lengths - 1 and after, a done row's too, so the row keeps
+        # that prompt's KV until the next prefill into it (or a warm-up, which forgets them all).
+        self._kept: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}
 
     def bind(self, config: EngineConfig) -> None:
         if config.max_len is None:
@@ -134,12 +144,23 @@ class LocalVerifier(Verifier):
             raise ValueError(f"max_len={config.max_len} exceeds the target's max_position_embeddings="
                              f"{self.max_position_embeddings}")  # fmt: skip
         self.runner = ModelRunner(self.model, batch_size=config.max_batch_size, max_len=config.max_len)
+        self.reuse, self._kept = config.reuse_prefill, {}
         self.max_len, self.vocab_size, self.device = config.max_len, self.runner.vocab_size, self.runner.device
 
     def prefill(
         self, row: int, prompt: torch.Tensor, params: SamplingParams, u: torch.Tensor, *, max_new_tokens: int, k_max: int
     ) -> int:
-        return prefill_first_token(self.runner, prompt, row, params, u)
+        kept = self._kept.get(row) if self.reuse else None
+        if kept is not None and kept[0].shape == prompt.shape and torch.equal(kept[0], prompt):
+            self.reused_prefill_s = kept[2]
+            return first_token(kept[1], params, u)
+        self.reused_prefill_s = None
+        started = time.perf_counter()
+        logits = self.runner.prefill(prompt, row)  # [1, 1, V]
+        first = first_token(logits, params, u)  # int(): the device has finished the prefill
+        if self.reuse:
+            self._kept[row] = (prompt.clone(), logits, time.perf_counter() - started)
+        return first
 
     def verify(self, batch: VerifyBatch) -> Verdict:
         n_accepted, next_token = verify_tokens(self.runner, batch.state, batch.sampling, batch.rand, batch.draft_tokens,
@@ -151,6 +172,8 @@ class LocalVerifier(Verifier):
 
     def compile(self, backend: str, shapes: int) -> None:
         self.runner.compile(backend, shapes=shapes)
+        self._kept.clear()
 
     def warmup(self, widths: tuple[int, ...], rows: int) -> None:
+        self._kept.clear()  # it writes every row from position 0
         self.runner.warmup(widths, rows=rows)

@@ -35,7 +35,7 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-FORMAT = 3  # bump when the stored layout of a layer changes (3: Q4Linear in blocks of 16 groups)
+FORMAT = 4  # bump when the stored layout of a layer changes (3: Q4Linear in blocks of 16 groups; 4: row_sums stored)
 KEEP = 3  # entries kept per (folder, weights kind): two installs sharing a home do not evict each other
 _ATTR = "_choral_loaded"
 
@@ -114,7 +114,8 @@ def load(path: Path) -> dict[str, nn.Module] | None:
                 built[name] = Q4Linear.from_buffers(in_features, tensors[f"{name}.qweight"], tensors[f"{name}.step"],
                                                     tensors[f"{name}.minimum"], bias)  # fmt: skip
             elif kind == "Int8Linear":
-                built[name] = Int8Linear.from_buffers(in_features, tensors[f"{name}.qweight"], tensors[f"{name}.scale"], bias)
+                built[name] = Int8Linear.from_buffers(in_features, tensors[f"{name}.qweight"], tensors[f"{name}.scale"], bias,
+                                                      tensors[f"{name}.row_sums"])  # fmt: skip
             else:
                 raise ValueError(f"unknown layer kind {kind!r}")
             if built[name].out_features != out_features:
@@ -139,8 +140,7 @@ def save(path: Path, layers: dict[str, nn.Module]) -> None:
     for name, mod in layers.items():
         meta[name] = (type(mod).__name__, mod.in_features, mod.out_features)
         for b, t in mod.named_buffers(recurse=False):
-            if b != "row_sums":  # recomputed on load
-                tensors[f"{name}.{b}"] = t.contiguous()
+            tensors[f"{name}.{b}"] = t.contiguous()
         if mod.bias is not None:
             tensors[f"{name}.bias"] = mod.bias.detach().contiguous()
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -1,0 +1,175 @@
+"""How fast this CPU can multiply int8 at all, and how close Choral's integer kernels come to it.
+
+    python scripts/experiments/int8_peak.py --rows 1,5,16,64,256 --out runs/int8-peak
+
+1. **The machine's peak**: a C loop of independent ``vpdpbusd`` (AVX-512 VNNI; 64 multiply-adds
+   each) or ``vpmaddubsw`` + ``vpmaddwd`` (AVX2; 32 each) per thread, built with the system's
+   compiler for this CPU, on ``--threads`` OpenMP threads.
+2. **Choral's q4 and int8 kernels** (``serving.engine.cpu_kernels``) on the shapes of one layer
+   of the bundled 1.5B target (fused q/k/v, o, fused gate/up, down), random weights, ``--rows``
+   input rows per call: multiply-adds per second.
+3. **What that means for a step**: the multiply-adds of one token through the whole target (every
+   Linear, the head included) at the kernel rate, as a floor on a K+1-token verify's arithmetic.
+   A one-token step reads about 1.1 GB of weights and is bound by memory instead; a verify
+   can only cost about as much as one token if its arithmetic hides under that stream.
+
+Writes ``int8_peak.json`` and ``int8_peak.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+LOOP = r"""
+#include <immintrin.h>
+#include <omp.h>
+#include <stdio.h>
+int main(int argc, char** argv) {
+  long n = atol(argv[1]);
+  double t0 = omp_get_wtime();
+  long sink = 0;
+#pragma omp parallel reduction(+ : sink)
+  {
+#if defined(__AVX512VNNI__)
+    __m512i a[12], b = _mm512_set1_epi8(3), c = _mm512_set1_epi8(5);
+    for (int i = 0; i < 12; ++i) a[i] = _mm512_setzero_si512();
+    for (long k = 0; k < n; ++k) {
+      for (int i = 0; i < 12; ++i) a[i] = _mm512_dpbusd_epi32(a[i], b, c);
+      __asm__ volatile("" : "+v"(b), "+v"(c));
+    }
+    for (int i = 1; i < 12; ++i) a[0] = _mm512_add_epi32(a[0], a[i]);
+    sink += _mm512_reduce_add_epi32(a[0]);
+#else
+    __m256i a[12], b = _mm256_set1_epi8(3), c = _mm256_set1_epi8(5), one = _mm256_set1_epi16(1);
+    for (int i = 0; i < 12; ++i) a[i] = _mm256_setzero_si256();
+    for (long k = 0; k < n; ++k) {
+      for (int i = 0; i < 12; ++i) a[i] = _mm256_add_epi32(a[i], _mm256_madd_epi16(_mm256_maddubs_epi16(b, c), one));
+      __asm__ volatile("" : "+v"(b), "+v"(c));
+    }
+    for (int i = 1; i < 12; ++i) a[0] = _mm256_add_epi32(a[0], a[i]);
+    sink += _mm256_extract_epi32(a[0], 0);
+#endif
+  }
+  double s = omp_get_wtime() - t0;
+#if defined(__AVX512VNNI__)
+  const char* isa = "avx512-vnni vpdpbusd";
+  double macs = 12.0 * 64 * n;
+#else
+  const char* isa = "avx2 vpmaddubsw+vpmaddwd";
+  double macs = 12.0 * 32 * n;
+#endif
+  printf("{\"isa\": \"%s\", \"threads\": %d, \"gmac_per_s\": %.2f, \"sink\": %ld}\n", isa, omp_get_max_threads(),
+         macs * omp_get_max_threads() / s / 1e9, sink);
+  return 0;
+}
+"""
+
+
+def machine_peak(threads: int, iterations: int) -> dict:
+    """The int8 multiply-add peak of ``threads`` cores, from a compiled loop; {} without a compiler."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return {}
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = Path(tmp) / "peak.c", Path(tmp) / "peak"
+        src.write_text("#include <stdlib.h>\n" + LOOP)
+        subprocess.run([cc, "-O2", "-march=native", "-fopenmp", str(src), "-o", str(exe)], check=True)
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        runs = [json.loads(subprocess.run([str(exe), str(iterations)], env=env, check=True, capture_output=True,
+                                          text=True).stdout) for _ in range(3)]  # fmt: skip
+    best = max(runs, key=lambda r: r["gmac_per_s"])
+    return {"isa": best["isa"], "threads": best["threads"], "gmac_per_s": best["gmac_per_s"],
+            "runs": [r["gmac_per_s"] for r in runs]}  # fmt: skip
+
+
+def layer_shapes(hidden: int, heads: int, kv_heads: int, intermediate: int) -> list[tuple[str, int, int]]:
+    """(name, out, in) of one decoder layer's Linears as the lean forward calls them (fused)."""
+    d = hidden // heads
+    return [("qkv", (heads + 2 * kv_heads) * d, hidden), ("o", hidden, hidden),
+            ("gate_up", 2 * intermediate, hidden), ("down", hidden, intermediate)]  # fmt: skip
+
+
+def make_layer(kind: str, out_f: int, in_f: int):
+    from serving.engine.cpu_kernels import Int8Linear, Q4Linear
+
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(in_f, out_f, bias=False)
+    if kind == "int8":
+        return Int8Linear(lin)
+    q = torch.randint(0, 16, (out_f, in_f), dtype=torch.uint8, generator=g)
+    step = torch.rand(out_f, in_f // 32, generator=g) * 0.01
+    minimum = -torch.rand(out_f, in_f // 32, generator=g) * 0.05
+    return Q4Linear(lin, (q, step, minimum))
+
+
+def time_call(mod, rows: int, calls: int) -> float:
+    x = torch.randn(rows, mod.in_features)
+    for _ in range(2):
+        mod(x)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        mod(x)
+    return (time.perf_counter() - t0) / calls
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,5,16,64,256", help="input rows per kernel call")
+    ap.add_argument("--threads", type=int, default=0, help="threads (0: torch's default)")
+    ap.add_argument("--iterations", type=int, default=100_000_000, help="iterations of the peak loop per thread")
+    ap.add_argument("--out", default="runs/int8-peak")
+    args = ap.parse_args()
+    from transformers import AutoConfig
+
+    from serving.engine.models import resolve_model_ref
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    cfg = AutoConfig.from_pretrained(resolve_model_ref("qwen2.5-coder-1.5b-instruct"))
+    shapes = layer_shapes(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size)
+    token_macs = cfg.num_hidden_layers * sum(o * i for _, o, i in shapes) + cfg.vocab_size * cfg.hidden_size
+
+    peak = machine_peak(threads, args.iterations)
+    print(f"peak: {peak}")
+    kernels = []
+    for kind in ("q4", "int8"):
+        layers = [(name, make_layer(kind, o, i)) for name, o, i in shapes]
+        for rows in [int(r) for r in args.rows.split(",")]:
+            seconds = {name: time_call(mod, rows, max(3, 200 // rows)) for name, mod in layers}
+            macs = rows * sum(mod.in_features * mod.out_features for _, mod in layers)
+            rate = macs / sum(seconds.values()) / 1e9
+            kernels.append({"kernel": kind, "rows": rows, "layer_ms": 1e3 * sum(seconds.values()), "gmac_per_s": rate,
+                            "by_linear_gmac_per_s": {n: rows * m.in_features * m.out_features / seconds[n] / 1e9
+                                                     for n, m in layers}})  # fmt: skip
+            print(f"{kind} {rows:4d} rows: {rate:6.1f} GMAC/s")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"threads": threads, "cpu": torch.backends.cpu.get_cpu_capability(), "peak": peak,
+              "token_gmac": token_macs / 1e9, "kernels": kernels}  # fmt: skip
+    (out / "int8_peak.json").write_text(json.dumps(result, indent=2))
+    lines = [f"Threads: {threads}. One token through the 1.5B target: {token_macs / 1e9:.2f} G multiply-adds "
+             "(every Linear and the head).", ""]  # fmt: skip
+    if peak:
+        lines += [f"Machine peak ({peak['isa']}, {peak['threads']} threads): **{peak['gmac_per_s']:.0f} GMAC/s** "
+                  f"(best of {', '.join(f'{r:.0f}' for r in peak['runs'])}).", ""]  # fmt: skip
+    lines += ["| kernel | rows | GMAC/s | of peak | arithmetic of a step of that many tokens, ms |", "|---|---|---|---|---|"]
+    for k in kernels:
+        share = f"{k['gmac_per_s'] / peak['gmac_per_s']:.0%}" if peak else "-"
+        lines.append(f"| {k['kernel']} | {k['rows']} | {k['gmac_per_s']:.0f} | {share} | "
+                     f"{k['rows'] * token_macs / 1e9 / k['gmac_per_s'] * 1e3:.1f} |")  # fmt: skip
+    (out / "int8_peak.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
