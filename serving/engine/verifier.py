@@ -159,7 +159,8 @@ class LocalVerifier(Verifier):
         logits = self.runner.prefill(prompt, row)  # [1, 1, V]
         first = first_token(logits, params, u)  # int(): the device has finished the prefill
         if self.reuse:
-            self._kept[row] = (prompt.clone(), logits, time.perf_counter() - started)
+            # Copies: a compiled forward may hand out the same output buffer again on its next call.
+            self._kept[row] = (prompt.clone(), logits.clone(), time.perf_counter() - started)
         return first
 
     def verify(self, batch: VerifyBatch) -> Verdict:
