@@ -164,8 +164,10 @@ def collect(
     ids = {p.id: encode_prompt(tokenizer, p) for p in prompts}
     max_len = cfg.engine.max_len or max(len(i) for i in ids.values()) + cfg.decode.max_new_tokens + cfg.engine.k + 1
     # Each prompt runs once per drafter in the same rows: its target prefill is computed once and
-    # charged to every row at its measured time (EngineSettings.reuse_prefill, null here means on).
-    reuse = True if cfg.engine.reuse_prefill is None else cfg.engine.reuse_prefill
+    # charged to every row at its measured time (EngineSettings.reuse_prefill; null here means on at
+    # batch size 1). In a larger batch a request's clock also runs through the prefills admitted
+    # after it in the same step, which a reuse would shorten for some drafters and not others.
+    reuse = cfg.engine.max_batch_size == 1 if cfg.engine.reuse_prefill is None else cfg.engine.reuse_prefill
     engines = _build_engines(cfg, dataclasses.replace(cfg.engine, max_len=max_len, reuse_prefill=reuse))
 
     B = cfg.engine.max_batch_size

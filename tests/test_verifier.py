@@ -117,12 +117,23 @@ def test_a_reused_prefill_changes_no_output_and_is_charged_its_measured_time(tin
     params = [SamplingParams(), SamplingParams(temperature=0.9, seed=7), SamplingParams()]
     order = ["none", "draft", "none", "draft"]
 
+    charges = []  # the seconds each reusing admission was charged
+
     def run(reuse):
         engine = SpeculativeEngine(tiny_target, tokenizer, config=EngineConfig(max_batch_size=2, max_len=96, k=3,
                                    reuse_prefill=reuse), drafters={"draft": tiny_draft, "none": None})  # fmt: skip
         calls = []
         prefill = engine.verifier.runner.prefill
         engine.verifier.runner.prefill = lambda *a, **k: calls.append(1) or prefill(*a, **k)
+        admit = engine.verifier.prefill
+
+        def charged(*a, **k):
+            first = admit(*a, **k)
+            if engine.verifier.reused_prefill_s is not None:
+                charges.append(engine.verifier.reused_prefill_s)
+            return first
+
+        engine.verifier.prefill = charged
         outs = [engine.generate([Request(p, params=s, max_new_tokens=12 + 5 * i, drafter=name)
                                  for i, (p, s) in enumerate(zip(prompts, params))]) for name in order]  # fmt: skip
         return engine, outs, len(calls)
@@ -134,9 +145,47 @@ def test_a_reused_prefill_changes_no_output_and_is_charged_its_measured_time(tin
     stats = [o.stats for out in reused for o in out]
     assert sum(s["prefill_reused"] for s in stats) == fresh_calls - reused_calls
     assert not any(o.stats["prefill_reused"] for o in reused[0])  # nothing kept before the first prefills
-    kept = {row: seconds for row, (_, _, seconds) in engine.verifier._kept.items()}
-    hits = [s for s in stats if s["prefill_reused"]]
-    assert kept and all(s["prefill_time_s"] >= min(kept.values()) for s in hits)
+    hits = sorted(s["prefill_time_s"] for s in stats if s["prefill_reused"])
+    assert len(hits) == len(charges) and all(t >= c > 0 for t, c in zip(hits, sorted(charges)))
     assert all(s["total_time_s"] >= s["prefill_time_s"] for s in stats)
+    # A prefill that fails midway may have written part of the row: the row is forgotten, not kept.
+    row = next(iter(engine.verifier._kept))
+
+    def half_done(*a, **k):
+        raise RuntimeError("out of memory in layer 1")
+
+    engine.verifier.runner.prefill = half_done
+    with pytest.raises(RuntimeError):
+        engine.verifier.prefill(row, torch.tensor([[5, 6, 7]]), SamplingParams(), torch.rand(1), max_new_tokens=4, k_max=3)
+    assert row not in engine.verifier._kept
     engine.verifier.warmup((1,), rows=2)
     assert not engine.verifier._kept
+
+
+def test_a_row_whose_admission_failed_after_its_prefill_is_not_reused(tiny_target, tiny_draft, tokenizer):
+    """The failed request never reached the decode state, so its row keeps the previous
+    occupant's length and the neighbours' steps write the row there, inside the new prompt. The
+    row must not be offered for reuse: the same prompt later prefills again, to the same cache."""
+    from tests.test_engine_drafters import _Poisoned, _run
+
+    def engine():
+        return SpeculativeEngine(tiny_target, tokenizer, config=EngineConfig(max_batch_size=2, max_len=128, k=3,
+                                 reuse_prefill=True), drafters={"poison": _Poisoned("start"), "none": None})  # fmt: skip
+
+    g = torch.Generator().manual_seed(5)
+    short, long_, body = (torch.randint(3, 376, (n,), generator=g).tolist() for n in (3, 12, 40))
+    poisoned = [_Poisoned.POISON, *body]
+    e = engine()
+    ids, done, failed = _run(e, [Request(short, max_new_tokens=10, drafter="none"),
+                                 Request(long_, max_new_tokens=40, drafter="none"),
+                                 Request(poisoned, max_new_tokens=8, drafter="poison")])  # fmt: skip
+    assert set(failed) == {ids[2]} and set(done) == {ids[0], ids[1]}
+    row = 0  # where the short request ran and the poisoned one was admitted
+    assert row not in e.verifier._kept
+    again = e.generate([Request(poisoned, max_new_tokens=8, drafter="none")])[0]
+    assert not again.stats["prefill_reused"]
+    fresh = engine()
+    assert again.token_ids == fresh.generate([Request(poisoned, max_new_tokens=8, drafter="none")])[0].token_ids
+    L = len(poisoned)
+    for mine, theirs in zip(e.verifier.runner.cache.keys, fresh.verifier.runner.cache.keys):
+        assert torch.equal(mine[row, :, :L], theirs[row, :, :L])

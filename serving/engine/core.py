@@ -576,6 +576,7 @@ class SpeculativeEngine:
                 drafter.stop(b, finished=False)
             except Exception:  # a drafter that never started this row
                 pass
+        self.verifier.forget(b)
         self.verifier.release(b)
         self._sampling = None
 

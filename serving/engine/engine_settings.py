@@ -147,7 +147,7 @@ class EngineSettings:
     reuse_prefill: bool | None = field(default=None, metadata=doc(
         "a request whose prompt is the one last prefilled into its batch row reuses that row's KV and "
         "first logits (bit-identical) and is charged that prefill's measured time; null: on in "
-        "collect-router-data (each prompt runs once per drafter in the same row), off elsewhere"))
+        "collect-router-data at max_batch_size 1 (each prompt runs once per drafter in the same row), off elsewhere"))
     batch_buckets: tuple[int, ...] | None = field(default=None, metadata=doc(
         "batch sizes a step can run at (compiled shapes); a step runs at the smallest holding its "
         "rows. null: 1, 2, 4, ... up to max_batch_size"))

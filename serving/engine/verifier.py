@@ -108,6 +108,10 @@ class Verifier(ABC):
     def release(self, row: int) -> None:
         """``row``'s request left (finished, aborted or failed): drop what is held for it."""
 
+    def forget(self, row: int) -> None:
+        """``row``'s admission failed after its prefill: the row's cache no longer describes a
+        prompt that later requests may reuse (``EngineConfig.reuse_prefill``)."""
+
     def close(self) -> None:
         """Free what the verifier holds (connections); the engine is not used afterwards."""
 
@@ -155,6 +159,7 @@ class LocalVerifier(Verifier):
             self.reused_prefill_s = kept[2]
             return first_token(kept[1], params, u)
         self.reused_prefill_s = None
+        self._kept.pop(row, None)  # a prefill that fails midway leaves the row holding neither prompt
         started = time.perf_counter()
         logits = self.runner.prefill(prompt, row)  # [1, 1, V]
         first = first_token(logits, params, u)  # int(): the device has finished the prefill
@@ -169,7 +174,12 @@ class LocalVerifier(Verifier):
         return Verdict(n_accepted, next_token)
 
     def release(self, row: int) -> None:
-        """Nothing to drop: the next request in ``row`` prefills over the cache row."""
+        """Nothing to drop: the next request in ``row`` prefills over the cache row (or reuses it)."""
+
+    def forget(self, row: int) -> None:
+        # The failed request never reached the decode state, so the row keeps its previous
+        # occupant's length, and frozen steps write there, which may be inside this prompt.
+        self._kept.pop(row, None)
 
     def compile(self, backend: str, shapes: int) -> None:
         self.runner.compile(backend, shapes=shapes)
