@@ -103,6 +103,12 @@ MUTANTS = [
            "serving/engine/weights_cache.py",
            "            h.update(t.view(torch.uint8).numpy().data if t.numel() else b\"\")\n", "",
            ("tests/test_cpu_kernels.py", "-k", "cached_once")),
+    Mutant("reuse-any-kept-prefill", "a row's kept prefill is reused for whatever prompt comes next",
+           "serving/engine/verifier.py",
+           "        if kept is not None and kept[0].shape == prompt.shape and torch.equal(kept[0], prompt):\n",
+           "        if kept is not None:\n", ("tests/test_verifier.py", "-k", "reused_prefill")),
+    Mutant("reuse-after-failed-admission", "a row whose admission failed after its prefill stays offered for reuse",
+           "serving/engine/core.py", "        self.verifier.forget(b)\n", "", ("tests/test_verifier.py", "-k", "admission_failed")),
 ]
 
 
