@@ -6,8 +6,8 @@ Per prompt chunk the target alone runs first, so every draft row can carry its s
 tokens/s over the target alone's on the same prompt, mode and repeat) when it is written. The
 target's prefill of a prompt is computed by the first of its rows and, at batch size 1, reused by
 the others, which are charged its measured time (``EngineSettings.reuse_prefill``; the draft
-model's own prefill is computed and timed in every row that uses it). Rows already in the output file are skipped, so
-rerunning resumes.
+model's own prefill is computed and timed in every row that uses it). Rows already in the output
+file are skipped, so rerunning resumes.
 """
 
 from __future__ import annotations

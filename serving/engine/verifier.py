@@ -183,7 +183,7 @@ class LocalVerifier(Verifier):
 
     def compile(self, backend: str, shapes: int) -> None:
         self.runner.compile(backend, shapes=shapes)
-        self._kept.clear()
+        self._kept.clear()  # logits of the eager forward are not the compiled forward's, bit for bit
 
     def warmup(self, widths: tuple[int, ...], rows: int) -> None:
         self._kept.clear()  # it writes every row from position 0
