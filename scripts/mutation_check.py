@@ -99,6 +99,11 @@ MUTANTS = [
            "serving/engine/cpu_kernels.py", "    lengths = (allowed * pos).amax(dim=-1)  # [B, q] keys up to the last allowed one\n",
            "    lengths = (allowed * pos).amax(dim=-1).amax(dim=0, keepdim=True).expand(allowed.shape[0], -1)\n",
            ("tests/test_cpu_kernels.py", "-k", "fallback_gives")),
+    Mutant("amx-scales-grouped", "the AMX int8 path multiplies the two scales first (its rows then differ "
+           "from the one-row VNNI step in the last bit)", "serving/engine/rowdot.cpp",
+           "float(dots[o][r] - W8A8_SHIFT * wsum[n + o]) * xs[m] * ws[n + o];",
+           "float(dots[o][r] - W8A8_SHIFT * wsum[n + o]) * (xs[m] * ws[n + o]);",
+           ("tests/test_cpu_kernels.py", "-k", "amx")),
     Mutant("cache-key-ignores-content", "a cached conversion is found without looking at the weights",
            "serving/engine/weights_cache.py",
            "            h.update(t.view(torch.uint8).numpy().data if t.numel() else b\"\")\n", "",

@@ -316,6 +316,36 @@ def test_int8_linear_is_the_w8a8_arithmetic(in_f, out_f, bias):
     assert mod.qweight.dtype == torch.int8 and mod.qweight.shape[1] % 64 == 0
 
 
+@pytest.mark.unit
+@needs_rowdot
+def test_int8_rows_on_amx_are_the_vnni_rows_bit_for_bit():
+    """Where the CPU has AMX, int8 calls of more than one row (verifies, prefills) run on its tiles and
+    one-row steps on VNNI. Integer dots are exact on either unit and the float work after them is
+    the same expression, so every row matches the VNNI path and its own one-row call bit for bit:
+    panels of 32 weight rows with a leftover on VNNI, one to three chunks of 16 input rows (the
+    last padded), an input width over several K steps and one that is a single step."""
+    ext = cpu_kernels._rowdot_ext()
+    if not ext.rowdot_amx(-1):
+        pytest.skip("no AMX on this CPU (or the kernel refused the tile state): the int8 kernel has no AMX path here")
+    torch.manual_seed(0)
+    try:
+        for in_f, out_f in ((64, 40), (1536, 96), (4200, 75), (8960, 33)):
+            mod = cpu_kernels.Int8Linear(nn.Linear(in_f, out_f))
+            for rows in (2, 5, 16, 17, 40):
+                x = torch.randn(rows, in_f)
+                x[0, :5] = 0.0
+                assert ext.rowdot_amx(1)
+                with torch.no_grad():
+                    on_amx = mod(x)
+                    assert not ext.rowdot_amx(0)
+                    on_vnni = mod(x)
+                    alone = torch.cat([mod(x[i : i + 1]) for i in range(rows)])
+                assert torch.equal(on_amx, on_vnni), (in_f, out_f, rows)
+                assert torch.equal(on_amx, alone), (in_f, out_f, rows)
+    finally:
+        ext.rowdot_amx(1)
+
+
 @pytest.mark.integration
 @needs_rowdot
 def test_int8_draft_keeps_speculative_output_exact():

@@ -52,7 +52,7 @@ def _rowdot_ext():
         flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
         tag = hashlib.sha256((source + flags + torch.__version__).encode()).hexdigest()[:12]
         return load_inline(
-            name=f"choral_rowdot_{tag}", cpp_sources=source, functions=["rowdot_linear", "rowdot_linear_w8a8", "rowdot_linear_w4a8", "rowdot_attention", "rowdot_rms_norm", "rowdot_rope_write", "rowdot_silu_mul"],
+            name=f"choral_rowdot_{tag}", cpp_sources=source, functions=["rowdot_linear", "rowdot_linear_w8a8", "rowdot_linear_w4a8", "rowdot_attention", "rowdot_rms_norm", "rowdot_rope_write", "rowdot_silu_mul", "rowdot_amx"],
             extra_cflags=["-O3", "-march=native", "-fno-fast-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"], verbose=False,
         )

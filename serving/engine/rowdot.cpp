@@ -257,6 +257,113 @@ static inline void qrows(const int8_t* w, int64_t KP, const uint8_t* x, const fl
   for (int r = 0; r < R; ++r) out[r * ldo] = float(dot[r] - W8A8_SHIFT * wsum) * xs[r] * ws;
 }
 
+
+// ---- AMX (Intel's tile unit, Sapphire Rapids and later) for the int8 kernel's calls of more than
+// one input row. A W8A8 row's integer dot is exact whichever unit sums it, and the float work after
+// it is the same expression as qrows', so every output is bitwise the VNNI path's: a verify row
+// still equals the one-token step (which stays on VNNI, bound by reading the weights anyway).
+// Tiles: weights as A (16 output rows x 64 bytes, signed), inputs as B (16 rows of 4-byte groups x
+// up to 16 input rows, unsigned: shifted as for vpdpbusd), so C[o][r] is qrows' dot before its
+// reduction. Linux grants the tile state only on request (arch_prctl), once per process.
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && \
+    defined(__linux__) && !defined(CHORAL_NO_AMX)
+#define CHORAL_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define CHORAL_AMX 0
+#endif
+
+static int& amx_mode() {  // -1: not yet asked; 0: off; 1: on
+  static int mode = -1;
+  return mode;
+}
+
+static bool amx_granted() {
+#if CHORAL_AMX
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return granted;
+#else
+  return false;
+#endif
+}
+
+// rowdot_amx(-1) says whether multi-row int8 calls run on AMX; rowdot_amx(0 or 1) turns that off or
+// back on (where the CPU and kernel have it) and says the same. The tests compare both ways.
+bool rowdot_amx(int64_t want) {
+  if (want >= 0) amx_mode() = int(want > 0);
+  else if (amx_mode() < 0) amx_mode() = 1;
+  return amx_mode() == 1 && amx_granted();
+}
+
+#if CHORAL_AMX
+constexpr int64_t AMX_ROWS = 16;   // input rows per B tile
+constexpr int64_t AMX_PANEL = 32;  // weight rows per pass: two A tiles share each B tile
+#ifndef AMX_HINT
+#define AMX_HINT _MM_HINT_T1
+#endif
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Weight rows [0, P * 32) against every input row on AMX; the caller does the rest on VNNI.
+static void w8a8_amx(const int8_t* w, int64_t KP, int64_t N, const uint8_t* xq, int64_t M, const float* xs,
+                     const float* ws, const int32_t* wsum, float* y) {
+  const int64_t P = N / AMX_PANEL, chunks = (M + AMX_ROWS - 1) / AMX_ROWS;
+  const int64_t RC = (M + chunks - 1) / chunks;  // every chunk this wide; the last one padded
+  const int64_t K4 = KP / 4;
+  // B tiles' rows: 4-byte groups of the inputs, the chunk's RC rows side by side, [chunks][K4][RC].
+  std::vector<int32_t> xb(chunks * K4 * RC, 0);
+  for (int64_t m = 0; m < M; ++m) {
+    const int32_t* row = reinterpret_cast<const int32_t*>(xq + m * KP);
+    int32_t* dst = xb.data() + (m / RC) * K4 * RC + m % RC;
+    for (int64_t j = 0; j < K4; ++j) dst[j * RC] = row[j];
+  }
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    TileConfig cfg;
+    for (int t : {0, 1}) cfg.rows[t] = 16, cfg.colsb[t] = 64;                     // A: weights
+    cfg.rows[2] = 16, cfg.colsb[2] = uint16_t(RC * 4);                             // B: inputs
+    for (int t : {3, 4}) cfg.rows[t] = 16, cfg.colsb[t] = uint16_t(RC * 4);       // C: dots
+    _tile_loadconfig(&cfg);
+    alignas(64) int32_t dots[AMX_PANEL][AMX_ROWS];
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n = p * AMX_PANEL;
+      const int8_t* w0 = w + n * KP;
+      const int8_t* w1 = w0 + 16 * KP;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int32_t* b = xb.data() + c * K4 * RC;
+        _tile_zero(3);
+        _tile_zero(4);
+        // The next panel's 32 rows are one contiguous run of memory: ask for it, 2 KB a step, while
+        // the tiles read this panel column by column (32 strided streams the prefetchers lose).
+        const char* ahead = reinterpret_cast<const char*>(w0 + AMX_PANEL * KP);
+        const bool fetch = c == 0 && p + 1 < p1;
+        for (int64_t k = 0; k < KP; k += 64) {
+          if (fetch)
+            for (int l = 0; l < 32; ++l) _mm_prefetch(ahead + (k / 64 * 32 + l) * 64, AMX_HINT);
+          _tile_loadd(0, w0 + k, KP);
+          _tile_loadd(1, w1 + k, KP);
+          _tile_loadd(2, b + (k / 4) * RC, RC * 4);
+          _tile_dpbsud(3, 0, 2);
+          _tile_dpbsud(4, 1, 2);
+        }
+        _tile_stored(3, dots[0], AMX_ROWS * 4);
+        _tile_stored(4, dots[16], AMX_ROWS * 4);
+        for (int64_t r = 0; r < RC && c * RC + r < M; ++r) {
+          const int64_t m = c * RC + r;
+          for (int o = 0; o < AMX_PANEL; ++o)  // qrows' expression, term for term
+            y[m * N + n + o] = float(dots[o][r] - W8A8_SHIFT * wsum[n + o]) * xs[m] * ws[n + o];
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 torch::Tensor rowdot_linear_w8a8(torch::Tensor x, torch::Tensor w, torch::Tensor wscale, torch::Tensor wsum,
                                  c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.size(1) % 64 == 0 && w.size(1) > 0 && x.size(1) <= w.size(1), "shape mismatch");
@@ -281,11 +388,19 @@ torch::Tensor rowdot_linear_w8a8(torch::Tensor x, torch::Tensor w, torch::Tensor
   const float* sp = wscale.data_ptr<float>();
   const int32_t* up = wsum.data_ptr<int32_t>();
   float* yp = y.data_ptr<float>();
-  over_weight_rows(N, M, KP, [&](int64_t j, int64_t m, int64_t R) {
+  auto rows = [&](int64_t j, int64_t m, int64_t R) {
     with_rows(R, [&](auto r) {
       qrows<decltype(r)::value>(wp + j * KP, KP, xq.data() + m * KP, xs.data() + m, yp + m * N + j, N, sp[j], up[j]);
     });
-  });
+  };
+#if CHORAL_AMX
+  if (M > 1 && N >= AMX_PANEL && rowdot_amx(-1)) {
+    w8a8_amx(wp, KP, N, xq.data(), M, xs.data(), sp, up, yp);
+    const int64_t done = N / AMX_PANEL * AMX_PANEL;  // the last N % 32 weight rows on VNNI
+    for (int64_t j = done; j < N; ++j) over_row_chunks(M, KP, [&](int64_t m, int64_t R) { rows(j, m, R); });
+  } else
+#endif
+    over_weight_rows(N, M, KP, rows);
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
 }
