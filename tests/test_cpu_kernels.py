@@ -319,19 +319,20 @@ def test_int8_linear_is_the_w8a8_arithmetic(in_f, out_f, bias):
 @pytest.mark.unit
 @needs_rowdot
 def test_int8_rows_on_amx_are_the_vnni_rows_bit_for_bit():
-    """Where the CPU has AMX, int8 calls of more than one row (verifies, prefills) run on its tiles and
-    one-row steps on VNNI. Integer dots are exact on either unit and the float work after them is
-    the same expression, so every row matches the VNNI path and its own one-row call bit for bit:
+    """Where the CPU has AMX, int8 calls of two rows or more run on its tiles (rowdot_amx(0) sends them
+    to VNNI, where one-row calls always run). Integer
+    dots are exact on either unit and the float work after them is the same expression, so every
+    row matches the VNNI path and its own one-row call bit for bit:
     panels of 32 weight rows with a leftover on VNNI, one to three chunks of 16 input rows (the
     last padded), an input width over several K steps and one that is a single step."""
     ext = cpu_kernels._rowdot_ext()
-    if not ext.rowdot_amx(-1):
+    if not ext.rowdot_amx(1):  # on, as by default (whatever an earlier test left), and whether it can be
         pytest.skip("no AMX on this CPU (or the kernel refused the tile state): the int8 kernel has no AMX path here")
     torch.manual_seed(0)
     try:
         for in_f, out_f in ((64, 40), (1536, 96), (4200, 75), (8960, 33)):
             mod = cpu_kernels.Int8Linear(nn.Linear(in_f, out_f))
-            for rows in (2, 5, 16, 17, 40):
+            for rows in (1, 2, 5, 16, 17, 40):
                 x = torch.randn(rows, in_f)
                 x[0, :5] = 0.0
                 assert ext.rowdot_amx(1)
@@ -344,6 +345,28 @@ def test_int8_rows_on_amx_are_the_vnni_rows_bit_for_bit():
                 assert torch.equal(on_amx, alone), (in_f, out_f, rows)
     finally:
         ext.rowdot_amx(1)
+
+
+@pytest.mark.integration
+def test_the_amx_path_compiles_on_any_machine():
+    """The kernel's AMX code is compiled only where -march=native has AMX: this checks it (syntax and
+    types, no code generated) for a Sapphire Rapids target on whatever machine runs the tests."""
+    import subprocess
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    probe = subprocess.run(["c++", "-march=sapphirerapids", "-x", "c++", "-fsyntax-only", "-"], input="int main() {}",
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"the C++ compiler does not take -march=sapphirerapids: {probe.stderr.strip()[:200]}")
+    includes = [f"-I{d}" for d in (*include_paths(), sysconfig.get_paths()["include"])]
+    done = subprocess.run(["c++", "-fsyntax-only", "-std=c++17", "-march=sapphirerapids", "-fopenmp",
+                           "-DTORCH_EXTENSION_NAME=choral_syntax", *includes, str(cpu_kernels.ROWDOT_SOURCE)],
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    source = cpu_kernels.ROWDOT_SOURCE.read_text()
+    assert "_tile_dpbsud" in source and "#define CHORAL_AMX 1" in source
 
 
 @pytest.mark.integration

@@ -4,10 +4,13 @@
 
 1. **The machine's peak**: a C loop of independent ``vpdpbusd`` (AVX-512 VNNI; 64 multiply-adds
    each) or ``vpmaddubsw`` + ``vpmaddwd`` (AVX2; 32 each) per thread, built with the system's
-   compiler for this CPU, on ``--threads`` OpenMP threads.
+   compiler for this CPU, on ``--threads`` OpenMP threads; where the CPU has AMX, also a loop of
+   independent ``tdpbsud`` tile products (16 x 16 x 64 each), the unit the int8 kernel uses for calls
+   of more than one row.
 2. **Choral's q4 and int8 kernels** (``serving.engine.cpu_kernels``) on the shapes of one layer
    of the bundled 1.5B target (fused q/k/v, o, fused gate/up, down), random weights, ``--rows``
-   input rows per call: multiply-adds per second.
+   input rows per call: multiply-adds per second; where the int8 kernel runs on AMX, once more
+   with AMX turned off (``int8-vnni``).
 3. **What that means for a step**: the multiply-adds of one token through the whole target (every
    Linear, the head included) at the kernel rate, as a floor on a K+1-token verify's arithmetic.
    A one-token step reads about 1.1 GB of weights and is bound by memory instead; a verify
@@ -91,6 +94,70 @@ def machine_peak(threads: int, iterations: int) -> dict:
             "runs": [r["gmac_per_s"] for r in runs]}  # fmt: skip
 
 
+AMX_LOOP = r"""
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+struct cfg { uint8_t palette, start, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } __attribute__((aligned(64)));
+int main(int argc, char** argv) {
+  long n = atol(argv[1]);
+  if (syscall(SYS_arch_prctl, 0x1023, 18)) { printf("{}\n"); return 0; }  /* no tile state granted */
+  static int8_t a[2][1024] __attribute__((aligned(64)));
+  static uint8_t b[1024] __attribute__((aligned(64)));
+  memset(a, 1, sizeof a), memset(b, 1, sizeof b);
+  double t0 = omp_get_wtime();
+#pragma omp parallel
+  {
+    struct cfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+    __asm__ volatile("" : : "r"(&c) : "memory");  /* else gcc 12 drops the stores above as dead */
+    _tile_loadconfig(&c);
+    _tile_loadd(0, a[0], 64); _tile_loadd(1, a[1], 64); _tile_loadd(2, b, 64);
+    _tile_zero(3); _tile_zero(4); _tile_zero(5); _tile_zero(6);
+    for (long k = 0; k < n; ++k) {  /* four independent accumulators */
+      _tile_dpbsud(3, 0, 2); _tile_dpbsud(4, 1, 2); _tile_dpbsud(5, 0, 2); _tile_dpbsud(6, 1, 2);
+    }
+    _tile_release();
+  }
+  double s = omp_get_wtime() - t0;
+  printf("{\"isa\": \"amx tdpbsud\", \"threads\": %d, \"gmac_per_s\": %.2f}\n", omp_get_max_threads(),
+         4.0 * 16 * 16 * 64 * n * omp_get_max_threads() / s / 1e9);
+  return 0;
+}
+"""
+
+
+def amx_peak(threads: int, iterations: int) -> dict:
+    """The int8 multiply-add peak of AMX tiles (16 x 16 x 64 per tdpbsud), where the compiler, the CPU
+    and the kernel allow them; {} elsewhere."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return {}
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = Path(tmp) / "amx.c", Path(tmp) / "amx"
+        src.write_text("#include <stdlib.h>\n#ifndef __AMX_INT8__\nint main(void) { return 3; }\n#else\n" + AMX_LOOP + "#endif\n")
+        built = subprocess.run([cc, "-O2", "-march=native", "-fopenmp", str(src), "-o", str(exe)], capture_output=True, text=True)
+        if built.returncode != 0:
+            print(f"the AMX loop did not build: {built.stderr.strip()[-500:]}")
+            return {}
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        runs = []
+        for _ in range(3):
+            done = subprocess.run([str(exe), str(iterations)], env=env, capture_output=True, text=True)
+            if done.returncode != 0 or done.stdout.strip() in ("", "{}"):
+                return {}
+            runs.append(json.loads(done.stdout))
+    best = max(runs, key=lambda r: r["gmac_per_s"])
+    return {"isa": best["isa"], "threads": best["threads"], "gmac_per_s": best["gmac_per_s"],
+            "runs": [r["gmac_per_s"] for r in runs]}  # fmt: skip
+
+
 def layer_shapes(hidden: int, heads: int, kv_heads: int, intermediate: int) -> list[tuple[str, int, int]]:
     """(name, out, in) of one decoder layer's Linears as the lean forward calls them (fused)."""
     d = hidden // heads
@@ -141,9 +208,18 @@ def main() -> None:
 
     peak = machine_peak(threads, args.iterations)
     print(f"peak: {peak}")
+    amx = amx_peak(threads, args.iterations // 50)  # a tile product is about 256 vpdpbusd of work
+    from serving.engine import cpu_kernels
+
+    ext = cpu_kernels._rowdot_ext()
+    int8_on_amx = bool(ext is not None and ext.rowdot_amx(-1))
+    print(f"amx peak: {amx}; Choral's int8 kernel on AMX for more than one row: {int8_on_amx}")
     kernels = []
-    for kind in ("q4", "int8"):
-        layers = [(name, make_layer(kind, o, i)) for name, o, i in shapes]
+    # Where the int8 kernel runs on AMX, also time it with AMX turned off (its VNNI path, the same bits).
+    for kind in ("q4", "int8", *(["int8-vnni"] if int8_on_amx else [])):
+        layers = [(name, make_layer(kind.split("-")[0], o, i)) for name, o, i in shapes]
+        if ext is not None:
+            ext.rowdot_amx(int(kind != "int8-vnni"))
         for rows in [int(r) for r in args.rows.split(",")]:
             seconds = {name: time_call(mod, rows, max(3, 200 // rows)) for name, mod in layers}
             macs = rows * sum(mod.in_features * mod.out_features for _, mod in layers)
@@ -152,16 +228,23 @@ def main() -> None:
                             "by_linear_gmac_per_s": {n: rows * m.in_features * m.out_features / seconds[n] / 1e9
                                                      for n, m in layers}})  # fmt: skip
             print(f"{kind} {rows:4d} rows: {rate:6.1f} GMAC/s")
+    if ext is not None:
+        ext.rowdot_amx(1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"threads": threads, "cpu": torch.backends.cpu.get_cpu_capability(), "peak": peak,
-              "token_gmac": token_macs / 1e9, "kernels": kernels}  # fmt: skip
+    result = {"threads": threads, "cpu": torch.backends.cpu.get_cpu_capability(), "peak": peak, "amx_peak": amx,
+              "int8_on_amx": int8_on_amx, "token_gmac": token_macs / 1e9, "kernels": kernels}  # fmt: skip
     (out / "int8_peak.json").write_text(json.dumps(result, indent=2))
     lines = [f"Threads: {threads}. One token through the 1.5B target: {token_macs / 1e9:.2f} G multiply-adds "
              "(every Linear and the head).", ""]  # fmt: skip
     if peak:
         lines += [f"Machine peak ({peak['isa']}, {peak['threads']} threads): **{peak['gmac_per_s']:.0f} GMAC/s** "
                   f"(best of {', '.join(f'{r:.0f}' for r in peak['runs'])}).", ""]  # fmt: skip
+    if amx:
+        lines += [f"AMX peak ({amx['isa']}, {amx['threads']} threads): **{amx['gmac_per_s']:.0f} GMAC/s** "
+                  f"(best of {', '.join(f'{r:.0f}' for r in amx['runs'])}). Choral's int8 kernel runs calls of more "
+                  f"than one row on AMX: {'yes' if int8_on_amx else 'no'}; its q4 kernel stays on the vector units.",
+                  "", "The share of peak below is of the vector units' peak.", ""]  # fmt: skip
     lines += ["| kernel | rows | GMAC/s | of peak | arithmetic of a step of that many tokens, ms |", "|---|---|---|---|---|"]
     for k in kernels:
         share = f"{k['gmac_per_s'] / peak['gmac_per_s']:.0%}" if peak else "-"

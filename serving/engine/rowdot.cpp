@@ -4,7 +4,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <atomic>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -258,10 +260,11 @@ static inline void qrows(const int8_t* w, int64_t KP, const uint8_t* x, const fl
 }
 
 
-// ---- AMX (Intel's tile unit, Sapphire Rapids and later) for the int8 kernel's calls of more than
-// one input row. A W8A8 row's integer dot is exact whichever unit sums it, and the float work after
-// it is the same expression as qrows', so every output is bitwise the VNNI path's: a verify row
-// still equals the one-token step (which stays on VNNI, bound by reading the weights anyway).
+// ---- AMX (Intel's tile unit, Sapphire Rapids and later) for the int8 kernel. A W8A8 row's integer
+// dot is exact whichever unit sums it, and the float work after it is the same expression as qrows',
+// so every output is bitwise the VNNI path's. Calls of two rows or more (verifies, prefills) run on
+// it; a one-row step stays on VNNI, which was as fast or faster there on the Intel VM of 2026-11-27
+// (scripts/experiments/int8_peak.py, its int8 and int8-vnni rows; docs/experiments/q4-target.md).
 // Tiles: weights as A (16 output rows x 64 bytes, signed), inputs as B (16 rows of 4-byte groups x
 // up to 16 input rows, unsigned: shifted as for vpdpbusd), so C[o][r] is qrows' dot before its
 // reduction. Linux grants the tile state only on request (arch_prctl), once per process.
@@ -274,8 +277,8 @@ static inline void qrows(const int8_t* w, int64_t KP, const uint8_t* x, const fl
 #define CHORAL_AMX 0
 #endif
 
-static int& amx_mode() {  // -1: not yet asked; 0: off; 1: on
-  static int mode = -1;
+static std::atomic<int>& amx_mode() {  // -1: not yet asked; 0: off; 1: on
+  static std::atomic<int> mode{-1};
   return mode;
 }
 
@@ -292,13 +295,15 @@ static bool amx_granted() {
 // back on (where the CPU and kernel have it) and says the same. The tests compare both ways.
 bool rowdot_amx(int64_t want) {
   if (want >= 0) amx_mode() = int(want > 0);
-  else if (amx_mode() < 0) amx_mode() = 1;
+  int unset = -1;
+  amx_mode().compare_exchange_strong(unset, 1);
   return amx_mode() == 1 && amx_granted();
 }
 
 #if CHORAL_AMX
 constexpr int64_t AMX_ROWS = 16;   // input rows per B tile
 constexpr int64_t AMX_PANEL = 32;  // weight rows per pass: two A tiles share each B tile
+constexpr int64_t AMX_MIN_ROWS = 2;   // input rows from which a call runs on AMX
 #ifndef AMX_HINT
 #define AMX_HINT _MM_HINT_T1
 #endif
@@ -318,15 +323,17 @@ static void w8a8_amx(const int8_t* w, int64_t KP, int64_t N, const uint8_t* xq, 
   // B tiles' rows: 4-byte groups of the inputs, the chunk's RC rows side by side, [chunks][K4][RC].
   std::vector<int32_t> xb(chunks * K4 * RC, 0);
   for (int64_t m = 0; m < M; ++m) {
-    const int32_t* row = reinterpret_cast<const int32_t*>(xq + m * KP);
     int32_t* dst = xb.data() + (m / RC) * K4 * RC + m % RC;
-    for (int64_t j = 0; j < K4; ++j) dst[j * RC] = row[j];
+    for (int64_t j = 0; j < K4; ++j) std::memcpy(dst + j * RC, xq + m * KP + 4 * j, 4);
   }
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     TileConfig cfg;
     for (int t : {0, 1}) cfg.rows[t] = 16, cfg.colsb[t] = 64;                     // A: weights
     cfg.rows[2] = 16, cfg.colsb[2] = uint16_t(RC * 4);                             // B: inputs
     for (int t : {3, 4}) cfg.rows[t] = 16, cfg.colsb[t] = uint16_t(RC * 4);       // C: dots
+    // gcc 12 does not count ldtilecfg as reading the config: without this it may drop the stores
+    // above as dead (it did in int8_peak.py's C loop, which then died at its first tile load).
+    __asm__ volatile("" : : "r"(&cfg) : "memory");
     _tile_loadconfig(&cfg);
     alignas(64) int32_t dots[AMX_PANEL][AMX_ROWS];
     for (int64_t p = p0; p < p1; ++p) {
@@ -394,7 +401,7 @@ torch::Tensor rowdot_linear_w8a8(torch::Tensor x, torch::Tensor w, torch::Tensor
     });
   };
 #if CHORAL_AMX
-  if (M > 1 && N >= AMX_PANEL && rowdot_amx(-1)) {
+  if (M >= AMX_MIN_ROWS && N >= AMX_PANEL && rowdot_amx(-1)) {
     w8a8_amx(wp, KP, N, xq.data(), M, xs.data(), sp, up, yp);
     const int64_t done = N / AMX_PANEL * AMX_PANEL;  // the last N % 32 weight rows on VNNI
     for (int64_t j = done; j < N; ++j) over_row_chunks(M, KP, [&](int64_t m, int64_t R) { rows(j, m, R); });
