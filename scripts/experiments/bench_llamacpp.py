@@ -33,11 +33,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import shlex
 import statistics
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
@@ -50,7 +52,7 @@ class LlamaServer:
     """``llama-server`` on a loopback port; ``complete`` sends token ids, greedy."""
 
     def __init__(self, binary: Path, model: Path, spec: str, draft: Path | None, threads: int, draft_max: int,
-                 log: Path) -> None:
+                 log: Path, extra: Sequence[str] = ()) -> None:
         from serving.server.launch import free_port
 
         self.port = free_port()
@@ -62,9 +64,9 @@ class LlamaServer:
             cmd += ["--spec-type", spec, "--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m", str(draft_max)]
         elif spec != "none":
             cmd += ["--spec-type", spec]
-        self.cmd = cmd
+        self.cmd = cmd + list(extra)
         self._log = open(log, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
         while True:
             if self.proc.poll() is not None:
@@ -146,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
                     "0.5B), ngram, suffix")
     ap.add_argument("--draft-weights", default="int8", choices=("int8", "q4"), help="the 0.5B's precision in Choral")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--llama-args", default="", help="more llama-server arguments for every llama.cpp system, one "
+                    "string (e.g. '--no-repack' where its AMX path fails, as on the Intel VM of 2026-11-27)")
     ap.add_argument("--out", default="runs/llamacpp")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -171,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         for spec in ["none", *filter(None, args.llama_spec.split(","))]:
             name = LLAMA_NAMES.get(spec, f"llama.cpp + {spec}")
             k = args.k if spec == "draft-simple" else args.host_k
-            server = LlamaServer(binary, target_gguf, spec, draft_gguf, args.threads, k, out / f"{name.replace(' ', '_')}.log")
+            server = LlamaServer(binary, target_gguf, spec, draft_gguf, args.threads, k, out / f"{name.replace(' ', '_')}.log",
+                                 shlex.split(args.llama_args))
             servers.append(server)
             systems[name] = lambda i, n, s=server: s.complete(i, n)
         drafters = [d for d in args.drafters.split(",") if d]
