@@ -259,7 +259,6 @@ static inline void qrows(const int8_t* w, int64_t KP, const uint8_t* x, const fl
   for (int r = 0; r < R; ++r) out[r * ldo] = float(dot[r] - W8A8_SHIFT * wsum) * xs[r] * ws;
 }
 
-
 // ---- AMX (Intel's tile unit, Sapphire Rapids and later) for the int8 kernel. A W8A8 row's integer
 // dot is exact whichever unit sums it, and the float work after it is the same expression as qrows',
 // so every output is bitwise the VNNI path's. Calls of two rows or more (verifies, prefills) run on
@@ -277,9 +276,9 @@ static inline void qrows(const int8_t* w, int64_t KP, const uint8_t* x, const fl
 #define CHORAL_AMX 0
 #endif
 
-static std::atomic<int>& amx_mode() {  // -1: not yet asked; 0: off; 1: on
-  static std::atomic<int> mode{-1};
-  return mode;
+static std::atomic<bool>& amx_on() {  // on by default; the tests turn it off to compare
+  static std::atomic<bool> on{true};
+  return on;
 }
 
 static bool amx_granted() {
@@ -294,19 +293,14 @@ static bool amx_granted() {
 // rowdot_amx(-1) says whether multi-row int8 calls run on AMX; rowdot_amx(0 or 1) turns that off or
 // back on (where the CPU and kernel have it) and says the same. The tests compare both ways.
 bool rowdot_amx(int64_t want) {
-  if (want >= 0) amx_mode() = int(want > 0);
-  int unset = -1;
-  amx_mode().compare_exchange_strong(unset, 1);
-  return amx_mode() == 1 && amx_granted();
+  if (want >= 0) amx_on() = want > 0;
+  return amx_on() && amx_granted();
 }
 
 #if CHORAL_AMX
 constexpr int64_t AMX_ROWS = 16;   // input rows per B tile
 constexpr int64_t AMX_PANEL = 32;  // weight rows per pass: two A tiles share each B tile
 constexpr int64_t AMX_MIN_ROWS = 2;   // input rows from which a call runs on AMX
-#ifndef AMX_HINT
-#define AMX_HINT _MM_HINT_T1
-#endif
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -345,12 +339,13 @@ static void w8a8_amx(const int8_t* w, int64_t KP, int64_t N, const uint8_t* xq, 
         _tile_zero(3);
         _tile_zero(4);
         // The next panel's 32 rows are one contiguous run of memory: ask for it, 2 KB a step, while
-        // the tiles read this panel column by column (32 strided streams the prefetchers lose).
+        // the tiles read this panel column by column (32 strided streams the prefetchers lose). Into
+        // L2: the next panel is as large as L1 (48 KB at 1536 inputs).
         const char* ahead = reinterpret_cast<const char*>(w0 + AMX_PANEL * KP);
         const bool fetch = c == 0 && p + 1 < p1;
         for (int64_t k = 0; k < KP; k += 64) {
           if (fetch)
-            for (int l = 0; l < 32; ++l) _mm_prefetch(ahead + (k / 64 * 32 + l) * 64, AMX_HINT);
+            for (int l = 0; l < 32; ++l) _mm_prefetch(ahead + (k / 64 * 32 + l) * 64, _MM_HINT_T1);
           _tile_loadd(0, w0 + k, KP);
           _tile_loadd(1, w1 + k, KP);
           _tile_loadd(2, b + (k / 4) * RC, RC * 4);
