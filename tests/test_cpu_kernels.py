@@ -318,30 +318,40 @@ def test_int8_linear_is_the_w8a8_arithmetic(in_f, out_f, bias):
 
 @pytest.mark.unit
 @needs_rowdot
-def test_int8_rows_on_amx_are_the_vnni_rows_bit_for_bit():
-    """Where the CPU has AMX, int8 calls of two rows or more run on its tiles (rowdot_amx(0) sends them
-    to VNNI, where one-row calls always run). Integer
+@pytest.mark.parametrize("weights", ["int8", "q4"])
+def test_rows_on_amx_are_the_vector_rows_bit_for_bit(weights):
+    """Where the CPU has AMX, int8 calls of two rows or more and q4 calls of 32 or more run on its
+    tiles (rowdot_amx(0) sends them to the vector units, where shorter calls always run). Integer
     dots are exact on either unit and the float work after them is the same expression, so every
-    row matches the VNNI path and its own one-row call bit for bit:
-    panels of 32 weight rows with a leftover on VNNI, one to three chunks of 16 input rows (the
-    last padded), an input width over several K steps and one that is a single step."""
+    row matches the vector path and its own one-row call bit for bit. int8: panels of 32 weight rows
+    with a leftover on VNNI, one to three chunks of 16 input rows (the last padded), an input width
+    over several K steps and one that is a single step. q4: panels of 16 outputs with a padded last
+    one, chunks of 11 to 16 rows, an odd number of groups."""
     ext = cpu_kernels._rowdot_ext()
     if not ext.rowdot_amx(1):  # on, as by default (whatever an earlier test left), and whether it can be
-        pytest.skip("no AMX on this CPU (or the kernel refused the tile state): the int8 kernel has no AMX path here")
+        pytest.skip("no AMX on this CPU (or the kernel refused the tile state): the integer kernels have no AMX path here")
     torch.manual_seed(0)
+    if weights == "int8":
+        shapes, counts = ((64, 40), (1536, 96), (4200, 75), (8960, 33)), (1, 2, 5, 16, 17, 40)
+    else:
+        shapes, counts = ((64, 40), (1536, 96), (4160, 75), (8960, 33)), (1, 31, 32, 33, 47, 70)
     try:
-        for in_f, out_f in ((64, 40), (1536, 96), (4200, 75), (8960, 33)):
-            mod = cpu_kernels.Int8Linear(nn.Linear(in_f, out_f))
-            for rows in (1, 2, 5, 16, 17, 40):
+        for in_f, out_f in shapes:
+            if weights == "int8":
+                mod = cpu_kernels.Int8Linear(nn.Linear(in_f, out_f))
+            else:
+                lin = _on_q4_lattice(nn.Linear(in_f, out_f))
+                mod = cpu_kernels.Q4Linear(lin, cpu_kernels.q4_lattice(lin.weight))
+            for rows in counts:
                 x = torch.randn(rows, in_f)
                 x[0, :5] = 0.0
                 assert ext.rowdot_amx(1)
                 with torch.no_grad():
                     on_amx = mod(x)
                     assert not ext.rowdot_amx(0)
-                    on_vnni = mod(x)
+                    on_vector = mod(x)
                     alone = torch.cat([mod(x[i : i + 1]) for i in range(rows)])
-                assert torch.equal(on_amx, on_vnni), (in_f, out_f, rows)
+                assert torch.equal(on_amx, on_vector), (in_f, out_f, rows)
                 assert torch.equal(on_amx, alone), (in_f, out_f, rows)
     finally:
         ext.rowdot_amx(1)
@@ -479,7 +489,7 @@ def _on_q4_lattice(model: nn.Module, skip: tuple[str, ...] = ()) -> nn.Module:
 
 @pytest.mark.unit
 @needs_rowdot
-# 4160 inputs: 130 groups, padded to 9 blocks of 16 groups (the last holds 2 real groups).
+# Outputs padded to panels of 16 (40, 19, 11); 4160 inputs: 130 groups.
 @pytest.mark.parametrize("in_f,out_f,bias", [(64, 40, False), (96, 19, True), (320, 8, False), (4160, 11, False)])
 def test_q4_linear_recovers_the_groups_and_is_the_w4a8_arithmetic(in_f, out_f, bias):
     torch.manual_seed(0)
@@ -492,8 +502,8 @@ def test_q4_linear_recovers_the_groups_and_is_the_w4a8_arithmetic(in_f, out_f, b
     w = lin.weight.detach()
     assert torch.allclose(mod.dequantized(), w, rtol=0, atol=3 * 2**-11 * float(w.abs().max()))
     assert mod.step.dtype == mod.minimum.dtype == torch.float16
-    assert mod.qweight.dtype == torch.uint8 and mod.qweight.shape[1] * 2 % cpu_kernels.Q4_BLOCK == 0
-    x = torch.randn(23, in_f)
+    assert mod.qweight.dtype == torch.uint8 and mod.qweight.shape[0] == -(-out_f // cpu_kernels.Q4_PANEL)
+    x = torch.randn(40, in_f)  # 40 rows: a prefill on AMX where the CPU has it
     with torch.no_grad():
         got = mod(x)
         xs = x.abs().amax(dim=1) / 127.0  # [M]
@@ -501,9 +511,9 @@ def test_q4_linear_recovers_the_groups_and_is_the_w4a8_arithmetic(in_f, out_f, b
         ref = (xq.double() @ mod.dequantized().double().T * xs[:, None].double()).float()
         ref = ref if lin.bias is None else ref + lin.bias
         assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
-        # Batch-invariant bit for bit, a 23-row prefill included.
-        assert all(torch.equal(mod(x[i : i + 1]), got[i : i + 1]) for i in range(23))
-        assert all(torch.equal(mod(x[:n]), got[:n]) for n in (2, 5, 9))
+        # Batch-invariant bit for bit, a 40-row prefill included.
+        assert all(torch.equal(mod(x[i : i + 1]), got[i : i + 1]) for i in range(40))
+        assert all(torch.equal(mod(x[:n]), got[:n]) for n in (2, 5, 9, 33))
         exact = lin(x)
         assert (got - exact).norm() / exact.norm() < 0.03
     # A float layer is not on a 4-bit lattice: it is not taken for one.
@@ -539,12 +549,12 @@ def test_q4_kernel_paths_agree_bit_for_bit():
     for in_f, out_f in ((64, 40), (4160, 11), (1536, 70)):
         lin = _on_q4_lattice(nn.Linear(in_f, out_f))
         mod = cpu_kernels.Q4Linear(lin, cpu_kernels.q4_lattice(lin.weight))
-        for rows in (1, 5, 23):
+        for rows in (1, 5, 23, 40):  # 40: on AMX in this machine's build, where it has AMX
             x = torch.randn(rows, in_f)
             x[0, :7] = 0.0  # zero inputs and a row's zero padding: +0 contributions, no -0 or NaN
-            native = cpu_kernels._rowdot_ext().rowdot_linear_w4a8(x, mod.qweight, mod.step, mod.minimum, None)
+            native = cpu_kernels._rowdot_ext().rowdot_linear_w4a8(x, mod.qweight, mod.step, mod.minimum, out_f, None)
             for name, ext in builds.items():
-                got = ext.rowdot_linear_w4a8(x, mod.qweight, mod.step, mod.minimum, None)
+                got = ext.rowdot_linear_w4a8(x, mod.qweight, mod.step, mod.minimum, out_f, None)
                 assert torch.equal(got, native), (name, in_f, rows)
 
 

@@ -72,6 +72,7 @@ def main(argv=None) -> dict:
     p.add_argument("--copies", type=int, default=1, help="Linears of the shape (different weights), called in turn: "
                    "enough of them to exceed the last-level cache makes every call read its weights from memory, "
                    "as a model step does (one Linear of a 1.5B model stays in a 32 MB L3)")
+    p.add_argument("--no-amx", action="store_true", help="both sides on the vector units where the CPU has AMX")
     p.add_argument("--json", default="runs/compare_kernels.json")
     args = p.parse_args(argv)
     try:
@@ -94,6 +95,10 @@ def main(argv=None) -> dict:
                 lin.weight.copy_(cpu_kernels.snap_to_q4_lattice(lin.weight))
     with tempfile.TemporaryDirectory() as tmp:
         old = kernels_at(args.rev, Path(tmp))
+        if args.no_amx:
+            for mod in (old, cpu_kernels):
+                if hasattr(mod._rowdot_ext(), "rowdot_amx"):
+                    mod._rowdot_ext().rowdot_amx(0)
         sides = {args.rev: [convert(old, lin, args.weights) for lin in lins],
                  "working tree": [convert(cpu_kernels, lin, args.weights) for lin in lins]}
         rows = []
@@ -120,7 +125,7 @@ def main(argv=None) -> dict:
         a, b = (r["ms"][n] for n in names)
         print(f"| | {r['tokens']} | {a:.3f} | {b:.3f} | {a / b:.2f}x | {r['max_rel_diff']:.1e} |")
     result = {"rev": args.rev, "weights": args.weights, "shape": [out_f, in_f], "copies": args.copies,
-              "threads": torch.get_num_threads(),
+              "threads": torch.get_num_threads(), "amx": not args.no_amx,
               "machine": platform.processor() or platform.machine(), "torch": torch.__version__, "rows": rows}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))

@@ -208,7 +208,7 @@ def _low_bit_ok(x: torch.Tensor) -> bool:
 
 
 Q4_GROUP = 32
-Q4_BLOCK = 16 * Q4_GROUP  # the kernel's block of groups (rowdot.cpp)
+Q4_PANEL = 16  # outputs per panel in the kernel's layout (rowdot.cpp)
 
 
 def q4_lattice(w: torch.Tensor, tol: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -283,10 +283,10 @@ def _q4_lattice_rows(g: torch.Tensor, tol: float):
 class Q4Linear(nn.Module):
     """A target Linear in 4-bit groups (W4A8): each group of 32 weights along the input has a
     step d and a minimum m (the GGUF's Q4_K sub-blocks, ``q4_lattice``), each input row is int8
-    with one scale, as in ``Int8Linear``. The group sums of q x input are exact integers and are
-    scaled and added in one fixed order, so rows are batch-invariant and a prefill runs on the same
-    kernel. A step reads 0.625 bytes per weight (4 bits + two fp16 per 32) instead of 1 or 4, plus the
-    padding of each row to whole blocks of 512 inputs (3% for a 8960-wide down projection)."""
+    with one scale, as in ``Int8Linear``. The group sums of q x input are exact integers, and each
+    output adds its groups' scaled sums in one fixed order, so rows are batch-invariant and a prefill
+    runs on the same kernel. A step reads 0.625 bytes per weight (4 bits + two fp16 per 32) instead
+    of 1 or 4, plus the padding of the outputs to whole panels of 16."""
 
     def __init__(self, linear: nn.Linear | None, lattice: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None):
         super().__init__()
@@ -294,45 +294,49 @@ class Q4Linear(nn.Module):
             return
         self.out_features, self.in_features = linear.weight.shape
         q, d, m = lattice
-        # Pad to whole blocks of 16 groups (512 weights; zero weights, steps and minimums add
-        # exact zeros) and store each block as the kernel reads it (rowdot.cpp, "4-bit weights"):
-        # four 64-byte vectors v whose byte 4i + c holds group i's weights 8v + c (low nibble) and
-        # 8v + 4 + c (high nibble), so that every 32-bit lane of a vector is one group's.
-        kp = -(-self.in_features // Q4_BLOCK) * Q4_BLOCK
-        n, groups = q.shape[0], kp // Q4_GROUP
-        qp = torch.zeros(n, kp, dtype=torch.uint8)
-        qp[:, : self.in_features] = q
-        qp = qp.view(n, kp // Q4_BLOCK, 16, 4, 2, 4).permute(0, 1, 3, 2, 4, 5)  # [N, B, v, i, nibble, c]
-        pad = torch.zeros(n, groups - d.shape[1])
+        # Pad the outputs to panels of 16 and the inputs to whole groups (zero weights, steps and
+        # minimums add exact zeros), and store each panel's group as the kernel reads it
+        # (rowdot.cpp, "4-bit weights"): four 64-byte vectors v whose byte 4o + c holds output o's
+        # weight 4v + c (low nibble) and 16 + 4v + c (high nibble), an AMX B tile once unpacked.
+        n, k = q.shape
+        np_, groups = -(-n // Q4_PANEL) * Q4_PANEL, -(-k // Q4_GROUP)
+        qp = torch.zeros(np_, groups * Q4_GROUP, dtype=torch.uint8)
+        qp[:n, :k] = q
+        qp = qp.view(np_ // Q4_PANEL, Q4_PANEL, groups, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)  # [P, G, v, o, c, nibble]
         # fp16, as the GGUF's own super-block scales: a group's step and minimum then cost 4 bytes
         # per 32 weights (16 bytes of 4-bit values) instead of 8, and move each weight by at most
         # 2^-11 of its value, far inside the 4-bit rounding the file already made.
-        self._set((qp[..., 0, :] | (qp[..., 1, :] << 4)).reshape(n, kp // 2),  # [N, KP/2]
-                  torch.cat([d.float(), pad], dim=1).half(), torch.cat([m.float(), pad], dim=1).half(),  # [N, G] each
-                  linear.bias)  # fmt: skip
+        self._set((qp[..., 0] | (qp[..., 1] << 4)).reshape(np_ // Q4_PANEL, groups * Q4_PANEL * Q4_GROUP // 2),  # [P, G*256]
+                  _q4_panels(d, np_), _q4_panels(m, np_), linear.bias)  # fmt: skip
 
     def _set(self, qweight: torch.Tensor, step: torch.Tensor, minimum: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.register_buffer("qweight", qweight.contiguous())  # [N, KP/2]
-        self.register_buffer("step", step.contiguous())  # [N, G] fp16
-        self.register_buffer("minimum", minimum.contiguous())  # [N, G] fp16
+        self.register_buffer("qweight", qweight.contiguous())  # [P, G*256]
+        self.register_buffer("step", step.contiguous())  # [P, G*16] fp16
+        self.register_buffer("minimum", minimum.contiguous())  # [P, G*16] fp16
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
 
     @classmethod
-    def from_buffers(cls, in_features: int, qweight: torch.Tensor, step: torch.Tensor, minimum: torch.Tensor,
-                     bias: torch.Tensor | None) -> "Q4Linear":
+    def from_buffers(cls, in_features: int, out_features: int, qweight: torch.Tensor, step: torch.Tensor,
+                     minimum: torch.Tensor, bias: torch.Tensor | None) -> "Q4Linear":
         """A layer from stored buffers (``serving.engine.weights_cache``)."""
+        if qweight.shape[0] != -(-out_features // Q4_PANEL):
+            raise ValueError(f"{qweight.shape[0]} panels of 16 stored for {out_features} outputs")
         mod = cls(None, None)
-        mod.in_features, mod.out_features = in_features, qweight.shape[0]
+        mod.in_features, mod.out_features = in_features, out_features
         mod._set(qweight, step, minimum, bias)
         return mod
 
     def dequantized(self) -> torch.Tensor:
-        n = self.qweight.shape[0]
-        b = self.qweight.view(n, -1, 4, 16, 4)  # [N, B, v, i, c]
-        q = torch.stack([b & 0x0F, b >> 4], dim=4).permute(0, 1, 3, 2, 4, 5)  # [N, B, i, v, nibble, c]
-        q = q.reshape(n, -1, Q4_GROUP).float()  # [N, G, 32]: weight 8v + 4 nibble + c of group i
-        w = q * self.step.float()[..., None] + self.minimum.float()[..., None]
-        return w.reshape(n, -1)[:, : self.in_features]  # [N, K]
+        p, groups = self.qweight.shape[0], self.step.shape[1] // Q4_PANEL
+        b = self.qweight.view(p, groups, 4, Q4_PANEL, 4)  # [P, G, v, o, c]
+        q = torch.stack([b & 0x0F, b >> 4], dim=-1).permute(0, 3, 1, 5, 2, 4)  # [P, o, G, nibble, v, c]
+        q = q.reshape(p * Q4_PANEL, groups, Q4_GROUP).float()  # [NP, G, 32]
+
+        def per_output(t):  # [P, G*16] -> [NP, G, 1]
+            return t.view(p, groups, Q4_PANEL).permute(0, 2, 1).reshape(p * Q4_PANEL, groups, 1).float()
+
+        w = q * per_output(self.step) + per_output(self.minimum)
+        return w.reshape(p * Q4_PANEL, -1)[: self.out_features, : self.in_features]  # [N, K]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, w4a8"
@@ -341,8 +345,17 @@ class Q4Linear(nn.Module):
         if not _low_bit_ok(x):
             return F.linear(x, self.dequantized().to(x.dtype), self.bias)
         y = _rowdot_ext().rowdot_linear_w4a8(x.reshape(-1, self.in_features), self.qweight, self.step, self.minimum,
-                                             self.bias)
+                                             self.out_features, self.bias)
         return y.view(*x.shape[:-1], self.out_features)
+
+
+def _q4_panels(t: torch.Tensor, np_: int) -> torch.Tensor:
+    """Per-group values [N, G0] as the kernel reads them: fp16 [P, G*16], output o of panel p
+    at [p, 16 g + o], padded with zeros to ``np_`` outputs and whole groups."""
+    n, g0 = t.shape
+    out = torch.zeros(np_, g0, dtype=torch.float32)
+    out[:n] = t.float()
+    return out.view(np_ // Q4_PANEL, Q4_PANEL, g0).permute(0, 2, 1).reshape(np_ // Q4_PANEL, g0 * Q4_PANEL).half()
 
 
 class RowSiLU(nn.Module):
@@ -385,6 +398,8 @@ def fuse_linears(mods: Sequence[nn.Module]) -> nn.Module | None:
         return None
     kind = kinds.pop()
     if kind is Q4Linear:
+        if any(m.out_features % Q4_PANEL for m in mods):  # a padded panel inside the fused rows
+            return None
         names = ("qweight", "step", "minimum")
     elif kind is Int8Linear:
         names = ("qweight", "scale", "row_sums")
@@ -401,8 +416,9 @@ def fuse_linears(mods: Sequence[nn.Module]) -> nn.Module | None:
     with torch.no_grad():
         for name in names:
             fused.register_buffer(name, torch.cat([getattr(m, name) for m in mods]).contiguous())
+            per = Q4_PANEL if kind is Q4Linear else 1  # a Q4Linear's buffers hold a panel per row
             for m, (a, b) in zip(mods, spans):
-                m._buffers[name] = getattr(fused, name)[a:b]
+                m._buffers[name] = getattr(fused, name)[a // per : b // per]
         fused.bias = None
         if mods[0].bias is not None:
             fused.bias = nn.Parameter(torch.cat([m.bias.detach() for m in mods]), requires_grad=False)

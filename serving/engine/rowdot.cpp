@@ -409,190 +409,274 @@ torch::Tensor rowdot_linear_w8a8(torch::Tensor x, torch::Tensor w, torch::Tensor
 
 // ---- 4-bit weights for a target (W4A8): the GGUF's Q4_K sub-blocks, one group of 32 weights per
 // (step d, minimum m) with 4-bit q in 0..15, value = d * q + m. Inputs are int8 per row (scale a,
-// as in W8A8) with per-group sums X. For one weight row and one input row:
-//   y = a * sum_g (d_g * S_g + m_g * X_g),  S_g = sum over the group of q * xq (exact ints).
+// as in W8A8) with per-group sums X. For one output o and one input row:
+//   y = a * (D + M),  D = sum_g d_g * S_g,  M = sum_g m_g * X_g,  S_g = sum over the group of q * xq,
+// S_g and X_g exact integers, D and M each one fp32 FMA chain over the groups in order.
 //
-// Layout: the input features are padded to blocks of 16 groups (512 weights, 256 bytes), and a
-// block is four 64-byte vectors v; byte 4i + c of vector v holds group i's weight 8v + c in its low
-// nibble and 8v + 4 + c in its high nibble. So every 32-bit lane of a vector belongs to one group
-// (lane i = group i), an integer dot product leaves each group's whole S_g in its own lane after
-// the block's eight vpdpbusd, and the float work (one convert, two FMAs for d and m) comes once per
-// 16 groups per input row, not once per 4 as with the file's own group order; the nibble unpacking
-// is shared by all the rows of a chunk. Inputs are stored in the same order (q4_order_row).
+// Every output is its own chain, and vectors hold outputs side by side (16 to an AVX-512 register, 8
+// to an AVX2 one), so no output's arithmetic depends on the vector width, on the unit that summed its
+// integers (AMX, VNNI, AVX2 or scalar), on the number of rows or on how they are chunked: a verify row
+// is bitwise its one-token step, and this kernel gives the same bits on every x86 CPU kind.
 //
-// Batch invariance: lane i accumulates group 16b + i of block b, block after block, in fp32
-// (d_g * S_g and m_g * X_g apart, then their sum), and the 16 lanes are added in one fixed tree, whatever
-// the number of rows and however they are chunked. The AVX-512 VNNI, AVX2 and scalar paths do the
-// same float operations in the same order, so they agree bit for bit: this kernel's output does not
-// depend on which x86 CPU kind runs it.
-constexpr int64_t Q4_BLOCK = 512;         // weights per block: 16 groups of 32
-constexpr int64_t Q4_MAX_GROUPS = 1024;  // 32768 input features
-// How far ahead (bytes) the VNNI path asks for the weights it streams when a call has more than
+// Layout: the outputs in panels of 16 (the last padded with zero weights, steps and minimums), the
+// inputs in groups of 32. A panel's group is 256 bytes, four 64-byte vectors v: byte 4o + c holds
+// output o's weight 4v + c in its low nibble and 16 + 4v + c in its high nibble. Unpacked, the low
+// nibbles of vector v are row v and the high ones row v + 4 of an 8 x 64-byte block whose row k holds
+// each output's weights 4k .. 4k + 3: an AMX B tile as tdpbsud reads it, and for vpdpbusd, the 16
+// outputs' products with one broadcast 4 bytes of input. Steps and minimums: fp16 [panel][group][16].
+constexpr int64_t Q4_PANEL = 16;   // outputs per panel
+constexpr int64_t Q4_GBYTES = 256; // bytes of one panel's group of 32 weights
+// How far ahead (bytes) the vector path asks for the weights it streams when a call has more than
 // one input row: it then computes long enough per byte that the hardware prefetcher alone falls
-// behind (`scripts/experiments/compare_kernels.py --copies 8` on Zen 4: 1.09-1.27x at 9 and 16
-// rows of 8960x1536, 0.97-1.27x at 5; about the same at 1024 or 4096; the down projection, in
-// chunks of 2 rows, about 1.0x). A one-row call streams as fast as memory allows without it and
-// ran at 0.92x and 0.98x with it; the int8 kernel gained nothing from it.
+// behind. A one-row call streams as fast as memory allows without it.
 constexpr int64_t Q4_PREFETCH = 2048;
-
-static inline void q4_order_row(const int8_t* q, int64_t KP, int8_t* out) {
-  for (int64_t p = 0; p < KP; p += Q4_BLOCK)
-    for (int v = 0; v < 4; ++v)
-      for (int h = 0; h < 2; ++h)  // the low nibbles' inputs, then the high ones'
-        for (int i = 0; i < 16; ++i)
-          for (int c = 0; c < 4; ++c) out[p + v * 128 + h * 64 + i * 4 + c] = q[p + i * 32 + v * 8 + h * 4 + c];
-}
-
-// Scales and minimums are stored in fp16 (a quarter of the bytes a 4-bit weight takes, against half
-// in fp32) and widened to fp32 per panel of weight rows.
-static inline void halves_to_floats(const at::Half* h, int64_t n, float* out) {
-  int64_t i = 0;
-#if defined(__F16C__)
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
-#endif
-  for (; i < n; ++i) out[i] = float(h[i]);
-}
 
 // CHORAL_Q4_PATH (a compile flag) forces a path: the tests build the others to compare them.
 #if defined(CHORAL_Q4_PATH)
 #define Q4_PATH CHORAL_Q4_PATH
 #elif defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define Q4_PATH 2
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define Q4_PATH 1
 #else
 #define Q4_PATH 0
 #endif
 
-// One weight row (G groups, G a multiple of 16) against R input rows. Per lane (group i of each
-// block): a += d_g * S_g over the blocks in order, b += m_g * X_g likewise, lane = a + b.
-// The integer sums are exact in any order, so a block's eight vpdpbusd per row run as two
-// independent chains (low and high nibbles) added at the end, and the minimums' term is a pass of
-// its own: fewer dependent instructions in a row, which is what limits a one-row step.
+static inline int32_t load4(const int8_t* p) {  // 4 input bytes, for a broadcast
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+#if Q4_PATH == 2
+// y = a * (D + M) for R rows of one panel, given each row's D (acc): the minimums' chain, then the
+// outputs of the panel that exist (valid of 16).
 template <int R>
-static inline void q4rows(const uint8_t* w, const float* d, const float* mn, int64_t G, const int8_t* x, int64_t KP,
-                          const float* xsum, const float* xa, float* out, int64_t ldo) {
+static inline void q4_finish(const __m512* acc, const at::Half* mn, int64_t G, const float* xsum, const float* xa,
+                             float* out, int64_t ldo, int64_t valid) {
+  const __mmask16 keep = __mmask16((1u << valid) - 1u);
+  for (int r = 0; r < R; ++r) {
+    __m512 b = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g)
+      b = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + g * 16))),
+                          _mm512_set1_ps(xsum[r * G + g]), b);
+    _mm512_mask_storeu_ps(out + r * ldo, keep, _mm512_mul_ps(_mm512_set1_ps(xa[r]), _mm512_add_ps(acc[r], b)));
+  }
+}
+#endif
+
+// One panel (w: its G groups, d and mn: its steps and minimums) against R input rows (x, KP bytes
+// apart) on the vector units. The integer sums are exact in any order, so a group's eight vpdpbusd
+// per row run as two chains (low and high nibbles) added at the end.
+template <int R>
+static inline void q4panel(const uint8_t* w, const at::Half* d, const at::Half* mn, int64_t G, const int8_t* x,
+                           int64_t KP, const float* xsum, const float* xa, float* out, int64_t ldo, int64_t valid) {
 #if Q4_PATH == 2
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < G; g += 16) {
-    const uint8_t* wb = w + g * 16;  // 256 bytes
-    const int8_t* xb = x + g * 32;   // 512 bytes per row
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* wg = w + g * Q4_GBYTES;
     if (R > 1)
-      for (int c = 0; c < 256; c += 64) _mm_prefetch(reinterpret_cast<const char*>(wb + Q4_PREFETCH + c), _MM_HINT_T0);
+      for (int c = 0; c < Q4_GBYTES; c += 64) _mm_prefetch(reinterpret_cast<const char*>(wg + Q4_PREFETCH + c), _MM_HINT_T0);
     __m512i lo[4], hi[4];
     for (int v = 0; v < 4; ++v) {
-      const __m512i b = _mm512_loadu_si512(wb + v * 64);
+      const __m512i b = _mm512_loadu_si512(wg + v * 64);
       lo[v] = _mm512_and_si512(b, low4);
       hi[v] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
     }
-    const __m512 dv = _mm512_loadu_ps(d + g);
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + g * 16)));
     for (int r = 0; r < R; ++r) {  // nibbles unsigned, inputs signed
-      const int8_t* xr = xb + r * KP;
+      const int8_t* xr = x + r * KP + g * 32;
       __m512i t0 = _mm512_setzero_si512(), t1 = _mm512_setzero_si512();
       for (int v = 0; v < 4; ++v) {
-        t0 = _mm512_dpbusd_epi32(t0, lo[v], _mm512_loadu_si512(xr + v * 128));
-        t1 = _mm512_dpbusd_epi32(t1, hi[v], _mm512_loadu_si512(xr + v * 128 + 64));
+        t0 = _mm512_dpbusd_epi32(t0, lo[v], _mm512_set1_epi32(load4(xr + 4 * v)));
+        t1 = _mm512_dpbusd_epi32(t1, hi[v], _mm512_set1_epi32(load4(xr + 16 + 4 * v)));
       }
-      const __m512i s = _mm512_add_epi32(t0, t1);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), dv, acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(t0, t1)), dv, acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    __m512 am = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; g += 16) am = _mm512_fmadd_ps(_mm512_loadu_ps(mn + g), _mm512_loadu_ps(xsum + r * G + g), am);
-    out[r * ldo] = xa[r] * hsum8(half_sum(_mm512_add_ps(acc[r], am)));  // lane i + lane i + 8, then the tree
-  }
+  q4_finish<R>(acc, mn, G, xsum, xa, out, ldo, valid);
 #elif Q4_PATH == 1
-  // Groups 0-7 and 8-15 of a block as two 8-lane halves; the same per-lane arithmetic.
+  // Outputs 0-7 and 8-15 of the panel as two 8-lane halves; the same per-output arithmetic.
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 halves[2][R];
   for (int half = 0; half < 2; ++half) {
+    if (half * 8 >= valid) break;
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; g += 16) {
-      const uint8_t* wb = w + g * 16 + half * 32;
-      const int8_t* xb = x + g * 32 + half * 32;
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* wg = w + g * Q4_GBYTES + half * 32;
       __m256i lo[4], hi[4];
       for (int v = 0; v < 4; ++v) {
-        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + v * 64));
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + v * 64));
         lo[v] = _mm256_and_si256(b, low4);
         hi[v] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
       }
-      const __m256 dv = _mm256_loadu_ps(d + g + half * 8);
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g * 16 + half * 8)));
       for (int r = 0; r < R; ++r) {
-        const int8_t* xr = xb + r * KP;
+        const int8_t* xr = x + r * KP + g * 32;
         // u8 (0..15) x s8 pairs: a vpmaddubsw lane is at most 2 * 15 * 127 = 3810 in size, so the
-        // eight of a lane's block (4 vectors, low and high) sum to at most 30480: exact in int16.
-        __m256i t[4];
+        // eight of a group (4 rows, low and high) sum to at most 30480: exact in int16.
+        __m256i t = _mm256_setzero_si256();
         for (int v = 0; v < 4; ++v)
-          t[v] = _mm256_add_epi16(
-              _mm256_maddubs_epi16(lo[v], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + v * 128))),
-              _mm256_maddubs_epi16(hi[v], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + v * 128 + 64))));
-        const __m256i s = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(t[0], t[1]), _mm256_add_epi16(t[2], t[3])), ones);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), dv, acc[r]);
+          t = _mm256_add_epi16(t, _mm256_add_epi16(_mm256_maddubs_epi16(lo[v], _mm256_set1_epi32(load4(xr + 4 * v))),
+                                                   _mm256_maddubs_epi16(hi[v], _mm256_set1_epi32(load4(xr + 16 + 4 * v)))));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(t, ones)), dv, acc[r]);
       }
     }
     for (int r = 0; r < R; ++r) {
-      __m256 am = _mm256_setzero_ps();
-      for (int64_t g = half * 8; g < G; g += 16)
-        am = _mm256_fmadd_ps(_mm256_loadu_ps(mn + g), _mm256_loadu_ps(xsum + r * G + g), am);
-      halves[half][r] = _mm256_add_ps(acc[r], am);
+      __m256 b = _mm256_setzero_ps();
+      for (int64_t g = 0; g < G; ++g)
+        b = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + g * 16 + half * 8))),
+                            _mm256_set1_ps(xsum[r * G + g]), b);
+      alignas(32) float y[8];
+      _mm256_store_ps(y, _mm256_mul_ps(_mm256_set1_ps(xa[r]), _mm256_add_ps(acc[r], b)));
+      for (int o = 0; o < 8 && half * 8 + o < valid; ++o) out[r * ldo + half * 8 + o] = y[o];
     }
   }
-  for (int r = 0; r < R; ++r) out[r * ldo] = xa[r] * hsum8(_mm256_add_ps(halves[0][r], halves[1][r]));
 #else
-  float lanes[R][16];
   for (int r = 0; r < R; ++r)
-    for (int i = 0; i < 16; ++i) {
+    for (int64_t o = 0; o < valid; ++o) {
       float a = 0.f, b = 0.f;
-      for (int64_t g = 0; g < G; g += 16) {
+      for (int64_t g = 0; g < G; ++g) {
         int32_t s = 0;
         for (int v = 0; v < 4; ++v)
           for (int c = 0; c < 4; ++c) {
-            const uint8_t q = w[g * 16 + v * 64 + i * 4 + c];
-            s += int32_t(q & 0x0F) * x[r * KP + g * 32 + v * 128 + i * 4 + c];
-            s += int32_t(q >> 4) * x[r * KP + g * 32 + v * 128 + 64 + i * 4 + c];
+            const uint8_t q = w[g * Q4_GBYTES + v * 64 + o * 4 + c];
+            s += int32_t(q & 0x0F) * x[r * KP + g * 32 + 4 * v + c];
+            s += int32_t(q >> 4) * x[r * KP + g * 32 + 16 + 4 * v + c];
           }
-        a = std::fma(float(s), d[g + i], a);
-        b = std::fma(mn[g + i], xsum[r * G + g + i], b);
+        a = std::fma(float(s), float(d[g * 16 + o]), a);
       }
-      lanes[r][i] = a + b;
+      for (int64_t g = 0; g < G; ++g) b = std::fma(float(mn[g * 16 + o]), xsum[r * G + g], b);
+      out[r * ldo + o] = xa[r] * (a + b);
     }
-  for (int r = 0; r < R; ++r) {
-    float t[8];
-    for (int i = 0; i < 8; ++i) t[i] = lanes[r][i] + lanes[r][i + 8];
-    out[r * ldo] = xa[r] * hsum8(_mm256_loadu_ps(t));
-  }
 #endif
 }
 
-torch::Tensor rowdot_linear_w4a8(torch::Tensor x, torch::Tensor w, torch::Tensor d, torch::Tensor mn,
+// ---- The 4-bit kernel on AMX. A tile holds up to 16 input rows x one group (32 bytes, signed), B
+// one panel's unpacked group (8 x 64 bytes, unsigned), so C[r][o] is S_g for 16 outputs at once; the
+// float work after it is q4panel's, output by output, group by group.
+#if CHORAL_AMX && Q4_PATH == 2
+// Input rows from which a call runs on AMX. Below it the vector path was as fast or faster on the
+// Intel VM of 2026-11-27: each group's sums leave the tiles through memory (tilestored, 16 rows of 64
+// bytes), and with the tile loads that is most of a tile pass. At 32 rows and more AMX was 1.0-1.2x
+// the vector path on the shapes of the bundled target, 1.1-1.3x at 128 (docs/experiments/q4-target.md).
+constexpr int64_t Q4_AMX_MIN_ROWS = 32;
+
+// Unpacks groups [g, g + n) of a panel (packed, 256 bytes each) into B tiles (512 bytes each).
+static inline void q4_unpack(const uint8_t* w, int64_t g, int64_t n, uint8_t* out) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t i = 0; i < n; ++i)
+    for (int v = 0; v < 4; ++v) {
+      const __m512i b = _mm512_loadu_si512(w + (g + i) * Q4_GBYTES + v * 64);
+      _mm512_store_si512(out + i * 512 + v * 64, _mm512_and_si512(b, low4));
+      _mm512_store_si512(out + i * 512 + (v + 4) * 64, _mm512_and_si512(_mm512_srli_epi16(b, 4), low4));
+    }
+}
+
+// RC rows against one panel, its groups unpacked in wu.
+template <int RC>
+static inline void q4_amx_rows(const uint8_t* wu, const at::Half* d, const at::Half* mn, int64_t G, const int8_t* x,
+                               int64_t KP, const float* xsum, const float* xa, float* out, int64_t ldo, int64_t valid,
+                               int32_t* dots) {
+  __m512 acc[RC];
+  for (int r = 0; r < RC; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; g += 2) {  // two groups in flight: tiles 0-2 and 3-5
+    const bool two = g + 1 < G;
+    const uint8_t* b = wu + g * 512;
+    _tile_loadd(0, x + g * 32, KP);
+    _tile_loadd(1, b, 64);
+    _tile_zero(2);
+    _tile_dpbsud(2, 0, 1);
+    _tile_stored(2, dots, 64);
+    if (two) {
+      _tile_loadd(3, x + g * 32 + 32, KP);
+      _tile_loadd(4, b + 512, 64);
+      _tile_zero(5);
+      _tile_dpbsud(5, 3, 4);
+      _tile_stored(5, dots + 256, 64);
+    }
+    for (int h = 0; h < (two ? 2 : 1); ++h) {  // q4panel's float work, group by group
+      const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + (g + h) * 16)));
+      for (int r = 0; r < RC; ++r)
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(dots + h * 256 + r * 16)), dv, acc[r]);
+    }
+  }
+  q4_finish<RC>(acc, mn, G, xsum, xa, out, ldo, valid);
+}
+
+template <class F>
+static inline void with_rows16(int64_t R, const F& f) {
+  switch (R) {
+#define CHORAL_ROWS(n) case n: f(std::integral_constant<int, n>{}); break;
+    CHORAL_ROWS(1) CHORAL_ROWS(2) CHORAL_ROWS(3) CHORAL_ROWS(4) CHORAL_ROWS(5) CHORAL_ROWS(6) CHORAL_ROWS(7)
+    CHORAL_ROWS(8) CHORAL_ROWS(9) CHORAL_ROWS(10) CHORAL_ROWS(11) CHORAL_ROWS(12) CHORAL_ROWS(13) CHORAL_ROWS(14)
+    CHORAL_ROWS(15)
+#undef CHORAL_ROWS
+    default: f(std::integral_constant<int, 16>{}); break;
+  }
+}
+
+// Panels [p0, p1) against all M rows, in chunks of 16 rows. A panel's groups are unpacked once per
+// call into a buffer of B tiles (512 bytes a group: 140 KB for an 8960-wide input, in L2).
+static void q4_amx(const uint8_t* w, const at::Half* d, const at::Half* mn, int64_t G, int64_t N, const int8_t* xq,
+                   int64_t KP, int64_t M, const float* xsum, const float* xa, float* y, int64_t p0, int64_t p1) {
+  std::vector<uint8_t> buf(G * 512 + 64);
+  uint8_t* wu = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+  alignas(64) int32_t dots[2 * 256];
+  TileConfig cfg;
+  int64_t configured = 0;
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* wp = w + p * G * Q4_GBYTES;
+    q4_unpack(wp, 0, G, wu);
+    const int64_t valid = std::min<int64_t>(Q4_PANEL, N - p * Q4_PANEL);
+    const int64_t chunks = (M + 15) / 16;
+    for (int64_t c = 0, m = 0; c < chunks; ++c) {
+      const int64_t RC = (M - m) / (chunks - c);  // as even as possible: 33 rows are 11 + 11 + 11
+      if (RC != configured) {
+        for (int t : {0, 3}) cfg.rows[t] = uint8_t(RC), cfg.colsb[t] = 32;  // A: inputs
+        for (int t : {1, 4}) cfg.rows[t] = 8, cfg.colsb[t] = 64;            // B: weights
+        for (int t : {2, 5}) cfg.rows[t] = uint8_t(RC), cfg.colsb[t] = 64;  // C: S_g
+        __asm__ volatile("" : : "r"(&cfg) : "memory");  // see w8a8_amx
+        _tile_loadconfig(&cfg);
+        configured = RC;
+      }
+      with_rows16(RC, [&](auto r) {
+        q4_amx_rows<decltype(r)::value>(wu, d + p * G * 16, mn + p * G * 16, G, xq + m * KP, KP, xsum + m * G, xa + m,
+                                        y + m * N + p * Q4_PANEL, N, valid, dots);
+      });
+      m += RC;
+    }
+  }
+  if (configured) _tile_release();
+}
+#endif
+
+// x [M, K] fp32; w [P, G * 256] uint8, d and mn [P, G * 16] fp16 (the layout above); N outputs.
+torch::Tensor rowdot_linear_w4a8(torch::Tensor x, torch::Tensor w, torch::Tensor d, torch::Tensor mn, int64_t N,
                                  c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && d.dim() == 2 && mn.sizes() == d.sizes(), "shape mismatch");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), G = d.size(1), KP = G * 32;
-  TORCH_CHECK(G % 16 == 0 && G > 0 && w.size(1) * 2 == KP && d.size(0) == N && K <= KP, "shape mismatch");
+  const int64_t M = x.size(0), K = x.size(1), P = w.size(0), G = w.size(1) / Q4_GBYTES, KP = G * 32;
+  TORCH_CHECK(G > 0 && w.size(1) == G * Q4_GBYTES && d.size(0) == P && d.size(1) == G * 16 && K <= KP &&
+              P == (N + Q4_PANEL - 1) / Q4_PANEL, "shape mismatch");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kByte, "fp32 input, uint8 packed weight");
   TORCH_CHECK(d.scalar_type() == at::kHalf && mn.scalar_type() == at::kHalf, "fp16 scales and minimums");
-  TORCH_CHECK(G <= Q4_MAX_GROUPS, "at most ", Q4_MAX_GROUPS * 32, " input features");
   TORCH_CHECK(w.is_contiguous() && d.is_contiguous() && mn.is_contiguous(), "contiguous weights");
   x = x.contiguous();
   std::vector<int8_t> xq(M * KP, 0);
   std::vector<float> xa(M), xsum(M * G);
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
-    std::vector<int8_t> row(KP, 0);
     for (int64_t m = m0; m < m1; ++m) {
-      xa[m] = quantize_row(xp + m * K, K, row.data());
+      int8_t* row = xq.data() + m * KP;
+      xa[m] = quantize_row(xp + m * K, K, row);
       for (int64_t g = 0; g < G; ++g) {
         int32_t s = 0;
         for (int j = 0; j < 32; ++j) s += row[g * 32 + j];
         xsum[m * G + g] = float(s);
       }
-      q4_order_row(row.data(), KP, xq.data() + m * KP);
     }
   });
   auto y = torch::empty({M, N}, x.options());
@@ -600,22 +684,26 @@ torch::Tensor rowdot_linear_w4a8(torch::Tensor x, torch::Tensor w, torch::Tensor
   const at::Half* dp = d.data_ptr<at::Half>();
   const at::Half* mp = mn.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
-  const int64_t ldw = KP / 2;
-  // Weight rows j .. j + H - 1 (a panel of 8, or one leftover row) against every chunk of input
-  // rows, their scales and minimums widened to fp32 once for all the chunks.
-  auto rows = [&](int64_t j, int H) {
-    float ds[8 * Q4_MAX_GROUPS], ms[8 * Q4_MAX_GROUPS];
-    halves_to_floats(dp + j * G, H * G, ds);
-    halves_to_floats(mp + j * G, H * G, ms);
-    over_row_chunks(M, KP, [&](int64_t m, int64_t R) {
-      with_rows(R, [&](auto r) {
-        for (int h = 0; h < H; ++h)
-          q4rows<decltype(r)::value>(wp + (j + h) * ldw, ds + h * G, ms + h * G, G, xq.data() + m * KP, KP,
-                                     xsum.data() + m * G, xa.data() + m, yp + m * N + j + h, N);
-      });
+#if CHORAL_AMX && Q4_PATH == 2
+  if (M >= Q4_AMX_MIN_ROWS && rowdot_amx(-1)) {
+    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+      q4_amx(wp, dp, mp, G, N, xq.data(), KP, M, xsum.data(), xa.data(), yp, p0, p1);
     });
-  };
-  over_panels(N, [&](int64_t n) { rows(n, 8); }, [&](int64_t j) { rows(j, 1); });
+  } else
+#endif
+  {
+    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t valid = std::min<int64_t>(Q4_PANEL, N - p * Q4_PANEL);
+        over_row_chunks(M, 1, [&](int64_t m, int64_t R) {  // chunks of at most 8 rows
+          with_rows(R, [&](auto r) {
+            q4panel<decltype(r)::value>(wp + p * G * Q4_GBYTES, dp + p * G * 16, mp + p * G * 16, G, xq.data() + m * KP,
+                                        KP, xsum.data() + m * G, xa.data() + m, yp + m * N + p * Q4_PANEL, N, valid);
+          });
+        });
+      }
+    });
+  }
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
 }

@@ -35,7 +35,8 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-FORMAT = 4  # bump when the stored layout of a layer changes (3: Q4Linear in blocks of 16 groups; 4: row_sums stored)
+FORMAT = 5  # bump when the stored layout of a layer changes (3: Q4Linear in blocks of 16 groups; 4: row_sums stored;
+# 5: Q4Linear in panels of 16 outputs)
 KEEP = 3  # entries kept per (folder, weights kind): two installs sharing a home do not evict each other
 _ATTR = "_choral_loaded"
 
@@ -111,7 +112,7 @@ def load(path: Path) -> dict[str, nn.Module] | None:
         for name, (kind, in_features, out_features) in layers.items():
             bias = tensors.get(f"{name}.bias")
             if kind == "Q4Linear":
-                built[name] = Q4Linear.from_buffers(in_features, tensors[f"{name}.qweight"], tensors[f"{name}.step"],
+                built[name] = Q4Linear.from_buffers(in_features, out_features, tensors[f"{name}.qweight"], tensors[f"{name}.step"],
                                                     tensors[f"{name}.minimum"], bias)  # fmt: skip
             elif kind == "Int8Linear":
                 built[name] = Int8Linear.from_buffers(in_features, tensors[f"{name}.qweight"], tensors[f"{name}.scale"], bias,
