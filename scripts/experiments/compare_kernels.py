@@ -8,6 +8,8 @@ compared. Each side converts the Linear with its own `Q4Linear` / `Int8Linear`, 
 weight layout is compared too.
 
     python scripts/experiments/compare_kernels.py --rev HEAD~1 --linear 1536x8960 --weights q4 --tokens 1,5,9,128
+    # where the CPU has AMX: the working tree's kernel on the vector units against AMX, call by call
+    python scripts/experiments/compare_kernels.py --amx-vs-vector --linear 8960x1536 --tokens 5,16,32,128
 
 Prints a markdown table and writes JSON (default runs/compare_kernels.json).
 """
@@ -61,6 +63,19 @@ def convert(mod, lin: nn.Linear, weights: str) -> nn.Module:
     return mod.Int8Linear(lin)
 
 
+def amx_and_vector(lins: list[nn.Linear], weights: str) -> dict:
+    """The working tree's layers twice: AMX turned off just before each call, and on."""
+    ext = cpu_kernels._rowdot_ext()
+    if not ext.rowdot_amx(1):
+        raise SystemExit("compare_kernels: --amx-vs-vector: this CPU (or its kernel) has no AMX")
+    mods = [convert(cpu_kernels, lin, weights) for lin in lins]
+
+    def with_amx(flag: int):
+        return [lambda x, m=m: (ext.rowdot_amx(flag), m(x))[1] for m in mods]
+
+    return {"vector": with_amx(0), "AMX": with_amx(1)}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rev", default="HEAD", help="the git revision to compare the working tree with")
@@ -73,6 +88,8 @@ def main(argv=None) -> dict:
                    "enough of them to exceed the last-level cache makes every call read its weights from memory, "
                    "as a model step does (one Linear of a 1.5B model stays in a 32 MB L3)")
     p.add_argument("--no-amx", action="store_true", help="both sides on the vector units where the CPU has AMX")
+    p.add_argument("--amx-vs-vector", action="store_true",
+                   help="instead of two revisions: the working tree's kernel on the vector units against AMX")
     p.add_argument("--json", default="runs/compare_kernels.json")
     args = p.parse_args(argv)
     try:
@@ -94,13 +111,16 @@ def main(argv=None) -> dict:
             for lin in lins:
                 lin.weight.copy_(cpu_kernels.snap_to_q4_lattice(lin.weight))
     with tempfile.TemporaryDirectory() as tmp:
-        old = kernels_at(args.rev, Path(tmp))
-        if args.no_amx:
-            for mod in (old, cpu_kernels):
-                if hasattr(mod._rowdot_ext(), "rowdot_amx"):
-                    mod._rowdot_ext().rowdot_amx(0)
-        sides = {args.rev: [convert(old, lin, args.weights) for lin in lins],
-                 "working tree": [convert(cpu_kernels, lin, args.weights) for lin in lins]}
+        if args.amx_vs_vector:
+            sides = amx_and_vector(lins, args.weights)
+        else:
+            old = kernels_at(args.rev, Path(tmp))
+            if args.no_amx:
+                for mod in (old, cpu_kernels):
+                    if hasattr(mod._rowdot_ext(), "rowdot_amx"):
+                        mod._rowdot_ext().rowdot_amx(0)
+            sides = {args.rev: [convert(old, lin, args.weights) for lin in lins],
+                     "working tree": [convert(cpu_kernels, lin, args.weights) for lin in lins]}
         rows = []
         with torch.no_grad():
             for t in tokens:
@@ -117,14 +137,14 @@ def main(argv=None) -> dict:
                         m(x)
                         times[name].append(time.perf_counter() - t0)
                 med = {name: statistics.median(v) * 1e3 for name, v in times.items()}
-                rows.append({"tokens": t, "ms": med, "calls": len(times[args.rev]), "max_rel_diff": diff})
+                rows.append({"tokens": t, "ms": med, "calls": len(next(iter(times.values()))), "max_rel_diff": diff})
     names = list(sides)
     print(f"| {args.weights} {out_f}x{in_f} | tokens | {names[0]} ms | {names[1]} ms | {names[0]} / {names[1]} | max rel diff |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         a, b = (r["ms"][n] for n in names)
         print(f"| | {r['tokens']} | {a:.3f} | {b:.3f} | {a / b:.2f}x | {r['max_rel_diff']:.1e} |")
-    result = {"rev": args.rev, "weights": args.weights, "shape": [out_f, in_f], "copies": args.copies,
+    result = {"rev": "AMX against the vector units" if args.amx_vs_vector else args.rev, "weights": args.weights, "shape": [out_f, in_f], "copies": args.copies,
               "threads": torch.get_num_threads(), "amx": not args.no_amx,
               "machine": platform.processor() or platform.machine(), "torch": torch.__version__, "rows": rows}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
