@@ -104,6 +104,15 @@ MUTANTS = [
            "float(dots[o][r] - W8A8_SHIFT * wsum[n + o]) * xs[m] * ws[n + o];",
            "float(dots[o][r] - W8A8_SHIFT * wsum[n + o]) * (xs[m] * ws[n + o]);",
            ("tests/test_cpu_kernels.py", "-k", "amx")),
+    Mutant("amx-q4-groups-swapped", "the AMX 4-bit path adds each pair of groups' sums in reverse order (its rows "
+           "then differ from the vector path's in the last bit)", "serving/engine/rowdot.cpp",
+           "for (int h = 0; h < (two ? 2 : 1); ++h) {", "for (int h = two ? 1 : 0; h >= 0; --h) {",
+           ("tests/test_cpu_kernels.py", "-k", "amx")),
+    Mutant("avx2-q4-scale-spread", "the AVX2 4-bit path multiplies the row scale into both chains before adding them "
+           "(a 4-bit layer then gives other bits on an AVX2 CPU)", "serving/engine/rowdot.cpp",
+           "_mm256_store_ps(y, _mm256_mul_ps(_mm256_set1_ps(xa[r]), _mm256_add_ps(acc[r], b)));",
+           "_mm256_store_ps(y, _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(xa[r]), acc[r]), "
+           "_mm256_mul_ps(_mm256_set1_ps(xa[r]), b)));", ("tests/test_cpu_kernels.py", "-k", "paths_agree")),
     Mutant("cache-key-ignores-content", "a cached conversion is found without looking at the weights",
            "serving/engine/weights_cache.py",
            "            h.update(t.view(torch.uint8).numpy().data if t.numel() else b\"\")\n", "",
