@@ -334,7 +334,7 @@ def test_rows_on_amx_are_the_vector_rows_bit_for_bit(weights):
     if weights == "int8":
         shapes, counts = ((64, 40), (1536, 96), (4200, 75), (8960, 33)), (1, 2, 5, 16, 17, 40)
     else:
-        shapes, counts = ((64, 40), (1536, 96), (4160, 75), (8960, 33)), (1, 31, 32, 33, 47, 70)
+        shapes, counts = ((64, 40), (1568, 96), (4160, 75), (8960, 33)), (1, 31, 32, 33, 47, 70)  # 1568: 49 groups
     try:
         for in_f, out_f in shapes:
             if weights == "int8":
@@ -546,7 +546,7 @@ def test_q4_kernel_paths_agree_bit_for_bit():
                                    functions=["rowdot_linear_w4a8"], verbose=False,
                                    extra_cflags=["-O3", "-fno-fast-math", "-fopenmp", *flags], extra_ldflags=["-fopenmp"])
     torch.manual_seed(0)
-    for in_f, out_f in ((64, 40), (4160, 11), (1536, 70)):
+    for in_f, out_f in ((64, 40), (4160, 11), (1568, 70)):  # 1568: an odd number of groups (49)
         lin = _on_q4_lattice(nn.Linear(in_f, out_f))
         mod = cpu_kernels.Q4Linear(lin, cpu_kernels.q4_lattice(lin.weight))
         for rows in (1, 5, 23, 40):  # 40: on AMX in this machine's build, where it has AMX

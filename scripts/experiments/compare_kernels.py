@@ -102,6 +102,8 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
     if cpu_kernels._rowdot_ext() is None:
         raise SystemExit("compare_kernels: the working tree's kernel does not build here")
+    if args.no_amx and args.amx_vs_vector:
+        raise SystemExit("compare_kernels: --no-amx and --amx-vs-vector exclude each other; give one")
     if args.copies < 1:
         raise SystemExit(f"compare_kernels: --copies {args.copies} must be >= 1")
     torch.manual_seed(0)

@@ -294,14 +294,14 @@ class Q4Linear(nn.Module):
             return
         self.out_features, self.in_features = linear.weight.shape
         q, d, m = lattice
-        # Pad the outputs to panels of 16 and the inputs to whole groups (zero weights, steps and
-        # minimums add exact zeros), and store each panel's group as the kernel reads it
+        # Pad the outputs to panels of 16 (zero weights, steps and minimums add exact zeros; the
+        # inputs are whole groups, as q4_lattice takes only those) and store each panel's group as the kernel reads it
         # (rowdot.cpp, "4-bit weights"): four 64-byte vectors v whose byte 4o + c holds output o's
         # weight 4v + c (low nibble) and 16 + 4v + c (high nibble), an AMX B tile once unpacked.
         n, k = q.shape
-        np_, groups = -(-n // Q4_PANEL) * Q4_PANEL, -(-k // Q4_GROUP)
-        qp = torch.zeros(np_, groups * Q4_GROUP, dtype=torch.uint8)
-        qp[:n, :k] = q
+        np_, groups = -(-n // Q4_PANEL) * Q4_PANEL, k // Q4_GROUP
+        qp = torch.zeros(np_, k, dtype=torch.uint8)
+        qp[:n] = q
         qp = qp.view(np_ // Q4_PANEL, Q4_PANEL, groups, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)  # [P, G, v, o, c, nibble]
         # fp16, as the GGUF's own super-block scales: a group's step and minimum then cost 4 bytes
         # per 32 weights (16 bytes of 4-bit values) instead of 8, and move each weight by at most
@@ -350,8 +350,8 @@ class Q4Linear(nn.Module):
 
 
 def _q4_panels(t: torch.Tensor, np_: int) -> torch.Tensor:
-    """Per-group values [N, G0] as the kernel reads them: fp16 [P, G*16], output o of panel p
-    at [p, 16 g + o], padded with zeros to ``np_`` outputs and whole groups."""
+    """Per-group values [N, G] as the kernel reads them: fp16 [P, G*16], output o of panel p
+    at [p, 16 g + o], padded with zeros to ``np_`` outputs."""
     n, g0 = t.shape
     out = torch.zeros(np_, g0, dtype=torch.float32)
     out[:n] = t.float()
@@ -413,10 +413,10 @@ def fuse_linears(mods: Sequence[nn.Module]) -> nn.Module | None:
     for m in mods:
         bounds.append(bounds[-1] + m.out_features)
     spans = list(zip(bounds[:-1], bounds[1:]))
+    per = Q4_PANEL if kind is Q4Linear else 1  # a Q4Linear's buffers hold a panel of outputs per row
     with torch.no_grad():
         for name in names:
             fused.register_buffer(name, torch.cat([getattr(m, name) for m in mods]).contiguous())
-            per = Q4_PANEL if kind is Q4Linear else 1  # a Q4Linear's buffers hold a panel per row
             for m, (a, b) in zip(mods, spans):
                 m._buffers[name] = getattr(fused, name)[a // per : b // per]
         fused.bias = None

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -517,7 +518,7 @@ static inline void q4panel(const uint8_t* w, const at::Half* d, const at::Half* 
       for (int r = 0; r < R; ++r) {
         const int8_t* xr = x + r * KP + g * 32;
         // u8 (0..15) x s8 pairs: a vpmaddubsw lane is at most 2 * 15 * 127 = 3810 in size, so the
-        // eight of a group (4 rows, low and high) sum to at most 30480: exact in int16.
+        // eight of a group (4 vectors v, low and high nibbles) sum to at most 30480: exact in int16.
         __m256i t = _mm256_setzero_si256();
         for (int v = 0; v < 4; ++v)
           t = _mm256_add_epi16(t, _mm256_add_epi16(_mm256_maddubs_epi16(lo[v], _mm256_set1_epi32(load4(xr + 4 * v))),
@@ -561,16 +562,17 @@ static inline void q4panel(const uint8_t* w, const at::Half* d, const at::Half* 
 #if CHORAL_AMX && Q4_PATH == 2
 // Input rows from which a call runs on AMX. Below it the vector path was as fast or faster on the
 // Intel VM of 2026-11-27: each group's sums leave the tiles through memory (tilestored, 16 rows of 64
-// bytes), and with the tile loads that is most of a tile pass. At 32 rows and more AMX was 1.0-1.2x
-// the vector path on the shapes of the bundled target, 1.1-1.3x at 128 (docs/experiments/q4-target.md).
+// bytes), and with the tile loads that is most of a tile pass. On the bundled target's shapes AMX was
+// 1.03-1.28x the vector path at 32 rows and 1.25-1.51x at 64-256 (compare_kernels.py --amx-vs-vector;
+// docs/experiments/q4-target.md), and 0.5-0.8x at 2-8 rows in an earlier probe.
 constexpr int64_t Q4_AMX_MIN_ROWS = 32;
 
-// Unpacks groups [g, g + n) of a panel (packed, 256 bytes each) into B tiles (512 bytes each).
-static inline void q4_unpack(const uint8_t* w, int64_t g, int64_t n, uint8_t* out) {
+// Unpacks a panel's G groups (packed, 256 bytes each) into B tiles (512 bytes each, out 64-aligned).
+static inline void q4_unpack(const uint8_t* w, int64_t G, uint8_t* out) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  for (int64_t i = 0; i < n; ++i)
+  for (int64_t i = 0; i < G; ++i)
     for (int v = 0; v < 4; ++v) {
-      const __m512i b = _mm512_loadu_si512(w + (g + i) * Q4_GBYTES + v * 64);
+      const __m512i b = _mm512_loadu_si512(w + i * Q4_GBYTES + v * 64);
       _mm512_store_si512(out + i * 512 + v * 64, _mm512_and_si512(b, low4));
       _mm512_store_si512(out + i * 512 + (v + 4) * 64, _mm512_and_si512(_mm512_srli_epi16(b, 4), low4));
     }
@@ -623,16 +625,16 @@ static inline void with_rows16(int64_t R, const F& f) {
 // call into a buffer of B tiles (512 bytes a group: 140 KB for an 8960-wide input, in L2).
 static void q4_amx(const uint8_t* w, const at::Half* d, const at::Half* mn, int64_t G, int64_t N, const int8_t* xq,
                    int64_t KP, int64_t M, const float* xsum, const float* xa, float* y, int64_t p0, int64_t p1) {
-  std::vector<uint8_t> buf(G * 512 + 64);
-  uint8_t* wu = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+  std::unique_ptr<uint8_t[]> buf(new uint8_t[G * 512 + 64]);  // every byte is written before it is read
+  uint8_t* wu = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.get()) + 63) & ~uintptr_t(63));
+  const int64_t chunks = (M + 15) / 16;
   alignas(64) int32_t dots[2 * 256];
   TileConfig cfg;
   int64_t configured = 0;
   for (int64_t p = p0; p < p1; ++p) {
     const uint8_t* wp = w + p * G * Q4_GBYTES;
-    q4_unpack(wp, 0, G, wu);
+    q4_unpack(wp, G, wu);
     const int64_t valid = std::min<int64_t>(Q4_PANEL, N - p * Q4_PANEL);
-    const int64_t chunks = (M + 15) / 16;
     for (int64_t c = 0, m = 0; c < chunks; ++c) {
       const int64_t RC = (M - m) / (chunks - c);  // as even as possible: 33 rows are 11 + 11 + 11
       if (RC != configured) {
@@ -695,7 +697,9 @@ torch::Tensor rowdot_linear_w4a8(torch::Tensor x, torch::Tensor w, torch::Tensor
     at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t valid = std::min<int64_t>(Q4_PANEL, N - p * Q4_PANEL);
-        over_row_chunks(M, 1, [&](int64_t m, int64_t R) {  // chunks of at most 8 rows
+        // Chunks of at most 8 rows, whatever their width (a row size of 1 byte lifts CHUNK_BYTES'
+        // limit): a group's 32 input bytes per row are read as the weights stream past.
+        over_row_chunks(M, 1, [&](int64_t m, int64_t R) {
           with_rows(R, [&](auto r) {
             q4panel<decltype(r)::value>(wp + p * G * Q4_GBYTES, dp + p * G * 16, mp + p * G * 16, G, xq.data() + m * KP,
                                         KP, xsum.data() + m * G, xa.data() + m, yp + m * N + p * Q4_PANEL, N, valid);
