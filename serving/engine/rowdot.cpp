@@ -144,20 +144,13 @@ static inline void over_row_chunks(int64_t M, int64_t row_bytes, const F& f) {
   }
 }
 
-// f(std::integral_constant<int, R>{}) for a chunk of R rows, 1 <= R <= 8: the count as a
+// f(std::integral_constant<int, R>{}) for a chunk of R rows, 1 <= R <= MAX: the count as a
 // template argument, so that the accumulators are registers.
-template <class F>
+template <int MAX = 8, class F>
 static inline void with_rows(int64_t R, const F& f) {
-  switch (R) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    case 6: f(std::integral_constant<int, 6>{}); break;
-    case 7: f(std::integral_constant<int, 7>{}); break;
-    default: f(std::integral_constant<int, 8>{}); break;
-  }
+  if constexpr (MAX > 1)
+    if (R < MAX) return with_rows<MAX - 1>(R, f);
+  f(std::integral_constant<int, MAX>{});
 }
 
 // The integer kernels' whole loop: rows(j, m, R) computes weight row j against input rows
@@ -450,6 +443,13 @@ static inline int32_t load4(const int8_t* p) {  // 4 input bytes, for a broadcas
 }
 
 #if Q4_PATH == 2
+// One 64-byte vector of a panel's group: its low nibbles (tile row v) and its high ones (row v + 4).
+static inline void q4_nibbles(const uint8_t* p, __m512i& lo, __m512i& hi) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), b = _mm512_loadu_si512(p);
+  lo = _mm512_and_si512(b, low4);
+  hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
+}
+
 // y = a * (D + M) for R rows of one panel, given each row's D (acc): the minimums' chain, then the
 // outputs of the panel that exist (valid of 16).
 template <int R>
@@ -473,7 +473,6 @@ template <int R>
 static inline void q4panel(const uint8_t* w, const at::Half* d, const at::Half* mn, int64_t G, const int8_t* x,
                            int64_t KP, const float* xsum, const float* xa, float* out, int64_t ldo, int64_t valid) {
 #if Q4_PATH == 2
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
@@ -481,11 +480,7 @@ static inline void q4panel(const uint8_t* w, const at::Half* d, const at::Half* 
     if (R > 1)
       for (int c = 0; c < Q4_GBYTES; c += 64) _mm_prefetch(reinterpret_cast<const char*>(wg + Q4_PREFETCH + c), _MM_HINT_T0);
     __m512i lo[4], hi[4];
-    for (int v = 0; v < 4; ++v) {
-      const __m512i b = _mm512_loadu_si512(wg + v * 64);
-      lo[v] = _mm512_and_si512(b, low4);
-      hi[v] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
-    }
+    for (int v = 0; v < 4; ++v) q4_nibbles(wg + v * 64, lo[v], hi[v]);
     const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + g * 16)));
     for (int r = 0; r < R; ++r) {  // nibbles unsigned, inputs signed
       const int8_t* xr = x + r * KP + g * 32;
@@ -569,12 +564,12 @@ constexpr int64_t Q4_AMX_MIN_ROWS = 32;
 
 // Unpacks a panel's G groups (packed, 256 bytes each) into B tiles (512 bytes each, out 64-aligned).
 static inline void q4_unpack(const uint8_t* w, int64_t G, uint8_t* out) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t i = 0; i < G; ++i)
     for (int v = 0; v < 4; ++v) {
-      const __m512i b = _mm512_loadu_si512(w + i * Q4_GBYTES + v * 64);
-      _mm512_store_si512(out + i * 512 + v * 64, _mm512_and_si512(b, low4));
-      _mm512_store_si512(out + i * 512 + (v + 4) * 64, _mm512_and_si512(_mm512_srli_epi16(b, 4), low4));
+      __m512i lo, hi;
+      q4_nibbles(w + i * Q4_GBYTES + v * 64, lo, hi);
+      _mm512_store_si512(out + i * 512 + v * 64, lo);
+      _mm512_store_si512(out + i * 512 + (v + 4) * 64, hi);
     }
 }
 
@@ -609,18 +604,6 @@ static inline void q4_amx_rows(const uint8_t* wu, const at::Half* d, const at::H
   q4_finish<RC>(acc, mn, G, xsum, xa, out, ldo, valid);
 }
 
-template <class F>
-static inline void with_rows16(int64_t R, const F& f) {
-  switch (R) {
-#define CHORAL_ROWS(n) case n: f(std::integral_constant<int, n>{}); break;
-    CHORAL_ROWS(1) CHORAL_ROWS(2) CHORAL_ROWS(3) CHORAL_ROWS(4) CHORAL_ROWS(5) CHORAL_ROWS(6) CHORAL_ROWS(7)
-    CHORAL_ROWS(8) CHORAL_ROWS(9) CHORAL_ROWS(10) CHORAL_ROWS(11) CHORAL_ROWS(12) CHORAL_ROWS(13) CHORAL_ROWS(14)
-    CHORAL_ROWS(15)
-#undef CHORAL_ROWS
-    default: f(std::integral_constant<int, 16>{}); break;
-  }
-}
-
 // Panels [p0, p1) against all M rows, in chunks of 16 rows. A panel's groups are unpacked once per
 // call into a buffer of B tiles (512 bytes a group: 140 KB for an 8960-wide input, in L2).
 static void q4_amx(const uint8_t* w, const at::Half* d, const at::Half* mn, int64_t G, int64_t N, const int8_t* xq,
@@ -645,7 +628,7 @@ static void q4_amx(const uint8_t* w, const at::Half* d, const at::Half* mn, int6
         _tile_loadconfig(&cfg);
         configured = RC;
       }
-      with_rows16(RC, [&](auto r) {
+      with_rows<16>(RC, [&](auto r) {
         q4_amx_rows<decltype(r)::value>(wu, d + p * G * 16, mn + p * G * 16, G, xq + m * KP, KP, xsum + m * G, xa + m,
                                         y + m * N + p * Q4_PANEL, N, valid, dots);
       });
