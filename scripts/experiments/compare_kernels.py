@@ -1,4 +1,5 @@
-"""One integer Linear kernel at two git revisions, timed call by call in one process (CPU).
+"""One integer Linear kernel (or the attention kernel) at two git revisions, timed call by call in
+one process (CPU).
 
 A kernel change is often worth 10-20%, while this kind of VM drifts by more than that between two
 runs of a benchmark. Here the kernel of revision REV (its `cpu_kernels.py` and `rowdot.cpp`,
@@ -10,6 +11,8 @@ weight layout is compared too.
     python scripts/experiments/compare_kernels.py --rev HEAD~1 --linear 1536x8960 --weights q4 --tokens 1,5,9,128
     # where the CPU has AMX: the working tree's kernel on the vector units against AMX, call by call
     python scripts/experiments/compare_kernels.py --amx-vs-vector --linear 8960x1536 --tokens 5,16,32,128
+    # the verify's attention (query heads x key-value heads x head size, over --context cached keys)
+    python scripts/experiments/compare_kernels.py --rev HEAD~1 --attention 12x2x128 --context 300 --tokens 1,5,16 --copies 28
 
 Prints a markdown table and writes JSON (default runs/compare_kernels.json).
 """
@@ -26,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -76,6 +80,28 @@ def amx_and_vector(lins: list[nn.Linear], weights: str) -> dict:
     return {"vector": with_amx(0), "AMX": with_amx(1)}
 
 
+def attention_sides(mods: dict, shape: str, context: int, copies: int) -> tuple[dict, Callable]:
+    """Each revision's ``rowdot_attention`` over ``copies`` caches of ``context`` keys (one per layer
+    of a model, so that a call reads its keys and values from beyond the caches as a step does),
+    and the inputs of a call of t query rows: (q [1, t, H, D], mask [1, t, S])."""
+    try:
+        H, Hkv, D = (int(v) for v in shape.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"compare_kernels: --attention {shape!r}: give HEADSxKV_HEADSxHEAD_SIZE, e.g. 12x2x128")
+    S = context + 64  # room for the step's own rows, as a cache holds
+    caches = [(torch.randn(1, Hkv, S, D), torch.randn(1, Hkv, S, D)) for _ in range(copies)]
+    sides = {name: [lambda inp, ext=mod._rowdot_ext(), k=k, v=v: ext.rowdot_attention(inp[0], k, v, inp[1], D ** -0.5)
+                    for k, v in caches] for name, mod in mods.items()}  # fmt: skip
+
+    def inputs(t: int):
+        mask = torch.zeros(1, t, S, dtype=torch.bool)
+        for i in range(t):
+            mask[0, i, : context + i + 1] = True  # the cached keys and the step's rows up to its own
+        return torch.randn(1, t, H, D), mask
+
+    return sides, inputs
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rev", default="HEAD", help="the git revision to compare the working tree with")
@@ -90,6 +116,9 @@ def main(argv=None) -> dict:
     p.add_argument("--no-amx", action="store_true", help="both sides on the vector units where the CPU has AMX")
     p.add_argument("--amx-vs-vector", action="store_true",
                    help="instead of two revisions: the working tree's kernel on the vector units against AMX")
+    p.add_argument("--attention", default=None, metavar="HxKVxD",
+                   help="instead of a Linear: rowdot_attention with H query heads, KV key-value heads of size D")
+    p.add_argument("--context", type=int, default=300, help="with --attention: cached keys before the step's rows")
     p.add_argument("--json", default="runs/compare_kernels.json")
     args = p.parse_args(argv)
     try:
@@ -107,13 +136,17 @@ def main(argv=None) -> dict:
     if args.copies < 1:
         raise SystemExit(f"compare_kernels: --copies {args.copies} must be >= 1")
     torch.manual_seed(0)
-    lins = [nn.Linear(in_f, out_f, bias=False) for _ in range(args.copies)]
+    lins = [] if args.attention else [nn.Linear(in_f, out_f, bias=False) for _ in range(args.copies)]
     if args.weights == "q4":
         with torch.no_grad():
             for lin in lins:
                 lin.weight.copy_(cpu_kernels.snap_to_q4_lattice(lin.weight))
     with tempfile.TemporaryDirectory() as tmp:
-        if args.amx_vs_vector:
+        make_input = lambda t: torch.randn(t, in_f)  # noqa: E731
+        if args.attention:
+            sides, make_input = attention_sides({args.rev: kernels_at(args.rev, Path(tmp)), "working tree": cpu_kernels},
+                                                args.attention, args.context, args.copies)  # fmt: skip
+        elif args.amx_vs_vector:
             sides = amx_and_vector(lins, args.weights)
         else:
             old = kernels_at(args.rev, Path(tmp))
@@ -126,7 +159,7 @@ def main(argv=None) -> dict:
         rows = []
         with torch.no_grad():
             for t in tokens:
-                x = torch.randn(t, in_f)
+                x = make_input(t)
                 diff = 0.0
                 for a, b in zip(*sides.values()):  # also the first calls' one-off costs
                     ya, yb = a(x), b(x)
@@ -141,12 +174,14 @@ def main(argv=None) -> dict:
                 med = {name: statistics.median(v) * 1e3 for name, v in times.items()}
                 rows.append({"tokens": t, "ms": med, "calls": len(next(iter(times.values()))), "max_rel_diff": diff})
     names = list(sides)
-    print(f"| {args.weights} {out_f}x{in_f} | tokens | {names[0]} ms | {names[1]} ms | {names[0]} / {names[1]} | max rel diff |")
+    what = f"attention {args.attention}, {args.context} keys" if args.attention else f"{args.weights} {out_f}x{in_f}"
+    print(f"| {what} | tokens | {names[0]} ms | {names[1]} ms | {names[0]} / {names[1]} | max rel diff |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         a, b = (r["ms"][n] for n in names)
         print(f"| | {r['tokens']} | {a:.3f} | {b:.3f} | {a / b:.2f}x | {r['max_rel_diff']:.1e} |")
-    result = {"rev": "AMX against the vector units" if args.amx_vs_vector else args.rev, "weights": args.weights, "shape": [out_f, in_f], "copies": args.copies,
+    result = {"rev": "AMX against the vector units" if args.amx_vs_vector else args.rev, "weights": args.weights, "shape": [out_f, in_f],
+              "attention": args.attention, "context": args.context if args.attention else None, "copies": args.copies,
               "threads": torch.get_num_threads(), "amx": not args.no_amx,
               "machine": platform.processor() or platform.machine(), "torch": torch.__version__, "rows": rows}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

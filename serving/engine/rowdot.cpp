@@ -759,16 +759,20 @@ template <int U>
 static inline void scores(const float* qh, const float* kg, const int32_t* slots, int64_t D, float sc, float* out) {
   const float* kr[U];
   vec a[U];
+#pragma GCC unroll 8
   for (int u = 0; u < U; ++u) kr[u] = kg + slots[u] * D, a[u] = vzero();
   int64_t d = 0;
   for (; d + VL <= D; d += VL) {
     const vec qv = vload(qh + d);
+#pragma GCC unroll 8
     for (int u = 0; u < U; ++u) a[u] = vfma(qv, vload(kr[u] + d), a[u]);
   }
+  float s[U];
+#pragma GCC unroll 8
+  for (int u = 0; u < U; ++u) s[u] = vsum(a[u]);  // the vectors' sums before the tail's scalar FMAs
   for (int u = 0; u < U; ++u) {
-    float s = vsum(a[u]);
-    for (int64_t e = d; e < D; ++e) s = __builtin_fmaf(qh[e], kr[u][e], s);
-    out[u] = s * sc;
+    for (int64_t e = d; e < D; ++e) s[u] = __builtin_fmaf(qh[e], kr[u][e], s[u]);
+    out[u] = s[u] * sc;
   }
 }
 
@@ -781,28 +785,47 @@ static inline void scores(const float* qh, const float* kg, const int32_t* slots
 #else
 #define HEADS_AT_ONCE 1  // 8 accumulators of 16 AVX2 registers
 #endif
+// One block of NV vectors of d (d0 .. d0 + NV*VL - 1) for HN heads. NV and HN are compile-time
+// counts so that the HN*NV accumulators stay in registers: with a run-time count the compiler kept
+// them on the stack, and every FMA went through a store and a reload (most of a 16-row verify's
+// attention time). Each accumulator is the same chain of FMAs in key order either way.
+template <int HN, int NV>
+static inline void weighted_block(const float* p, int64_t ldp, const float* vg, const int32_t* slots, int64_t n,
+                                  int64_t D, int64_t d0, float* acc) {
+  vec a[HN][NV];
+  for (int h = 0; h < HN; ++h)
+    for (int u = 0; u < NV; ++u) a[h][u] = vzero();
+  for (int64_t jj = 0; jj < n; ++jj) {
+    const float* vr = vg + slots[jj] * D + d0;
+    vec w[HN];
+    for (int h = 0; h < HN; ++h) w[h] = vset1(p[h * ldp + jj]);
+    for (int u = 0; u < NV; ++u) {
+      const vec x = vload(vr + u * VL);
+      for (int h = 0; h < HN; ++h) a[h][u] = vfma(w[h], x, a[h][u]);
+    }
+  }
+  for (int h = 0; h < HN; ++h)
+    for (int u = 0; u < NV; ++u) vstore(acc + h * D + d0 + u * VL, a[h][u]);
+}
+
+// The weighted values of HN heads that share a value head: acc[h * D + d] = sum over the keys
+// jj < n, in slot order, of p[h * ldp + jj] * v[slots[jj]][d]. Each output element's sum is one chain
+// of FMAs in key order whatever HN is; HN heads per pass read each value row once from memory
+// (the other heads find it in L1), with up to 8 vectors of d per head in registers.
+#if VL == 16
+#define HEADS_AT_ONCE 3  // 3 heads x 8 accumulators, 3 weights and a value vector of 32 AVX-512 registers
+#else
+#define HEADS_AT_ONCE 1  // 8 accumulators of 16 AVX2 registers
+#endif
 template <int HN>
 static inline void weighted_values(const float* p, int64_t ldp, const float* vg, const int32_t* slots, int64_t n,
                                    int64_t D, float* acc) {
   int64_t d0 = 0;
-  for (; d0 + VL <= D; d0 += 8 * VL) {
-    const int nv = int(std::min<int64_t>(8, (D - d0) / VL));
-    vec a[HN][8];
-    for (int h = 0; h < HN; ++h)
-      for (int u = 0; u < nv; ++u) a[h][u] = vzero();
-    for (int64_t jj = 0; jj < n; ++jj) {
-      const float* vr = vg + slots[jj] * D + d0;
-      for (int h = 0; h < HN; ++h) {
-        const vec w = vset1(p[h * ldp + jj]);
-        for (int u = 0; u < nv; ++u) a[h][u] = vfma(w, vload(vr + u * VL), a[h][u]);
-      }
-    }
-    for (int h = 0; h < HN; ++h)
-      for (int u = 0; u < nv; ++u) vstore(acc + h * D + d0 + u * VL, a[h][u]);
-    if (nv < 8) {
-      d0 += nv * VL;
-      break;
-    }
+  for (; d0 + 8 * VL <= D; d0 += 8 * VL) weighted_block<HN, 8>(p, ldp, vg, slots, n, D, d0, acc);
+  if (d0 + VL <= D) {
+    const int64_t nv = (D - d0) / VL;  // 1..7
+    with_rows<7>(nv, [&](auto c) { weighted_block<HN, decltype(c)::value>(p, ldp, vg, slots, n, D, d0, acc); });
+    d0 += nv * VL;
   }
   for (int h = 0; h < HN; ++h)
     for (int64_t d = d0; d < D; ++d) {  // a head size that is not a multiple of the vector width
@@ -810,6 +833,28 @@ static inline void weighted_values(const float* p, int64_t ldp, const float* vg,
       for (int64_t jj = 0; jj < n; ++jj) a = __builtin_fmaf(p[h * ldp + jj], vg[slots[jj] * D + d], a);
       acc[h * D + d] = a;
     }
+}
+
+// The largest of p[0..n-1] (a NaN is skipped, as std::max(mx, x) skips it). A max is exact, so
+// the lanes' order does not change it; the scalar chain was a tenth of the attention's time.
+static inline float max_of(const float* p, int64_t n) {
+  int64_t j = 0;
+  float mx = -INFINITY;
+#if VL == 16
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  for (; j + 16 <= n; j += 16) m = _mm512_max_ps(_mm512_loadu_ps(p + j), m);  // the second operand on a NaN
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, m);
+  for (int i = 0; i < 16; ++i) mx = std::max(mx, lanes[i]);
+#elif defined(__AVX2__)
+  __m256 m = _mm256_set1_ps(-INFINITY);
+  for (; j + 8 <= n; j += 8) m = _mm256_max_ps(_mm256_loadu_ps(p + j), m);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  for (int i = 0; i < 8; ++i) mx = std::max(mx, lanes[i]);
+#endif
+  for (; j < n; ++j) mx = std::max(mx, p[j]);
+  return mx;
 }
 
 template <class F>
@@ -868,18 +913,18 @@ torch::Tensor rowdot_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
         std::fill(og, og + rep * D, 0.f);
         continue;
       }
-      // Scores, four keys at a time (four chains in flight instead of one latency-bound), the same
-      // four keys for every head of the group while they are in L1.
+      // Scores, eight keys at a time (eight chains in flight: with four the FMAs' latency bound
+      // the loop), the same keys for every head of the group while they are in L1.
       int64_t j = 0;
+      for (; j + 8 <= n; j += 8)
+        for (int64_t h = 0; h < rep; ++h) scores<8>(qg + h * D, kg, slots.data() + j, D, sc, pg + h * S + j);
       for (; j + 4 <= n; j += 4)
         for (int64_t h = 0; h < rep; ++h) scores<4>(qg + h * D, kg, slots.data() + j, D, sc, pg + h * S + j);
       for (; j < n; ++j)
         for (int64_t h = 0; h < rep; ++h) scores<1>(qg + h * D, kg, slots.data() + j, D, sc, pg + h * S + j);
       for (int64_t h = 0; h < rep; ++h) {
         float* ph = pg + h * S;
-        float mx = -INFINITY;
-        for (j = 0; j < n; ++j) mx = std::max(mx, ph[j]);
-        sums[h] = exp_shifted_sum(ph, n, mx);
+        sums[h] = exp_shifted_sum(ph, n, max_of(ph, n));
       }
       // Weighted values, for up to HEADS_AT_ONCE heads per pass over the values.
       for (int64_t h = 0; h < rep; h += HEADS_AT_ONCE) {
