@@ -355,3 +355,48 @@ def test_suffix_errors_name_the_value():
     cache.stop_request("x")
     with pytest.raises(ValueError, match="not active"):
         cache.add_tokens("x", [2])
+
+
+# ---- prediction (OpenAI's Predicted Outputs) --------------------------------------------------
+
+
+def _prediction_row(prediction: list[int], **kwargs):
+    from serving.engine.drafters.base import RowContext
+    from serving.engine.drafters.prediction import PredictionDrafter
+
+    drafter = PredictionDrafter(**kwargs)
+    prompt = [1, 2, 3]
+    drafter.start(0, RowContext(0, prompt, prediction, False))
+    return drafter, prompt
+
+
+def test_prediction_proposes_k_once_the_answer_copies_it():
+    pred = list(range(10, 40))
+    drafter, prompt = _prediction_row(pred, k=6)
+    assert drafter.propose(0, prompt, 6) == pred[:6]  # nothing answered yet: the prediction's head
+    assert drafter.propose(0, prompt + [10], 6) == pred[1:7]  # the answer so far is the head: sure
+    assert drafter.propose(0, prompt + [99, 20, 21, 22, 23], 6) == pred[14:20]  # a 4-token tail: sure
+
+
+@pytest.mark.parametrize(("answer", "expect"), [([99, 17], [18, 19]), ([99, 16, 17], [18, 19, 20]),
+                                                ([99, 15, 16, 17], [18, 19, 20, 21])])  # fmt: skip
+def test_prediction_proposes_n_plus_1_after_a_short_alignment(answer, expect):
+    """A tail of n < confident_n tokens found in the prediction may be a coincidence: n + 1 tokens."""
+    pred = list(range(10, 40))
+    drafter, prompt = _prediction_row(pred, k=8)
+    assert drafter.propose(0, prompt + answer, 8) == expect
+
+
+def test_prediction_confident_n_1_always_proposes_k():
+    pred = list(range(10, 40))
+    drafter, prompt = _prediction_row(pred, k=8, confident_n=1)
+    assert drafter.propose(0, prompt + [99, 17], 8) == pred[8:16]
+
+
+def test_prediction_proposes_nothing_off_the_prediction_and_errors_name_the_value():
+    drafter, prompt = _prediction_row(list(range(10, 40)), k=8)
+    assert drafter.propose(0, prompt + [99, 98], 8) == []
+    from serving.engine.drafters.prediction import PredictionDrafter
+
+    with pytest.raises(ValueError, match="confident_n=0 must be >= 1"):
+        PredictionDrafter(confident_n=0)

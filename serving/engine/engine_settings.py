@@ -85,10 +85,16 @@ class PredictionSettings:
         "draft steps, so a K above the draft models' pays (it must not exceed the largest k_buckets)"))
     min_n: int = field(default=1, metadata=doc("shortest answer tail aligned with the prediction"))
     max_n: int = field(default=8, metadata=doc("longest answer tail aligned with the prediction"))
+    confident_n: int = field(default=4, metadata=doc(
+        "an aligned tail this long (or an answer that so far is the prediction's head) proposes k tokens; "
+        "a shorter tail of n tokens proposes n + 1 (a short match is often a coincidence, and a long "
+        "verify costs several one-token steps on a CPU); 1: always k"))
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_n <= self.max_n:
             raise ValueError(f"prediction: need 1 <= min_n <= max_n, got min_n={self.min_n}, max_n={self.max_n}")
+        if self.confident_n < 1:
+            raise ValueError(f"prediction.confident_n={self.confident_n} must be >= 1 (1: always propose k tokens)")
         if self.k is not None and self.k < 1:
             raise ValueError(f"prediction.k={self.k} must be >= 1 (or null for the engine's k)")
 
@@ -225,7 +231,7 @@ class EngineSettings:
             from serving.engine.drafters.prediction import PredictionDrafter
 
             x = self.prediction
-            return PredictionDrafter(k=x.k, min_n=x.min_n, max_n=x.max_n)
+            return PredictionDrafter(k=x.k, min_n=x.min_n, max_n=x.max_n, confident_n=x.confident_n)
         if ref == "ngram":
             from serving.engine.drafters.ngram import NgramDrafter
 

@@ -7,6 +7,14 @@ answer (``max_n`` down to ``min_n`` tokens) found in the prediction at or after 
 match ended, else anywhere in it (an edit may skip or reorder parts). Before a tail matches,
 nothing is proposed, except at the start, where the prediction's head is.
 
+How much it proposes depends on how sure the alignment is. A tail of ``confident_n`` tokens or
+more (or an answer that so far is the prediction's head) proposes ``k`` tokens: the answer is
+copying the prediction. A shorter tail of n tokens proposes n + 1: a match of one or two tokens
+is often a coincidence (on the bundled code edits, 42% of one-token alignments had their first
+proposed token accepted, against 100% of eight-token ones), and a 16-token verify costs 2-3
+one-token steps on a CPU. Each accepted token lengthens the next step's tail, so a real
+alignment reaches ``k`` within a step or two.
+
 Where the answer departs from the prediction the target rejects the proposal and the request
 continues at the target's own pace until the answer rejoins the prediction.
 """
@@ -23,10 +31,12 @@ from serving.engine.drafters.base import HostDrafter, RowContext
 class PredictionDrafter(HostDrafter):
     kind = "prediction"
 
-    def __init__(self, k: int | None = None, min_n: int = 1, max_n: int = 8) -> None:
+    def __init__(self, k: int | None = None, min_n: int = 1, max_n: int = 8, confident_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"prediction drafter: need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
-        self.k, self.min_n, self.max_n = k, min_n, max_n
+        if confident_n < 1:
+            raise ValueError(f"prediction drafter: confident_n={confident_n} must be >= 1 (1: always propose k tokens)")
+        self.k, self.min_n, self.max_n, self.confident_n = k, min_n, max_n, confident_n
         self._rows: dict[int, tuple[np.ndarray, int]] = {}  # row -> (prediction ids, prompt length)
         self._cursor: dict[int, int] = {}  # row -> index in the prediction just past the last match
 
@@ -48,21 +58,23 @@ class PredictionDrafter(HostDrafter):
         answer = tokens[prompt_len:]
         if not answer:
             return pred[:k].tolist()
-        end = self._align(pred, answer, self._cursor[row])
-        if end is None:
+        aligned = self._align(pred, answer, self._cursor[row])
+        if aligned is None:
             return []
+        end, n = aligned
         self._cursor[row] = end
-        return pred[end : end + k].tolist()
+        sure = n >= self.confident_n or end == n == len(answer)  # a long tail, or the prediction's head so far
+        return pred[end : end + (k if sure else min(k, n + 1))].tolist()
 
-    def _align(self, pred: np.ndarray, answer: Sequence[int], cursor: int) -> int | None:
-        """Index just past the longest answer tail found in ``pred``: the first occurrence at or
-        after ``cursor`` (the answer moves forward through the prediction), else the last one
-        before it."""
+    def _align(self, pred: np.ndarray, answer: Sequence[int], cursor: int) -> tuple[int, int] | None:
+        """(index just past the longest answer tail found in ``pred``, that tail's length): the
+        first occurrence at or after ``cursor`` (the answer moves forward through the
+        prediction), else the last one before it."""
         for n in range(min(self.max_n, len(answer), len(pred)), self.min_n - 1, -1):
             tail = np.asarray(answer[-n:], dtype=np.int64)
             windows = np.lib.stride_tricks.sliding_window_view(pred, n)  # [len(pred) - n + 1, n]
             ends = np.flatnonzero((windows == tail).all(axis=1)) + n  # [matches] index past each match
             if len(ends):
                 ahead = ends[ends >= cursor]
-                return int(ahead[0] if len(ahead) else ends[-1])
+                return int(ahead[0] if len(ahead) else ends[-1]), n
         return None
