@@ -169,6 +169,22 @@ def test_with_a_profile_a_busy_drafting_pool_gives_way_to_the_target_alone(tmp_p
     assert server._pick(Route([(spec, 1.0)], forced=True), set())[0].pool is spec
     assert server._pick(Route([(spec, 1.2), (plain, 1.0)]), set())[0].pool is spec
 
+    # A measured whole step of the pool (bench_vllm_fleet.py profile at 1 and 8 rows) replaces the
+    # composed one: 300 ms alone (faster than the 360 composed), 1000 ms at 8 rows (slower). Alone,
+    # spec wins 4 tokens per 300 ms; with 1 busy row (2 rows: 400 ms) 4 per 400 still beats plain's
+    # 1 per 112; with 6 busy (7 rows: 900 ms, 225 a token) plain wins.
+    profile.drafts["base"].step = CostModel(base_ms=200.0, per_token_ms=100.0)
+    server.replicas[0].vllm_load = 0
+    server.replicas[1].inflight = 0
+    r = route()
+    assert server._pick(r, set())[0].pool is spec and dict((p.name, s) for p, s in r.at_load)["spec"] == pytest.approx(4 * 112 / 300)
+    server.replicas[1].inflight = 1
+    assert server._pick(route(), set())[0].pool is spec
+    server.replicas[1].inflight = 6
+    r = route()
+    assert server._pick(r, set())[0].pool is plain and dict((p.name, s) for p, s in r.at_load)["spec"] == pytest.approx(4 * 112 / 900)
+    profile.drafts["base"].step = None
+
     # A fleet whose model-drafting pool the profile has no cost for is refused, naming both.
     fleet = {"model": "m", "profile": str(profile.save(tmp_path / "p.yaml")),
              "pools": [{"name": "plain", "replicas": ["http://a:1"]},

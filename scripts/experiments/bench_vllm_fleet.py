@@ -134,7 +134,22 @@ def profile(args: argparse.Namespace) -> int:
         result["pools"][pool.name]["proposes"] = proposes
         decode_steps = steps - len(rows)
         propose_rate = min(1.0, (after[SPEC[0]] - before[SPEC[0]]) / decode_steps) if proposes and decode_steps > 0 else 1.0
-        sim_drafts[pool.drafter] = (step_cost * s0 if step_cost else None, pool.k, curves, proposes, propose_rate)
+        # The pool's batched step: --batch requests at once, as for the target. A verify of K+1
+        # tokens for every row costs far more than a plain batched step on a compute-bound CPU, which
+        # neither lone measurement shows; the front ranks pools at their load with this point.
+        start = spec_counters(url)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(args.batch) as ex:
+            together = list(ex.map(lambda q: ask(client, mid, q, args.max_tokens), prompts[: args.batch]))
+        wall = time.perf_counter() - t0
+        end = spec_counters(url)
+        tokens_b = sum(r["tokens"] for r in together)
+        per_step = tokens_b / max(1, tokens_b - (end[SPEC[2]] - start[SPEC[2]]))  # tokens a row gains per step
+        step_batched = wall / (max(r["tokens"] for r in together) / per_step)  # the longest row's steps
+        result["pools"][pool.name]["batched"] = {"rows": len(together), "s_per_step": step_batched,
+                                                 "tokens_per_step": per_step, "tokens_per_s": tokens_b / wall}  # fmt: skip
+        sim_drafts[pool.drafter] = (step_cost * s0 if step_cost else None, pool.k, curves, proposes, propose_rate,
+                                    (len(together), step_batched))  # fmt: skip
         print(f"pool {pool.name}: {result['pools'][pool.name]}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -149,11 +164,12 @@ def profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def target_cost(s0: float, s_batch: float, batch: int):
-    """The target's step as a fixed cost plus a cost per token fed, through the step at 1 row and
-    at ``batch`` rows. Per token rather than per row: the measured rows feed one token each, so the
-    two cannot be told apart there, and on a compute-bound CPU (bf16 without AVX-512) a verify of
-    K+1 tokens costs about K+1 plain steps' worth, which a per-row model would miss."""
+def two_point_cost(s0: float, s_batch: float, batch: int):
+    """A step (the target's, or a drafting pool's whole step) as a fixed cost plus a cost per token
+    fed, through the step at 1 row and at ``batch`` rows. Per token rather than per row: the
+    measured rows feed one token each, so the two cannot be told apart there, and on a
+    compute-bound CPU (bf16 without AVX-512) a verify of K+1 tokens costs about K+1 plain steps'
+    worth, which a per-row model would miss."""
     from serving.fleet.profile import CostModel, CostPoint
 
     per_token = max(0.0, (s_batch - s0) * 1e3 / (batch - 1)) if batch > 1 else 0.0
@@ -164,19 +180,22 @@ def target_cost(s0: float, s_batch: float, batch: int):
 def sim_profile(s0: float, s_batch: float, batch: int, drafts: dict, alone: list[dict], args: argparse.Namespace):
     """A simulator profile (serving/fleet/profile.py) from what vLLM measured: the target's step
     at 1 row and at ``batch`` rows, each drafter's step at its K (its draft forwards: the step's
-    measured time less the target's verify, split over K) and its acceptance by position and domain."""
+    measured time less the target's verify, split over K), its whole step at 1 row and at the
+    pool's batched rows (``step``, what the front ranks pools at load with) and its acceptance by
+    position and domain."""
     from serving.fleet.profile import CostModel, DomainProfile, DraftProfile, LengthDist, Profile
 
-    target = target_cost(s0, s_batch, batch)
+    target = two_point_cost(s0, s_batch, batch)
     sim_drafts = {}
-    for name, (step_s, k, curves, proposes, rate) in drafts.items():
+    for name, (step_s, k, curves, proposes, rate, (rows_b, step_b)) in drafts.items():
         if step_s is None:
             continue
         # A mean step: on the proposing fraction, K draft forwards and a verify of K + 1 tokens; on
         # the rest, a plain step. A drafter that (almost) never proposed has no draft cost to tell.
         verify_ms = rate * target.ms(1, k + 1) + (1 - rate) * target.ms(1, 1)
         draft_ms = max(0.0, (step_s * 1e3 - verify_ms) / (k * rate)) if rate > 0.01 else 0.0
-        sim_drafts[name] = DraftProfile(cost=CostModel(base_ms=draft_ms), acceptance=curves, proposes=proposes)
+        step = two_point_cost(step_s, step_b, rows_b)  # the whole step through its lone and batched points
+        sim_drafts[name] = DraftProfile(cost=CostModel(base_ms=draft_ms), acceptance=curves, proposes=proposes, step=step)
     prompt_tokens = {d: statistics.mean(r["prompt_tokens"] for r in alone if r["domain"] == d) for d in args.domains}
     domains = {d: DomainProfile(weight=1.0, prompt_tokens=LengthDist(mean=max(1.0, prompt_tokens[d])),
                                 output_tokens=LengthDist(mean=float(args.max_tokens))) for d in args.domains}  # fmt: skip

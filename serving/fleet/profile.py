@@ -146,6 +146,11 @@ class DraftProfile:
             "a plain one-token step; `acceptance` still counts every step"
         ),
     )
+    step: CostModel | None = field(default=None, metadata=doc(
+        "a whole step of this drafter (its draft forwards and the verify, proposing as often as measured), "
+        "measured as one at several batch sizes (bench_vllm_fleet.py profile: 1 row and --batch rows of a "
+        "vLLM pool); where present, serve --backend vllm prices the pool's step at its load with it instead "
+        "of composing the target's and the draft's costs (the simulator composes them)"))  # fmt: skip
 
     def __post_init__(self) -> None:
         if not self.acceptance:

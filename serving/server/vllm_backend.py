@@ -176,11 +176,14 @@ class FleetServer:
         self.profile = load_fleet_profile(self.fleet)
 
     def _step_ms(self, pool: PoolSettings, rows: int) -> float:
-        """The profile's time of one step of ``pool`` with ``rows`` rows (a model-free drafter
-        without a profile entry counts as free and always proposing)."""
+        """The profile's time of one step of ``pool`` with ``rows`` rows: the drafter's measured
+        ``step`` where the profile has one, else the target's verify and the draft's forwards (a
+        model-free drafter without a profile entry counts as free and always proposing)."""
         draft = self.profile.drafts.get(pool.drafter) if pool.drafter != NONE else None
         if draft is None:
             return step_ms(self.profile.target, None, pool.k, rows)
+        if draft.step is not None:  # the pool's own step, measured at several batch sizes
+            return draft.step.ms(rows, rows)
         # The profile's traffic mix weighs each domain's rate (the front does not know the prompt's domain).
         domains = self.profile.domains
         rate = sum(d.weight * draft.propose_rate(name) for name, d in domains.items()) / sum(d.weight for d in domains.values())
