@@ -150,18 +150,24 @@ def test_with_a_profile_a_busy_drafting_pool_gives_way_to_the_target_alone(tmp_p
     def route() -> Route:  # 4 tokens a step for this prompt; ranked by the lone step first
         return Route([(spec, 1.2), (plain, 1.0)], tokens={"spec": 4.0, "plain": 1.0})
 
-    # Both idle: spec's 4 tokens per 360 ms beat plain's 1 per 112 ms.
+    # Both idle: spec's 4 tokens per 360 ms beat plain's 1 per 112 ms (scores in tokens per lone
+    # plain step: what the request adds to its pool's throughput).
     r = route()
     assert server._pick(r, set())[0].pool is spec
     assert dict((p.name, s) for p, s in r.at_load) == pytest.approx({"spec": 4 * 112 / 360, "plain": 1.0})
-    # spec busy with 6 requests: its step for 7 rows (4 drafts + 7 x 5 tokens) is 720 ms for 4
-    # tokens, 180 ms a token, against plain's 112 while plain is idle: the target alone is faster now.
+    # spec busy with 6 requests: 7 rows step in 300 + 60 x 7 = 720 ms against 660 for 6. The
+    # request adds 4 x 7/720 - 4 x 6/660 tokens a ms to spec's replica, a quarter of what it adds
+    # to the idle target-alone pool, which takes it.
     server.replicas[1].inflight = 6
     r = route()
     assert server._pick(r, set())[0].pool is plain and [p.name for p, _ in r.at_load] == ["plain", "spec"]
+    assert dict((p.name, s) for p, s in r.at_load)["spec"] == pytest.approx(4 * 112 * (7 / 720 - 6 / 660))
     assert [p.name for p, _ in r.ranked] == ["spec", "plain"]  # the lone ranking is kept: a retry starts from it
-    # plain busy too (vLLM's own queue counts): plain at 8 rows costs 196 ms a token, spec 180.
+    # plain busy too (vLLM's own queue counts): 8 rows there add 8/196 - 7/184 per ms, still more
+    # than spec's seventh row; with spec at 3 requests instead, its fourth row adds more.
     server.replicas[0].vllm_load = 7
+    assert server._pick(route(), set())[0].pool is plain
+    server.replicas[1].inflight = 3
     assert server._pick(route(), set())[0].pool is spec
     # A forced pool is not re-ranked, and without the router's tokens the lone order stands.
     server.replicas[1].inflight = 6
@@ -170,19 +176,17 @@ def test_with_a_profile_a_busy_drafting_pool_gives_way_to_the_target_alone(tmp_p
     assert server._pick(Route([(spec, 1.2), (plain, 1.0)]), set())[0].pool is spec
 
     # A measured whole step of the pool (bench_vllm_fleet.py profile at 1 and 8 rows) replaces the
-    # composed one: 300 ms alone (faster than the 360 composed), 1000 ms at 8 rows (slower). Alone,
-    # spec wins 4 tokens per 300 ms; with 1 busy row (2 rows: 400 ms) 4 per 400 still beats plain's
-    # 1 per 112; with 6 busy (7 rows: 900 ms, 225 a token) plain wins.
+    # composed one: 200 + 100 ms a row, so 300 ms alone (less than the 360 composed). Alone, spec
+    # adds 4 tokens per 300 ms; with 1 busy row its second row adds 4 x (2/400 - 1/300) per ms,
+    # less than the idle plain pool's 1 per 112.
     profile.drafts["base"].step = CostModel(base_ms=200.0, per_token_ms=100.0)
-    server.replicas[0].vllm_load = 0
     server.replicas[1].inflight = 0
     r = route()
     assert server._pick(r, set())[0].pool is spec and dict((p.name, s) for p, s in r.at_load)["spec"] == pytest.approx(4 * 112 / 300)
     server.replicas[1].inflight = 1
-    assert server._pick(route(), set())[0].pool is spec
-    server.replicas[1].inflight = 6
     r = route()
-    assert server._pick(r, set())[0].pool is plain and dict((p.name, s) for p, s in r.at_load)["spec"] == pytest.approx(4 * 112 / 900)
+    assert server._pick(r, set())[0].pool is plain
+    assert dict((p.name, s) for p, s in r.at_load)["spec"] == pytest.approx(4 * 112 * (2 / 400 - 1 / 300))
     profile.drafts["base"].step = None
 
     # A fleet whose model-drafting pool the profile has no cost for is refused, naming both.

@@ -336,19 +336,26 @@ class FleetServer:
 
     def _at_load(self, route: Route, tried: set[str]) -> list[PoolSettings]:
         """The pools in the order to try them now. With a profile and the router's prediction, each
-        pool's speedup is recomputed at the load of its least-loaded usable replica plus this
-        request (tokens per step over the step's time at that many rows, against a lone
-        target-alone step; rows at most the pool's max_inflight, past which requests wait rather
-        than join the batch) and the route records that ranking in ``at_load``; otherwise the
-        route's own order."""
+        pool is scored by what this request adds to its least-loaded usable replica's throughput:
+        that replica's tokens per lone target-alone step with the request (its rows plus one, each
+        gaining the router's expected tokens per step, over the profile's step time at those rows)
+        less the same without it. Rows stop at the pool's max_inflight, past which requests wait
+        rather than join the batch. An idle pool scores its lone speed; a busy one also pays for
+        slowing the rows it already runs, so an idle replica of a slower pool can add more to the
+        fleet (the goodput view). The route records that ranking in ``at_load``; without a
+        profile or a prediction, the route's own order."""
         if self.profile is None or route.forced or not route.tokens:
             return [p for p, _ in route.ranked]
         lone = self.profile.target.ms(1, 1)
         scored = []
         for p, _ in route.ranked:
             loads = [r.load for r in self.replicas if r.pool is p and r.usable and r.url not in tried]
-            rows = min(1 + int(round(min(loads, default=0.0))), p.max_inflight)
-            scored.append((p, route.tokens.get(p.name, 1.0) * lone / self._step_ms(p, rows)))
+            after = min(1 + int(round(min(loads, default=0.0))), p.max_inflight)
+            tokens = route.tokens.get(p.name, 1.0) * lone  # per row and step, in lone target steps
+            gain = tokens * after / self._step_ms(p, after)
+            if after > 1:
+                gain -= tokens * (after - 1) / self._step_ms(p, after - 1)
+            scored.append((p, gain))
         scored.sort(key=lambda ps: -ps[1])  # stable: the lone ranking breaks ties
         route.at_load = scored
         return [p for p, _ in scored]
