@@ -398,5 +398,11 @@ def test_prediction_proposes_nothing_off_the_prediction_and_errors_name_the_valu
     assert drafter.propose(0, prompt + [99, 98], 8) == []
     from serving.engine.drafters.prediction import PredictionDrafter
 
-    with pytest.raises(ValueError, match="confident_n=0 must be >= 1"):
+    with pytest.raises(ValueError, match=r"confident_n=0 must be in 1..max_n=8"):
         PredictionDrafter(confident_n=0)
+    with pytest.raises(ValueError, match=r"confident_n=9 must be in 1..max_n=8"):
+        PredictionDrafter(confident_n=9)
+    from serving.engine.engine_settings import PredictionSettings
+
+    with pytest.raises(ValueError, match=r"prediction.confident_n=5 must be in 1..max_n=4"):
+        PredictionSettings(max_n=4, confident_n=5)

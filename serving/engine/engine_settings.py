@@ -88,13 +88,14 @@ class PredictionSettings:
     confident_n: int = field(default=4, metadata=doc(
         "an aligned tail this long (or an answer that so far is the prediction's head) proposes k tokens; "
         "a shorter tail of n tokens proposes n + 1 (a short match is often a coincidence, and a long "
-        "verify costs several one-token steps on a CPU); 1: always k"))
+        "verify costs several one-token steps on a CPU); 1: always k; at most max_n"))
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_n <= self.max_n:
             raise ValueError(f"prediction: need 1 <= min_n <= max_n, got min_n={self.min_n}, max_n={self.max_n}")
-        if self.confident_n < 1:
-            raise ValueError(f"prediction.confident_n={self.confident_n} must be >= 1 (1: always propose k tokens)")
+        if not 1 <= self.confident_n <= self.max_n:
+            raise ValueError(f"prediction.confident_n={self.confident_n} must be in 1..max_n={self.max_n} (1: always propose "
+                             "k tokens; no tail longer than max_n is looked for)")  # fmt: skip
         if self.k is not None and self.k < 1:
             raise ValueError(f"prediction.k={self.k} must be >= 1 (or null for the engine's k)")
 

@@ -34,8 +34,9 @@ class PredictionDrafter(HostDrafter):
     def __init__(self, k: int | None = None, min_n: int = 1, max_n: int = 8, confident_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"prediction drafter: need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
-        if confident_n < 1:
-            raise ValueError(f"prediction drafter: confident_n={confident_n} must be >= 1 (1: always propose k tokens)")
+        if not 1 <= confident_n <= max_n:
+            raise ValueError(f"prediction drafter: confident_n={confident_n} must be in 1..max_n={max_n} (1: always propose "
+                             "k tokens; no tail longer than max_n is looked for)")  # fmt: skip
         self.k, self.min_n, self.max_n, self.confident_n = k, min_n, max_n, confident_n
         self._rows: dict[int, tuple[np.ndarray, int]] = {}  # row -> (prediction ids, prompt length)
         self._cursor: dict[int, int] = {}  # row -> index in the prediction just past the last match
