@@ -179,15 +179,22 @@ def test_with_a_profile_a_busy_drafting_pool_gives_way_to_the_target_alone(tmp_p
     # composed one: 200 + 100 ms a row, so 300 ms alone (less than the 360 composed). Alone, spec
     # adds 4 tokens per 300 ms; with 1 busy row its second row adds 4 x (2/400 - 1/300) per ms,
     # less than the idle plain pool's 1 per 112.
-    profile.drafts["base"].step = CostModel(base_ms=200.0, per_token_ms=100.0)
+    profile.drafts["base"].step, profile.drafts["base"].step_k = CostModel(base_ms=200.0, per_token_ms=100.0), 2
     server.replicas[1].inflight = 0
+    r = route()  # measured at K 2, this pool drafts 4: the composed step stands
+    assert server._pick(r, set())[0].pool is spec and dict((p.name, s) for p, s in r.at_load)["spec"] == pytest.approx(4 * 112 / 360)
+    profile.drafts["base"].step_k = 4
     r = route()
     assert server._pick(r, set())[0].pool is spec and dict((p.name, s) for p, s in r.at_load)["spec"] == pytest.approx(4 * 112 / 300)
     server.replicas[1].inflight = 1
     r = route()
     assert server._pick(r, set())[0].pool is plain
     assert dict((p.name, s) for p, s in r.at_load)["spec"] == pytest.approx(4 * 112 * (2 / 400 - 1 / 300))
-    profile.drafts["base"].step = None
+    # At max_inflight a request would wait in vLLM's queue: the full pool adds nothing now.
+    server.replicas[1].inflight = 8
+    r = route()
+    assert server._pick(r, set())[0].pool is plain and dict((p.name, s) for p, s in r.at_load)["spec"] == 0.0
+    profile.drafts["base"].step, profile.drafts["base"].step_k = None, None
 
     # A fleet whose model-drafting pool the profile has no cost for is refused, naming both.
     fleet = {"model": "m", "profile": str(profile.save(tmp_path / "p.yaml")),

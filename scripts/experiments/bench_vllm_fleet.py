@@ -94,6 +94,10 @@ def profile(args: argparse.Namespace) -> int:
     result = {"prompts": len(prompts), "target_s_per_token": s0, "target_s_per_step_batched": s_batch,
               "batch": len(batched), "pools": {}}  # fmt: skip
     sim_drafts = {}
+    drafting = [p.drafter for p in fleet.pools if p.drafter != NONE]
+    if len(set(drafting)) < len(drafting):  # the profile keys a drafter's costs by its name
+        raise SystemExit(f"bench_vllm_fleet profile: {args.fleet} has several pools of one drafter ({', '.join(drafting)}); "
+                         "profile a fleet file with one pool per drafter")  # fmt: skip
     out_fleet = yaml.safe_load(Path(args.fleet).read_text())
     for i, pool in enumerate(fleet.pools):
         if pool.drafter == NONE:
@@ -195,7 +199,8 @@ def sim_profile(s0: float, s_batch: float, batch: int, drafts: dict, alone: list
         verify_ms = rate * target.ms(1, k + 1) + (1 - rate) * target.ms(1, 1)
         draft_ms = max(0.0, (step_s * 1e3 - verify_ms) / (k * rate)) if rate > 0.01 else 0.0
         step = two_point_cost(step_s, step_b, rows_b)  # the whole step through its lone and batched points
-        sim_drafts[name] = DraftProfile(cost=CostModel(base_ms=draft_ms), acceptance=curves, proposes=proposes, step=step)
+        sim_drafts[name] = DraftProfile(cost=CostModel(base_ms=draft_ms), acceptance=curves, proposes=proposes, step=step,
+                                        step_k=k)
     prompt_tokens = {d: statistics.mean(r["prompt_tokens"] for r in alone if r["domain"] == d) for d in args.domains}
     domains = {d: DomainProfile(weight=1.0, prompt_tokens=LengthDist(mean=max(1.0, prompt_tokens[d])),
                                 output_tokens=LengthDist(mean=float(args.max_tokens))) for d in args.domains}  # fmt: skip

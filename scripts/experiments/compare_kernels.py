@@ -80,7 +80,7 @@ def amx_and_vector(lins: list[nn.Linear], weights: str) -> dict:
     return {"vector": with_amx(0), "AMX": with_amx(1)}
 
 
-def attention_sides(mods: dict, shape: str, context: int, copies: int) -> tuple[dict, Callable]:
+def attention_sides(mods: dict, shape: str, context: int, copies: int, most_rows: int) -> tuple[dict, Callable]:
     """Each revision's ``rowdot_attention`` over ``copies`` caches of ``context`` keys (one per layer
     of a model, so that a call reads its keys and values from beyond the caches as a step does),
     and the inputs of a call of t query rows: (q [1, t, H, D], mask [1, t, S])."""
@@ -88,7 +88,9 @@ def attention_sides(mods: dict, shape: str, context: int, copies: int) -> tuple[
         H, Hkv, D = (int(v) for v in shape.lower().split("x"))
     except ValueError:
         raise SystemExit(f"compare_kernels: --attention {shape!r}: give HEADSxKV_HEADSxHEAD_SIZE, e.g. 12x2x128")
-    S = context + 64  # room for the step's own rows, as a cache holds
+    if min(H, Hkv, D) < 1 or H % Hkv:
+        raise SystemExit(f"compare_kernels: --attention {shape!r}: the query heads must be a multiple of the key-value heads")
+    S = context + most_rows  # room for the step's own rows, as a cache holds
     caches = [(torch.randn(1, Hkv, S, D), torch.randn(1, Hkv, S, D)) for _ in range(copies)]
     sides = {name: [lambda inp, ext=mod._rowdot_ext(), k=k, v=v: ext.rowdot_attention(inp[0], k, v, inp[1], D ** -0.5)
                     for k, v in caches] for name, mod in mods.items()}  # fmt: skip
@@ -144,8 +146,10 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         make_input = lambda t: torch.randn(t, in_f)  # noqa: E731
         if args.attention:
+            if args.no_amx or args.amx_vs_vector:
+                raise SystemExit("compare_kernels: --attention runs on the vector units only; drop --no-amx / --amx-vs-vector")
             sides, make_input = attention_sides({args.rev: kernels_at(args.rev, Path(tmp)), "working tree": cpu_kernels},
-                                                args.attention, args.context, args.copies)  # fmt: skip
+                                                args.attention, args.context, args.copies, max(tokens))  # fmt: skip
         elif args.amx_vs_vector:
             sides = amx_and_vector(lins, args.weights)
         else:

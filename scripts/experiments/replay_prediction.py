@@ -84,19 +84,24 @@ def main(argv: list[str] | None = None) -> int:
     profile = json.loads(Path(args.step_costs).read_text())
     measured = {r["tokens"]: r["step_ms"] for r in profile["rows"] if isinstance(r["tokens"], int) and r.get("path", "lean") == "lean"}
     widths = sorted(measured)
+    if not widths:
+        raise SystemExit(f"replay_prediction: {args.step_costs} has no step rows of the lean forward; give the "
+                         "profile.json of a profile_step.py run with --tokens 1,...")  # fmt: skip
 
     def step_ms(width: int) -> float:  # linear between the profiled widths
         return float(np.interp(width, widths, [measured[w] for w in widths]))
 
     k_buckets = [int(b) for b in args.k_buckets.split(",")]
+    if args.k > max(k_buckets):
+        raise SystemExit(f"replay_prediction: --k {args.k} exceeds the largest of --k-buckets {args.k_buckets}: add it")
     if max(k_buckets) + 1 > widths[-1]:
         raise SystemExit(f"replay_prediction: the profile's widths end at {widths[-1]}; a K bucket of {max(k_buckets)} "
                          f"verifies {max(k_buckets) + 1} rows: profile --tokens up to {max(k_buckets) + 1}")  # fmt: skip
     rows = json.loads(Path(args.answers).read_text())["rows"] if args.answers else decode_answers(args.n, args.max_tokens, args.target_weights)
-    settings = [int(c) for c in args.confident_n.split(",")]
+    settings = sorted({1, *(int(c) for c in args.confident_n.split(","))})  # 1 (always k) is the baseline
     table = {c: [replay(r, args.k, k_buckets, c, step_ms) for r in rows] for c in settings}
     first = defaultdict(lambda: [0, 0])  # aligned tail length -> [proposals, first token accepted] (always k)
-    for _, steps in table[1] if 1 in table else []:
+    for _, steps in table[1]:
         for n, proposed, accepted in steps:
             if proposed and n:
                 first[n][0] += 1
@@ -104,14 +109,16 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     command = " ".join(["python", "scripts/experiments/replay_prediction.py", *(argv if argv is not None else sys.argv[1:])])
-    lines = [f"`{command}`; step costs: `{profile['command']}` ({profile['date']}, {profile['machine']}).", "",
+    machine = profile["machine"]
+    machine = ", ".join(f"{k} {v}" for k, v in machine.items()) if isinstance(machine, dict) else machine
+    lines = [f"`{command}`; step costs: `{profile['command']}` ({profile['date']}, {machine}).", "",
              "| confident_n | " + " | ".join(r["id"].split("/")[-1] for r in rows) + " | total step-s | vs always k |",
              "|---|" + "---|" * (len(rows) + 2)]  # fmt: skip
-    base = sum(t for t, _ in table[settings[0]])
+    base = sum(t for t, _ in table[1])
     for c in settings:
         total = sum(t for t, _ in table[c])
         lines.append(f"| {c} | " + " | ".join(f"{t / 1e3:.2f}" for t, _ in table[c]) + f" | {total / 1e3:.2f} | {base / total:.2f}x |")
-    if first:
+    if first:  # always true with answers longer than their first token
         lines += ["", "| aligned tail (tokens) | proposals (always k) | first token accepted |", "|---|---|---|"]
         lines += [f"| {n} | {a} | {b / a:.0%} |" for n, (a, b) in sorted(first.items())]
     (out / "replay.json").write_text(json.dumps({"command": command, "step_costs": args.step_costs, "rows": rows,

@@ -776,15 +776,6 @@ static inline void scores(const float* qh, const float* kg, const int32_t* slots
   }
 }
 
-// The weighted values of HN heads that share a value head: acc[h * D + d] = sum over the keys
-// jj < n, in slot order, of p[h * ldp + jj] * v[slots[jj]][d]. Each output element's sum is one chain
-// of FMAs in key order whatever HN is; HN heads per pass read each value row once from memory
-// (the other heads find it in L1), with up to 8 vectors of d per head in registers.
-#if VL == 16
-#define HEADS_AT_ONCE 3  // 3 heads x 8 accumulators of 32 AVX-512 registers
-#else
-#define HEADS_AT_ONCE 1  // 8 accumulators of 16 AVX2 registers
-#endif
 // One block of NV vectors of d (d0 .. d0 + NV*VL - 1) for HN heads. NV and HN are compile-time
 // counts so that the HN*NV accumulators stay in registers: with a run-time count the compiler kept
 // them on the stack, and every FMA went through a store and a reload (most of a 16-row verify's

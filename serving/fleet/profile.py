@@ -151,6 +151,8 @@ class DraftProfile:
         "measured as one at several batch sizes (bench_vllm_fleet.py profile: 1 row and --batch rows of a "
         "vLLM pool); where present, serve --backend vllm prices the pool's step at its load with it instead "
         "of composing the target's and the draft's costs (the simulator composes them)"))  # fmt: skip
+    step_k: int | None = field(default=None, metadata=doc(
+        "the K (num_speculative_tokens) `step` was measured at: a pool of another K composes its step"))
 
     def __post_init__(self) -> None:
         if not self.acceptance:
@@ -166,6 +168,9 @@ class DraftProfile:
             if any(c > rate + 1e-9 for c in self.curve(domain)):
                 raise ValueError(f"acceptance.{domain}={self.curve(domain)} exceeds proposes.{domain}={rate}: "
                                  "a position can only be accepted on a step that proposed it")  # fmt: skip
+
+        if self.step is not None and (self.step_k is None or self.step_k < 1):
+            raise ValueError(f"step_k={self.step_k}: a measured step needs the K it was measured at (>= 1)")
 
     def curve(self, domain: str) -> list[float]:
         return self.acceptance.get(domain) or self.acceptance.get("all") or next(iter(self.acceptance.values()))

@@ -182,7 +182,7 @@ class FleetServer:
         draft = self.profile.drafts.get(pool.drafter) if pool.drafter != NONE else None
         if draft is None:
             return step_ms(self.profile.target, None, pool.k, rows)
-        if draft.step is not None:  # the pool's own step, measured at several batch sizes
+        if draft.step is not None and draft.step_k == pool.k:  # the pool's own step, measured at several batch sizes
             return draft.step.ms(rows, rows)
         # The profile's traffic mix weighs each domain's rate (the front does not know the prompt's domain).
         domains = self.profile.domains
@@ -339,8 +339,8 @@ class FleetServer:
         pool is scored by what this request adds to its least-loaded usable replica's throughput:
         that replica's tokens per lone target-alone step with the request (its rows plus one, each
         gaining the router's expected tokens per step, over the profile's step time at those rows)
-        less the same without it. Rows stop at the pool's max_inflight, past which requests wait
-        rather than join the batch. An idle pool scores its lone speed; a busy one also pays for
+        less the same without it. A replica at the pool's max_inflight scores 0: past it, requests
+        wait in vLLM's queue rather than join the batch. An idle pool scores its lone speed; a busy one also pays for
         slowing the rows it already runs, so an idle replica of a slower pool can add more to the
         fleet (the goodput view). The route records that ranking in ``at_load``; without a
         profile or a prediction, the route's own order."""
@@ -350,11 +350,14 @@ class FleetServer:
         scored = []
         for p, _ in route.ranked:
             loads = [r.load for r in self.replicas if r.pool is p and r.usable and r.url not in tried]
-            after = min(1 + int(round(min(loads, default=0.0))), p.max_inflight)
+            busy = int(round(min(loads, default=0.0)))
+            if busy >= p.max_inflight:  # full: the request would wait in vLLM's queue, adding nothing now
+                scored.append((p, 0.0))
+                continue
             tokens = route.tokens.get(p.name, 1.0) * lone  # per row and step, in lone target steps
-            gain = tokens * after / self._step_ms(p, after)
-            if after > 1:
-                gain -= tokens * (after - 1) / self._step_ms(p, after - 1)
+            gain = tokens * (busy + 1) / self._step_ms(p, busy + 1)
+            if busy:
+                gain -= tokens * busy / self._step_ms(p, busy)
             scored.append((p, gain))
         scored.sort(key=lambda ps: -ps[1])  # stable: the lone ranking breaks ties
         route.at_load = scored
