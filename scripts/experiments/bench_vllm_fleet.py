@@ -76,6 +76,14 @@ def model_id(url: str) -> str:
     return json.loads(urllib.request.urlopen(f"{url}/v1/models", timeout=10).read())["data"][0]["id"]
 
 
+def together(client: openai.OpenAI, model: str, prompts: list[Prompt], max_tokens: int) -> tuple[list[dict], float]:
+    """The answers to ``prompts`` sent all at once, and the wall seconds until the last one."""
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(prompts)) as ex:
+        answers = list(ex.map(lambda p: ask(client, model, p, max_tokens), prompts))
+    return answers, time.perf_counter() - t0
+
+
 def profile(args: argparse.Namespace) -> int:
     fleet = load_config(FleetConfig, args.fleet)
     prompts = prompts_for(args.domains, args.prompts_per_domain, args.offset)
@@ -87,10 +95,8 @@ def profile(args: argparse.Namespace) -> int:
     alone = [ask(base, mid, p, args.max_tokens) for p in prompts]
     s0 = sum(r["s"] for r in alone) / sum(r["tokens"] for r in alone)  # seconds per target step (and token)
     # The target's batched step: --batch requests at once (each step advances every row one token).
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(args.batch) as ex:
-        batched = list(ex.map(lambda p: ask(base, mid, p, args.max_tokens), prompts[: args.batch]))
-    s_batch = (time.perf_counter() - t0) / max(r["tokens"] for r in batched)
+    batched, wall = together(base, mid, prompts[: args.batch], args.max_tokens)
+    s_batch = wall / max(r["tokens"] for r in batched)
     result = {"prompts": len(prompts), "target_s_per_token": s0, "target_s_per_step_batched": s_batch,
               "batch": len(batched), "pools": {}}  # fmt: skip
     sim_drafts = {}
@@ -142,18 +148,15 @@ def profile(args: argparse.Namespace) -> int:
         # tokens for every row costs far more than a plain batched step on a compute-bound CPU, which
         # neither lone measurement shows; the front ranks pools at their load with this point.
         start = spec_counters(url)
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(args.batch) as ex:
-            together = list(ex.map(lambda q: ask(client, mid, q, args.max_tokens), prompts[: args.batch]))
-        wall = time.perf_counter() - t0
+        at_once, wall = together(client, mid, prompts[: args.batch], args.max_tokens)
         end = spec_counters(url)
-        tokens_b = sum(r["tokens"] for r in together)
+        tokens_b = sum(r["tokens"] for r in at_once)
         per_step = tokens_b / max(1, tokens_b - (end[SPEC[2]] - start[SPEC[2]]))  # tokens a row gains per step
-        step_batched = wall / (max(r["tokens"] for r in together) / per_step)  # the longest row's steps
-        result["pools"][pool.name]["batched"] = {"rows": len(together), "s_per_step": step_batched,
+        step_batched = wall / (max(r["tokens"] for r in at_once) / per_step)  # the longest row's steps
+        result["pools"][pool.name]["batched"] = {"rows": len(at_once), "s_per_step": step_batched,
                                                  "tokens_per_step": per_step, "tokens_per_s": tokens_b / wall}  # fmt: skip
         sim_drafts[pool.drafter] = (step_cost * s0 if step_cost else None, pool.k, curves, proposes, propose_rate,
-                                    (len(together), step_batched))  # fmt: skip
+                                    (len(at_once), step_batched))  # fmt: skip
         print(f"pool {pool.name}: {result['pools'][pool.name]}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

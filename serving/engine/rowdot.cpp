@@ -19,6 +19,7 @@ static inline vec vzero() { return _mm512_setzero_ps(); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vec vset1(float x) { return _mm512_set1_ps(x); }
 static inline void vstore(float* p, vec a) { _mm512_storeu_ps(p, a); }
+static inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }  // b where either is NaN
 static inline __m256 half_sum(vec a) {
   return _mm256_add_ps(_mm512_castps512_ps256(a),
                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
@@ -31,6 +32,7 @@ static inline vec vzero() { return _mm256_setzero_ps(); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vec vset1(float x) { return _mm256_set1_ps(x); }
 static inline void vstore(float* p, vec a) { _mm256_storeu_ps(p, a); }
+static inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }  // b where either is NaN
 static inline __m256 half_sum(vec a) { return a; }
 #endif
 
@@ -831,19 +833,11 @@ static inline void weighted_values(const float* p, int64_t ldp, const float* vg,
 static inline float max_of(const float* p, int64_t n) {
   int64_t j = 0;
   float mx = -INFINITY;
-#if VL == 16
-  __m512 m = _mm512_set1_ps(-INFINITY);
-  for (; j + 16 <= n; j += 16) m = _mm512_max_ps(_mm512_loadu_ps(p + j), m);  // the second operand on a NaN
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, m);
-  for (int i = 0; i < 16; ++i) mx = std::max(mx, lanes[i]);
-#elif defined(__AVX2__)
-  __m256 m = _mm256_set1_ps(-INFINITY);
-  for (; j + 8 <= n; j += 8) m = _mm256_max_ps(_mm256_loadu_ps(p + j), m);
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, m);
-  for (int i = 0; i < 8; ++i) mx = std::max(mx, lanes[i]);
-#endif
+  vec m = vset1(-INFINITY);
+  for (; j + VL <= n; j += VL) m = vmax(vload(p + j), m);  // a NaN score keeps m
+  alignas(64) float lanes[VL];
+  vstore(lanes, m);
+  for (int i = 0; i < VL; ++i) mx = std::max(mx, lanes[i]);
   for (; j < n; ++j) mx = std::max(mx, p[j]);
   return mx;
 }

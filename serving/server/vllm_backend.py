@@ -340,9 +340,9 @@ class FleetServer:
         that replica's tokens per lone target-alone step with the request (its rows plus one, each
         gaining the router's expected tokens per step, over the profile's step time at those rows)
         less the same without it. A replica at the pool's max_inflight scores 0: past it, requests
-        wait in vLLM's queue rather than join the batch. An idle pool scores its lone speed; a busy one also pays for
-        slowing the rows it already runs, so an idle replica of a slower pool can add more to the
-        fleet (the goodput view). The route records that ranking in ``at_load``; without a
+        wait in vLLM's queue rather than join the batch. An idle pool scores its lone speed; a busy
+        one also pays for slowing the rows it already runs, so an idle replica of a slower pool can
+        add more to the fleet (the goodput view). The route records that ranking in ``at_load``; without a
         profile or a prediction, the route's own order."""
         if self.profile is None or route.forced or not route.tokens:
             return [p for p, _ in route.ranked]
