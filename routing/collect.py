@@ -26,7 +26,7 @@ from routing.router import NONE
 from routing.rows import RowStore
 from serving.engine import Request, SpeculativeEngine
 from serving.engine.devices import resolve_device
-from serving.engine.engine_settings import EngineSettings, load_engine
+from serving.engine.engine_settings import EngineSettings, is_model_ref, load_engine
 from serving.engine.models import load_tokenizer
 from serving.engine.sampling import SamplingParams
 from serving.prompts import Prompt, encode_prompt, load_prompts, read_prompt_file
@@ -110,6 +110,8 @@ def make_row(cfg: CollectConfig, prompt: Prompt, n_prompt: int, draft: str, mode
         "draft_ref": None if draft == NONE else cfg.drafts[draft],
         "target": cfg.target,
         "target_weights": cfg.engine.target_weights,  # the precision these measurements describe
+        # and the draft model's (auto resolved); ngram and suffix have none
+        "draft_weights": cfg.engine.drafts_weights() if is_model_ref(cfg.drafts.get(draft)) else None,
         "mode": mode,
         "repeat": repeat,
         "k": 0 if draft == NONE else cfg.engine.k,

@@ -213,6 +213,11 @@ class RouterTrainConfig:
     calibrate_costs: bool = field(default=True, metadata=doc(
         "fit each draft's per-call cost to the measured speedups of the training prompts (needs the "
         "target alone collected); false keeps the bare verify-step cost"))
+    step_profile: str | None = field(default=None, metadata=doc(
+        "a profile_step.py profile.json measured with --batch-rows (the target at the serving precision, "
+        "rows x tokens per row up to the server's batch x (K+1)): the router prices a verify under load from "
+        "these measured steps instead of the straight line fitted to the batch-1 rows, which underrates "
+        "batched verifies once they stop being bound by reading the weights"))
     features: FeatureConfig = field(default_factory=FeatureConfig)
     split: SplitConfig = field(default_factory=SplitConfig)
     mlp: MLPConfig = field(default_factory=MLPConfig)

@@ -10,6 +10,7 @@ and speedup (averaged over modes and repeats), the drafts' measured costs, and t
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import random
 import statistics
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from routing.router import NONE
+from routing.router import NONE, measured_fill
 from routing.rows import read_rows
 
 
@@ -37,6 +38,7 @@ class Table:
     costs: dict[str, dict[str, float]]  # per draft: draft_cost, verify_cost (relative to a target step)
     k: int  # the K the data was collected with
     target_weights: str = "fp32"  # the target's precision in the collected rows (engine.target_weights)
+    draft_weights: str | None = None  # the drafts' precision in them (engine.draft_weights resolved); None: not recorded
     splits: list[str | None] | None = None  # per prompt, the workload's fixed split (serving.workload), if any
     step_model: dict[str, float] | None = None  # target forward ms = base_ms + per_token_ms * tokens (batch 1)
 
@@ -58,6 +60,10 @@ def load_table(paths: list[str], mode: str = "greedy") -> Table:
     if len(precisions) > 1:
         raise ValueError(f"the rows mix target precisions {sorted(precisions)}: acceptance and step costs differ "
                          "between them; train on rows collected with one engine.target_weights")  # fmt: skip
+    draft_precisions = {r["draft_weights"] for r in rows if r["draft"] != NONE and r.get("draft_weights")}
+    if len(draft_precisions) > 1:
+        raise ValueError(f"the rows mix draft precisions {sorted(draft_precisions)}: draft costs and acceptance differ "
+                         "between them; train on rows collected with one engine.draft_weights")  # fmt: skip
     drafts = sorted({r["draft"] for r in rows} - {NONE})
     if not drafts:
         raise ValueError(f"the rows hold no draft besides {NONE!r}")
@@ -95,9 +101,35 @@ def load_table(paths: list[str], mode: str = "greedy") -> Table:
         costs=_costs(rows, drafts, has_none),
         k=max(int(r["k"]) for r in rows),
         target_weights=precisions.pop(),
+        draft_weights=draft_precisions.pop() if draft_precisions else None,
         splits=[info[p].get("split") for p in ids],
         step_model=_step_model(rows) if has_none else None,
     )
+
+
+def step_table(path: str | Path) -> list[list[float]]:
+    """[[rows, tokens per row, ms], ...] from a ``scripts/experiments/profile_step.py`` profile.json:
+    the median of each step the target ran (``--batch-rows`` x ``--tokens``; the first forward
+    path's). Refuses a file without batched steps, naming it: a profile of one row says nothing
+    about a full batch."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"step_profile {path} does not exist; measure it with scripts/experiments/profile_step.py "
+                                "--batch-rows 1,4,8 --tokens 1,2,3,5,9")  # fmt: skip
+    record = json.loads(path.read_text())
+    rows = [r for r in record.get("rows", []) if isinstance(r.get("tokens"), int)]
+    if rows:
+        first = rows[0]["path"]
+        rows = [r for r in rows if r["path"] == first]
+    if not any(r.get("batch_rows", 1) > 1 for r in rows) or not any(r.get("batch_rows", 1) == 1 for r in rows):
+        raise ValueError(f"step_profile {path} needs steps of one row and of more; measure it with --batch-rows 1,4,8")
+    table, slowest = [], {}
+    for r in sorted(rows, key=lambda r: (r.get("batch_rows", 1), r["tokens"])):
+        b = float(r.get("batch_rows", 1))
+        # more tokens never cost less: a dip is the machine's noise, so each point is at least the one before
+        slowest[b] = max(slowest.get(b, 0.0), float(r["step_ms"]))
+        table.append([b, float(r["tokens"]), slowest[b]])
+    return table
 
 
 def _step_model(rows: list[dict]) -> dict[str, float] | None:
@@ -137,6 +169,9 @@ def load_served(paths: list[str], table: Table, mode: str = "greedy") -> Served:
         if r.get("target_weights", "fp32") != table.target_weights or r["target"] != table.target_ref:
             raise ValueError(f"served row {r['prompt_id']} ran target {r['target']} at {r.get('target_weights', 'fp32')}; "
                              f"the collected rows {table.target_ref} at {table.target_weights}: serve and collect one target")  # fmt: skip
+        if None not in (r.get("draft_weights"), table.draft_weights) and r["draft_weights"] != table.draft_weights:
+            raise ValueError(f"served row {r['prompt_id']} ran its draft at draft_weights={r['draft_weights']}, the "
+                             f"collected rows at {table.draft_weights}: serve with the engine.draft_weights collected")  # fmt: skip
     by_text: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
         by_text[r["text"]][r["draft"]].append(float(r["acceptance_rate"]))
@@ -156,7 +191,8 @@ def _mean(rows: list[dict], key: str) -> float:
 
 def _costs(rows: list[dict], drafts: list[str], has_none: bool) -> dict[str, dict[str, float]]:
     """Medians over all rows: c = draft step / target step; v = verification step / target step
-    (1 when the target alone was not collected: then c is relative to the verification)."""
+    (1 when the target alone was not collected: then c is relative to the verification); and each
+    draft's fill (``routing.router.measured_fill``) where its rows record tokens per call."""
     step = defaultdict(list)
     for r in rows:
         step[(r["draft"], "draft")].append(r["draft_step_ms"])
@@ -167,6 +203,11 @@ def _costs(rows: list[dict], drafts: list[str], has_none: bool) -> dict[str, dic
         draft_ms, verify_ms = statistics.median(step[(d, "draft")]), statistics.median(step[(d, "target")])
         ref = base or verify_ms
         costs[d] = {"draft_cost": draft_ms / ref, "verify_cost": verify_ms / ref if base else 1.0}
+        mine = [r for r in rows if r["draft"] == d and r.get("mean_accepted_length") is not None and r.get("k")]
+        if mine:  # mean_accepted_length: committed tokens per call, the bonus token included
+            ks = {int(r["k"]) for r in mine}
+            costs[d]["fill"] = measured_fill([float(r["acceptance_rate"]) for r in mine],
+                                             [float(r["mean_accepted_length"]) - 1 for r in mine], max(ks))  # fmt: skip
     return costs
 
 
@@ -180,6 +221,9 @@ def join_tables(first: Table, second: Table) -> Table:
         if a != b:
             raise ValueError(f"the test rows were collected with {name}={b!r}, the training rows with {a!r}: "
                              "collect both with the same target, drafts and decode settings")  # fmt: skip
+    if None not in (first.draft_weights, second.draft_weights) and first.draft_weights != second.draft_weights:
+        raise ValueError(f"the test rows' drafts ran at draft_weights={second.draft_weights!r}, the training rows' at "
+                         f"{first.draft_weights!r}: collect both with the same engine.draft_weights")  # fmt: skip
     both = sorted(set(first.prompt_ids) & set(second.prompt_ids))
     if both:
         raise ValueError(f"{len(both)} prompts (e.g. {both[0]!r}) are in both the training and the test rows: "

@@ -200,9 +200,11 @@ def markdown(report: dict) -> str:
             lines.append(f"- {family}: " + "; ".join(
                 ", ".join(f"{k}={v:g}" for k, v in c["params"].items()) + f" -> {c['score']:.3f}" for c in ranked))  # fmt: skip
     lines += ["", "Costs per draft (relative to one target step; c: draft step, v: the rest of a call, fitted to "
-              "the measured speedups when a verify step is shown beside it): " + ", ".join(
+              "the measured speedups when a verify step is shown beside it; fill: the share of the drafted slots "
+              "the geometric model assumes that its calls filled): " + ", ".join(
         f"{d}: c={c['draft_cost']:.3f}, v={c['verify_cost']:.3f}"
         + (f" (verify step {c['verify_step_cost']:.3f})" if "verify_step_cost" in c else "")
+        + (f", fill={c['fill']:.2f}" if "fill" in c else "")
         for d, c in report["costs"].items())]  # fmt: skip
     collected = report.get("collected") or {}
     if collected:

@@ -17,6 +17,14 @@ step and v = verification step / target step, both measured during collection. T
 the measured acceptance *rate* at the collected K_c (accepted / drafted = mean of a^i, i = 1..K_c,
 which is lower than a), so ``speedups`` first solves for the per-token a behind that rate.
 
+Drafters that leave slots empty: ``ngram`` and ``suffix`` propose fewer than K tokens (none at
+all) where they find no match, so their acceptance per drafted token says little about what a
+call commits. Each drafter's measured **fill** (``costs[d]["fill"]``, from the collected rows: the
+tokens its calls actually committed beyond the bonus token over what E(a, K) - 1 predicts from its
+acceptance rate) scales the drafted part: a call commits 1 + fill * (E - 1). A draft model fills
+almost every slot (fill near 1); on the six-family workload (q4 target) ``suffix`` filled about a
+third. Without a measured fill (routers trained before it) fill is 1, the plain model.
+
 Load (the goodput view of SmartSpec and TurboSpec): a verify of 8 rows costs more than of 1, so a
 draft is worth less in a full batch. With a step model (``info["step_model"]``: a target forward
 costs ``base_ms + per_token_ms * tokens`` over all rows, fitted by train-router to the collected
@@ -25,7 +33,13 @@ g(b, K) = (T(b) + b K t) / T(b) is a step in which all b rows verify K + 1 token
 in which they verify one, T(b) = base + b t: the verify step at (b, K) plus the per-call overhead
 that the calibrated v holds beyond the verify step it was measured with. ``choose_batch(...,
 occupancy=b)`` chooses for the batch the server has when it admits the request; at b = 1 and
-K = K_c this is the plain model.
+K = K_c this is the plain model. That straight line is fitted to batch-1 steps of 1 and K_c + 1
+tokens, where the target is bound by reading its weights; a batch of 8 rows verifying 5 tokens each
+is bound by arithmetic and costs far more than the line says (q4 target, Intel VM: 387 ms against
+165). With a measured step table (``info["step_table"]``, train-router's ``step_profile``: the
+target's forward at rows x tokens per row, ``profile_step.py --batch-rows``) the router reads
+T(b, n) for b rows of n tokens off that table (linear between its points, the nearest segment's
+slope outside them) and g(b, K) = T(b, K + 1) / T(b, 1).
 
 ``Router.create`` builds an untrained but valid router (random MLP, identity normalisation) from
 draft references alone, for tests and for wiring a server up before any data is collected.
@@ -108,6 +122,41 @@ def expected_tokens(a: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return (1 - a ** (k + 1)) / (1 - a)
 
 
+def committed_tokens(a: torch.Tensor, k: torch.Tensor, fill: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """Tokens a verification commits when the drafter fills ``fill`` of the slots the geometric
+    model assumes (the module docstring): the bonus token plus fill * (E(a, k) - 1)."""
+    return 1 + fill * (expected_tokens(a, k) - 1)
+
+
+def _interp(xs: torch.Tensor, ys: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Piecewise-linear y(x) through the points (xs sorted), the nearest segment's slope outside
+    them; flat through a single point."""
+    if len(xs) == 1:
+        return torch.full_like(x, float(ys[0]))
+    i = (torch.searchsorted(xs.contiguous(), x.reshape(-1).contiguous()) - 1).clamp(0, len(xs) - 2).reshape(x.shape)
+    return ys[i] + (x - xs[i]) * (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i])
+
+
+def step_ms(table: list[list[float]], rows: float, tokens: torch.Tensor | float) -> torch.Tensor:
+    """A target forward's ms for ``rows`` rows of ``tokens`` tokens each, read off a measured step
+    table [[rows, tokens per row, ms], ...]: linear in the tokens within each measured row count,
+    then linear between the two row counts around ``rows`` (the nearest two outside them)."""
+    t = torch.as_tensor(tokens, dtype=torch.float64)
+    pts = torch.tensor(table, dtype=torch.float64)  # [P, 3]
+    counts = torch.unique(pts[:, 0])  # sorted row counts
+    at = []
+    for r in counts:
+        mine = pts[pts[:, 0] == r]
+        mine = mine[mine[:, 1].argsort()]
+        at.append(_interp(mine[:, 1], mine[:, 2], t))
+    if len(counts) == 1:
+        return at[0].float()
+    b = float(rows)
+    i = min(max(int(torch.searchsorted(counts, torch.tensor([b], dtype=torch.float64))[0]) - 1, 0), len(counts) - 2)
+    c0, c1 = float(counts[i]), float(counts[i + 1])
+    return (at[i] + (b - c0) * (at[i + 1] - at[i]) / (c1 - c0)).float()
+
+
 def per_token_acceptance(rate: torch.Tensor, k: int) -> torch.Tensor:
     """The per-token acceptance a whose acceptance rate with k drafts, accepted / drafted =
     mean(a^i for i = 1..k), equals ``rate`` (elementwise bisection; the rate grows with a)."""
@@ -121,12 +170,25 @@ def per_token_acceptance(rate: torch.Tensor, k: int) -> torch.Tensor:
     return (lo + hi) / 2
 
 
-def speedup_model(a: torch.Tensor, k: torch.Tensor, draft_cost: float, verify_cost: float) -> torch.Tensor:
+def speedup_model(a: torch.Tensor, k: torch.Tensor, draft_cost: float, verify_cost: float,
+                  fill: float = 1.0) -> torch.Tensor:  # fmt: skip
     """Predicted speedup over the target alone (see the module docstring)."""
-    return expected_tokens(a, k) / (k * draft_cost + verify_cost)
+    return committed_tokens(a, k, fill) / (k * draft_cost + verify_cost)
 
 
-def calibrated_verify_cost(rate: torch.Tensor, speedup: torch.Tensor, k: int, draft_cost: float) -> float:
+def measured_fill(rates: list[float], accepted_per_call: list[float], k: int) -> float:
+    """A drafter's fill from its collected rows: the tokens accepted per call, summed over rows,
+    over what the geometric model predicts from each row's acceptance rate at the collected
+    ``k`` (E(a, k) - 1). 1.0 when the rows predict nothing to compare with."""
+    if not rates or k < 1:
+        return 1.0
+    a = per_token_acceptance(torch.tensor(rates, dtype=torch.float64), k)  # [N]
+    predicted = float((expected_tokens(a, torch.tensor(float(k), dtype=torch.float64)) - 1).sum())
+    return sum(accepted_per_call) / predicted if predicted > 1e-9 else 1.0
+
+
+def calibrated_verify_cost(rate: torch.Tensor, speedup: torch.Tensor, k: int, draft_cost: float,
+                           fill: float = 1.0) -> float:  # fmt: skip
     """The per-call cost v (relative to a target step) that makes the cost model reproduce measured
     speedups on average: mean of E(a_i) / s_i - k c over prompts i, from acceptance rates [N] and
     measured speedups [N] collected at K = k. A measured speedup also pays for what a verify step
@@ -138,7 +200,7 @@ def calibrated_verify_cost(rate: torch.Tensor, speedup: torch.Tensor, k: int, dr
     ok = (speedup > 0) & torch.isfinite(speedup) & torch.isfinite(rate)
     if not ok.any():
         return float("nan")
-    per_prompt = expected_tokens(a[ok], torch.tensor(float(k))) / speedup[ok].float() - k * draft_cost  # [N]
+    per_prompt = committed_tokens(a[ok], torch.tensor(float(k)), fill) / speedup[ok].float() - k * draft_cost  # [N]
     v = float(per_prompt.mean())
     return v if v > 0 else float("nan")
 
@@ -340,6 +402,11 @@ class Router:
 
     def verify_shift(self, ks: torch.Tensor, occupancy: int) -> torch.Tensor:
         """g(b, K) - g(1, K_c) for each K of ``ks`` (the module docstring); zeros without a step model."""
+        table = self.info.get("step_table")
+        if table:
+            kc = float(self.info.get("collected_k") or 4)
+            at_b = step_ms(table, occupancy, ks + 1) / step_ms(table, occupancy, 1.0)
+            return at_b - step_ms(table, 1, kc + 1) / step_ms(table, 1, 1.0)
         model = self.info.get("step_model")
         if not model or model.get("per_token_ms", 0.0) <= 0:
             return torch.zeros_like(ks)
@@ -357,8 +424,9 @@ class Router:
         ks = torch.tensor(self.k_buckets, dtype=torch.float32)  # [Kb]
         c = torch.tensor([self.costs[n]["draft_cost"] for n in self.drafts])[:, None]  # [D, 1]
         v = torch.tensor([self.costs[n]["verify_cost"] for n in self.drafts])[:, None]  # [D, 1]
+        fill = torch.tensor([self.costs[n].get("fill", 1.0) for n in self.drafts])[:, None]  # [D, 1]
         a = per_token_acceptance(acceptance.float(), int(self.info.get("collected_k") or 4))  # [N, D]
-        s = expected_tokens(a[:, :, None], ks) / (ks * c + v + self.verify_shift(ks, occupancy))  # [N, D, Kb]
+        s = committed_tokens(a[:, :, None], ks, fill) / (ks * c + v + self.verify_shift(ks, occupancy))  # [N, D, Kb]
         best, idx = s.max(dim=2)  # [N, D]
         return best, ks[idx].long()
 
@@ -372,10 +440,11 @@ class Router:
         to be exactly as fast as the target alone: below it, drafting loses."""
         kt = torch.tensor([float(k)])
         cost = float(k * self.costs[draft]["draft_cost"] + self.costs[draft]["verify_cost"] + self.verify_shift(kt, occupancy))
+        fill = self.costs[draft].get("fill", 1.0)
         lo, hi = 0.0, 1.0  # per-token acceptance a; E(a, K) grows with a
         for _ in range(40):
             mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if float(expected_tokens(torch.tensor(mid), kt)) < cost else (lo, mid)
+            lo, hi = (mid, hi) if float(committed_tokens(torch.tensor(mid), kt, fill)) < cost else (lo, mid)
         a = (lo + hi) / 2
         return sum(a**i for i in range(1, k + 1)) / k
 

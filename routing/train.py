@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from routing.config import MLPConfig, RouterTrainConfig
-from routing.dataset import Table, join_tables, load_served, load_table, split_prompts
+from routing.dataset import Table, join_tables, load_served, load_table, split_prompts, step_table
 from routing.evaluate import evaluate, metric_values, objective_metric, options, write_report
 from routing.features import Featurizer
 from routing.router import DEFAULT_K_BUCKETS, NONE, Router, RouterMLP, calibrated_verify_cost
@@ -209,10 +209,12 @@ def train(cfg: RouterTrainConfig) -> dict:
     mean, std = normalisation(raw[fit_idx])
     x = (raw - mean) / std  # [P, F]
 
+    steps = step_table(cfg.step_profile) if cfg.step_profile else None  # measured verifies under load
     costs = {d: dict(c) for d, c in table.costs.items()}
     if cfg.calibrate_costs and table.speedup is not None:
         for j, d in enumerate(table.drafts):  # training prompts only: the test split stays unseen
-            v = calibrated_verify_cost(table.acceptance[fit_idx, j], table.speedup[fit_idx, j], table.k, costs[d]["draft_cost"])
+            v = calibrated_verify_cost(table.acceptance[fit_idx, j], table.speedup[fit_idx, j], table.k, costs[d]["draft_cost"],
+                                       costs[d].get("fill", 1.0))  # fmt: skip
             costs[d]["verify_step_cost"] = costs[d]["verify_cost"]
             if math.isfinite(v):
                 costs[d]["verify_cost"] = v
@@ -235,7 +237,8 @@ def train(cfg: RouterTrainConfig) -> dict:
             costs=costs,
             k_buckets=list(cfg.k_buckets or DEFAULT_K_BUCKETS),
             info={"trained": True, "data": list(cfg.data), "served": list(cfg.served), "test_data": list(cfg.test_data), "mode": cfg.mode, "collected_k": table.k,
-                  "target_weights": table.target_weights, "step_model": table.step_model},
+                  "target_weights": table.target_weights, "draft_weights": table.draft_weights,
+                  "step_model": table.step_model, "step_table": steps, "step_profile": cfg.step_profile},
         )
 
     # The decision rule (objective, costs) does not depend on the MLP: the selection and the

@@ -86,6 +86,7 @@ def measure(routers: dict[str, Router], prompts: list[Prompt], *, max_new_tokens
         row["identical"] = {n: outputs[n] == outputs[NONE] for n in policies if n != NONE}
         rows.append(row)
     return {"config": {"max_new_tokens": max_new_tokens, "k": settings.k, "target_weights": settings.target_weights,
+                       "draft_weights": settings.drafts_weights(),
                        "fallback_ratio": fallback_ratio, "machine": f"{platform.machine()} {os.cpu_count()} cpus",
                        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])},
             "policies": policies, "routed": list(routers), "rows": rows,
@@ -126,7 +127,8 @@ def markdown(report: dict) -> str:
     routed = report["routed"]
     singles = [p for p in report["policies"] if p not in routed]
     best = s["all"]["best_single"]
-    lines = [f"{c['max_new_tokens']} new tokens, greedy, single drafters at K = {c['k']}, target {c['target_weights']}; "
+    lines = [f"{c['max_new_tokens']} new tokens, greedy, single drafters at K = {c['k']}, target {c['target_weights']}, "
+             f"drafts {c.get('draft_weights', 'int8')}; "
              "speedup = tokens/s over the target alone on the same prompt, prefill included; oracle = the fastest single "
              f"policy per prompt; best single drafter (hindsight, all prompts): `{best}`.", "",
              "| family | prompts | " + " | ".join(singles + routed) + " | oracle | "

@@ -165,7 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-family", type=int, default=5, help="workload prompts per family")
     ap.add_argument("--workload-max-new-tokens", type=int, default=48)
     ap.add_argument("--workload-k", type=int, default=4, help="the single drafters' fixed K (engine.k)")
-    ap.add_argument("--target-weights", choices=["fp32", "int8", "q4"], default="int8", help="the workload section's target precision")
+    ap.add_argument("--target-weights", choices=["fp32", "int8", "q4"], default=None,
+                    help="the workload section's target precision (default: the one the router's rows were collected at)")
+    ap.add_argument("--workload-draft-weights", choices=["auto", "fp32", "int8", "q4"], default=None,
+                    help="the workload section's draft precision (default: the router's rows', else auto)")
     ap.add_argument("--bench", default="runs/bench-conf/bench.json", help="a spec-bench bench.json")
     ap.add_argument("--router-eval", default=None, help="eval.md of train-router (default: next to --router)")
     ap.add_argument("--load-test", nargs="*", default=[], help="load_test.py JSON results")
@@ -185,11 +188,14 @@ def main(argv: list[str] | None = None) -> int:
         from routing import workload_eval
         from serving.engine.engine_settings import EngineSettings
 
-        settings = EngineSettings(target_weights=args.target_weights, k=args.workload_k, request_k_max=8, max_batch_size=1)
+        router = Router.load(args.workload_router)
+        settings = EngineSettings(target_weights=args.target_weights or router.info.get("target_weights") or "int8",
+                                  draft_weights=args.workload_draft_weights or router.info.get("draft_weights") or "auto",
+                                  k=args.workload_k, request_k_max=8, max_batch_size=1)  # fmt: skip
         from serving.workload import load_workload
 
         prompts = load_workload(args.workload_split, args.per_family)
-        workload = workload_eval.measure({"routed": Router.load(args.workload_router)}, prompts,
+        workload = workload_eval.measure({"routed": router}, prompts,
                                          max_new_tokens=args.workload_max_new_tokens, settings=settings)  # fmt: skip
         workload["config"] |= {"router": args.workload_router, "split": args.workload_split, "per_family": args.per_family}
         workload_eval.save(workload, out / "workload.json")

@@ -579,25 +579,49 @@ def test_q4_lattice_finds_groups_that_skip_levels():
     assert cpu_kernels.q4_lattice(w) is None
 
 
+@pytest.mark.unit
+def test_q4_requantize_rounds_each_group_to_its_nearest_level():
+    """A draft's requantized group: its minimum and (max - min) / 15 as stored (fp16), every
+    weight on the nearest of the 16 levels, so off by at most half a step (plus the fp16 rounding
+    of the minimum and step); a constant group is its minimum exactly. Weights already on a lattice
+    come back as they were."""
+    torch.manual_seed(0)
+    w = torch.randn(5, 96)
+    w[1, 32:64] = 0.25  # a constant group
+    q, d, m = cpu_kernels.q4_requantize(w)
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15 and d.shape == m.shape == (5, 3)
+    assert torch.equal(d, d.half().float()) and torch.equal(m, m.half().float())
+    rebuilt = (q.reshape(5, 3, 32).float() * d[..., None] + m[..., None]).reshape(5, 96)
+    err = (rebuilt - w).abs().reshape(5, 3, 32)
+    span = w.reshape(5, 3, 32).amax(-1) - w.reshape(5, 3, 32).amin(-1)
+    assert (err <= (d / 2 + 2e-3 * span + 1e-6)[..., None]).all()
+    assert torch.equal(rebuilt[1, 32:64], torch.full((32,), 0.25))
+    on = cpu_kernels.snap_to_q4_lattice(torch.randn(4, 64)).half().float()  # levels an fp16 step and minimum hold
+    q2, d2, m2 = cpu_kernels.q4_requantize(on)
+    assert torch.allclose((q2.reshape(4, 2, 32).float() * d2[..., None] + m2[..., None]).reshape(4, 64), on, atol=2e-3)
+    assert cpu_kernels.q4_requantize(torch.randn(3, 40)) is None  # not whole groups of 32
+
+
 @pytest.mark.integration
 @needs_rowdot
 def test_a_q4_target_gives_its_own_greedy_output_in_any_batch():
     """target_weights=q4: 4-bit tensors run as Q4Linear, the others (here the MLP's down
     projections and the head, as a Q4_K_M file's Q6_K tensors) as int8; speculative output (batch
     of 3, ragged prompts, a q4 draft: draft_weights=q4) equals the q4 target decoding each prompt
-    alone."""
+    alone. The draft's weights lie on no lattice: draft_weights=q4 rounds every one of its Linears
+    into 4-bit groups (q4_requantize), the head included."""
     from serving.engine.core import EngineConfig, Request, SpeculativeEngine, use_cpu_kernels
     from tests.conftest import make_tokenizer
 
     tok = make_tokenizer()
-    target, draft = _on_q4_lattice(_tiny(0), skip=("down_proj", "lm_head")), _on_q4_lattice(_tiny(1), skip=("lm_head",))
+    target, draft = _on_q4_lattice(_tiny(0), skip=("down_proj", "lm_head")), _tiny(1)
     config = EngineConfig(k=4, k_buckets=(2, 4), max_len=64, max_batch_size=3)
     assert use_cpu_kernels([target], drafts=[draft], draft_weights="q4", target_weights="q4", device="cpu",
                            dtype="float32", widths=config.step_widths)  # fmt: skip
     kinds = [type(m).__name__ for m in target.modules() if type(m).__name__ in ("Q4Linear", "Int8Linear")]
     assert kinds.count("Q4Linear") == 2 * 6 and kinds.count("Int8Linear") == 2 + 1
     draft_kinds = [type(m).__name__ for m in draft.modules() if type(m).__name__ in ("Q4Linear", "Int8Linear")]
-    assert draft_kinds.count("Q4Linear") == 2 * 7 and draft_kinds.count("Int8Linear") == 1
+    assert draft_kinds.count("Q4Linear") == 2 * 7 + 1 and draft_kinds.count("Int8Linear") == 0
     prompts = [[t % 300 for t in _ids(n, seed=n)[0].tolist()] for n in (5, 9, 23)]  # 23: a prefill past max_rows
     alone = SpeculativeEngine(target, tok, None, EngineConfig(k=0, max_len=64))
     ref = [alone.generate([Request(p, max_new_tokens=24)])[0].token_ids for p in prompts]

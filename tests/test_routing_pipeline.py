@@ -66,9 +66,11 @@ def test_collect_train_choose_beats_best_single_draft(setup, collected, tmp_path
     rows_path = collected
     rows = read_rows(rows_path)
     assert len(rows) == 24 * 3 and len({row_key(r) for r in rows}) == 24 * 3
+    drafts_at = load_config(CollectConfig, None, overrides(dirs, files, rows_path)).engine.drafts_weights()
     for r in rows:
         assert r["speedup"] is not None and r["new_tokens"] >= 1
         assert 0.0 <= r["acceptance_rate"] <= 1.0
+        assert r["draft_weights"] == (None if r["draft"] == "none" else drafts_at)  # auto resolved: int8 or fp32
     # Lossless decoding: every draft's greedy output equals the target alone's.
     by_prompt = {}
     for r in rows:

@@ -3,6 +3,7 @@ truncated, foreign and mismatched router files."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -10,7 +11,8 @@ import torch
 
 from routing import Choice, Router, RouterError
 from routing.router import read_router_file
-from routing.router import calibrated_verify_cost, expected_tokens, per_token_acceptance, speedup_model
+from routing.router import (calibrated_verify_cost, committed_tokens, expected_tokens, measured_fill, per_token_acceptance,
+                            speedup_model, step_ms)
 
 REFS = {"code": "models/code", "math": "models/math", "none": None}
 
@@ -215,3 +217,77 @@ def test_serve_refuses_a_corrupt_router_in_every_role_before_loading_models(save
     assert cli_serve.main(["--role", role, "--router", str(bad), *extra]) == 2
     err = capsys.readouterr().err
     assert err.startswith("serve: error: ") and f"{bad} fails its sha256 check" in err and "Traceback" not in err
+
+
+# ---- drafters that leave slots empty, and the verify cost under load ------------------------------
+
+
+@pytest.mark.unit
+def test_measured_fill_recovers_the_share_of_slots_a_drafter_filled():
+    """Rows of a drafter that commits fill * (E(a, K) - 1) tokens a call beyond the bonus token
+    give that fill back; fill 1 is the plain model (E / (K c + v))."""
+    rates = [0.2, 0.5, 0.9]
+    a = per_token_acceptance(torch.tensor(rates), 4)
+    extra = (expected_tokens(a, torch.tensor(4.0)) - 1).tolist()  # what a full drafter commits a call
+    assert measured_fill(rates, [0.3 * e for e in extra], 4) == pytest.approx(0.3, rel=1e-5)
+    assert measured_fill(rates, extra, 4) == pytest.approx(1.0, rel=1e-5)
+    assert measured_fill([0.0], [0.0], 4) == 1.0  # nothing predicted to compare with
+    k = torch.tensor(4.0)
+    assert torch.allclose(committed_tokens(a, k, 1.0), expected_tokens(a, k))
+    assert torch.allclose(speedup_model(a, k, 0.1, 1.2, 0.5), (1 + 0.5 * (expected_tokens(a, k) - 1)) / (4 * 0.1 + 1.2))
+
+
+@pytest.mark.unit
+def test_a_drafter_that_fills_few_slots_is_worth_less_at_the_same_acceptance():
+    """Two free drafters with the same acceptance per drafted token: the one that fills a third of
+    its slots is predicted slower, needs a higher acceptance to break even, and loses the choice."""
+    costs = {"full": {"draft_cost": 0.0, "verify_cost": 1.2}, "sparse": {"draft_cost": 0.0, "verify_cost": 1.2, "fill": 0.33}}
+    r = Router.create({"full": "suffix", "sparse": "ngram", "none": None}, "target", objective="speedup", costs=costs)
+    r.info |= {"collected_k": 4}
+    choice = r.decide(torch.tensor([[0.6, 0.6]]))[0]  # columns in r.drafts order
+    assert choice.draft == "full" and choice.predicted_speedup["sparse"] < choice.predicted_speedup["full"]
+    assert r.break_even("sparse", 4) > r.break_even("full", 4)
+
+
+@pytest.mark.unit
+def test_step_ms_reads_a_measured_table_between_and_past_its_points():
+    table = [[1, 1, 60.0], [1, 5, 80.0], [8, 1, 140.0], [8, 5, 340.0]]  # [rows, tokens per row, ms]
+    assert float(step_ms(table, 1, 3.0)) == pytest.approx(70.0)
+    assert float(step_ms(table, 8, 9.0)) == pytest.approx(540.0)  # past the last point: its segment's slope
+    assert float(step_ms(table, 4.5, 1.0)) == pytest.approx(100.0)  # between row counts
+    assert torch.allclose(step_ms(table, 8, torch.tensor([1.0, 5.0])), torch.tensor([140.0, 340.0]))
+
+
+@pytest.mark.unit
+def test_a_measured_step_table_prices_a_full_batch_verify_as_measured():
+    """With ``step_table`` the verify shift at b rows and K is T(b, K+1) / T(b, 1) - T(1, Kc+1) / T(1, 1):
+    zero where the costs were collected, the measured ratio's excess in a full batch, where the
+    straight line fitted at batch 1 would call an 8-row verify almost free."""
+    table = [[1, 1, 60.0], [1, 5, 75.0], [8, 1, 140.0], [8, 5, 340.0]]
+    r = Router.create({"a": "draft-a", "none": None}, "target", objective="speedup",
+                      costs={"a": {"draft_cost": 0.0, "verify_cost": 1.5}})  # fmt: skip
+    r.info |= {"collected_k": 4, "step_table": table}
+    assert float(r.verify_shift(torch.tensor([4.0]), 1)[0]) == pytest.approx(0.0, abs=1e-6)
+    assert float(r.verify_shift(torch.tensor([4.0]), 8)[0]) == pytest.approx(340 / 140 - 75 / 60, rel=1e-5)
+    alone, full = r.decide(torch.tensor([[0.3]]), 1)[0], r.decide(torch.tensor([[0.3]]), 8)[0]
+    assert alone.draft == "a" and full.draft == "none"  # 0.3 pays alone, not in a batch of 8
+    alone, full = r.decide(torch.tensor([[0.4]]), 1)[0], r.decide(torch.tensor([[0.4]]), 8)[0]
+    assert full.draft == "a" and full.k < alone.k  # a better draft still pays in the batch, with a shorter K
+
+
+@pytest.mark.unit
+def test_step_table_takes_batched_profiles_only_and_smooths_noise_away(tmp_path):
+    from routing.dataset import step_table
+
+    def profile(rows):
+        path = tmp_path / f"p{len(rows)}.json"
+        path.write_text(json.dumps({"rows": [{"path": "lean", "batch_rows": b, "tokens": t, "step_ms": ms} for b, t, ms in rows]
+                                    + [{"path": "lean", "tokens": "prefill 100", "step_ms": 900.0}]}))  # fmt: skip
+        return path
+
+    with pytest.raises(ValueError, match="needs steps of one row and of more"):
+        step_table(profile([(1, 1, 60.0), (1, 5, 80.0)]))
+    with pytest.raises(FileNotFoundError, match="profile_step.py --batch-rows"):
+        step_table(tmp_path / "missing.json")
+    got = step_table(profile([(1, 1, 60.0), (1, 3, 58.0), (1, 5, 80.0), (8, 1, 140.0)]))
+    assert got == [[1.0, 1.0, 60.0], [1.0, 3.0, 60.0], [1.0, 5.0, 80.0], [8.0, 1.0, 140.0]]  # a 3-token dip is noise

@@ -143,6 +143,29 @@ def _collected(path: Path, prompts: dict[str, list[str]], acc: dict[str, dict[st
     return path
 
 
+@pytest.mark.unit
+def test_rows_carry_their_drafts_precision_and_one_router_learns_one(tmp_path):
+    """A draft's step cost and acceptance depend on engine.draft_weights as the target's do on
+    target_weights: the table keeps the precision the rows record, refuses rows that mix two, and
+    refuses served rows of another."""
+    def collected(name, weights):
+        rows = [_row(f"code/{i}", "code", t, NONE, None) for i, t in enumerate(CODE[:4])]
+        rows += [_row(f"code/{i}", "code", t, "model", 0.5, draft_weights=weights(i)) for i, t in enumerate(CODE[:4])]
+        path = tmp_path / name
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(path)
+
+    table = load_table([collected("q4.jsonl", lambda i: "q4")])
+    assert table.draft_weights == "q4"
+    assert load_table([collected("old.jsonl", lambda i: None)]).draft_weights is None  # rows from before the field
+    with pytest.raises(ValueError, match=r"mix draft precisions \['int8', 'q4'\]"):
+        load_table([collected("mixed.jsonl", lambda i: "q4" if i % 2 else "int8")])
+    served = tmp_path / "served.jsonl"
+    served.write_text(json.dumps(_row("served/0", "served", SHIFTED[0], "model", 0.4, draft_weights="int8")) + "\n")
+    with pytest.raises(ValueError, match="draft_weights=int8, the collected rows at q4"):
+        load_served([str(served)], table)
+
+
 @pytest.mark.integration
 def test_train_router_learns_from_served_rows_of_one_drafter_each(tmp_path):
     """Collected: `ngram` pays on code, `model` on chat. Served (shifted) traffic: a kind of
@@ -320,3 +343,25 @@ def test_the_workload_measurement_runs_every_policy_and_checks_identity(model_di
     assert "| all | 2 |" in md and "r / best single" in md
     workload_eval.plot(report, tmp_path / "w.png")
     assert (tmp_path / "w.png").stat().st_size > 0
+
+
+@pytest.mark.unit
+def test_the_table_measures_each_drafters_fill_from_its_tokens_per_call(tmp_path):
+    """A drafter whose calls committed a third of what its acceptance predicts for full K slots
+    (ngram and suffix propose fewer tokens where they find no match) gets fill 1/3 in the costs;
+    rows without tokens per call (collected before the field) leave the plain model."""
+    from routing.router import expected_tokens, per_token_acceptance
+
+    extra = float(expected_tokens(per_token_acceptance(torch.tensor([0.5]), 4), torch.tensor(4.0))[0]) - 1
+    rows = []
+    for i, t in enumerate(CODE[:4]):
+        rows += [_row(f"code/{i}", "code", t, NONE, None, mean_accepted_length=1.0)]
+        rows += [_row(f"code/{i}", "code", t, "sparse", 0.5, mean_accepted_length=1 + extra / 3)]
+        rows += [_row(f"code/{i}", "code", t, "model", 0.5, mean_accepted_length=1 + extra)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    costs = load_table([str(path)]).costs
+    assert costs["sparse"]["fill"] == pytest.approx(1 / 3, rel=1e-4) and costs["model"]["fill"] == pytest.approx(1.0, rel=1e-4)
+    old = tmp_path / "old.jsonl"
+    old.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "mean_accepted_length"}) + "\n" for r in rows))
+    assert all("fill" not in c for c in load_table([str(old)]).costs.values())

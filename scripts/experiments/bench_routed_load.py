@@ -26,6 +26,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
+from routing.router import Router
 from serving.server.launch import free_port, stop, wait_healthy
 from serving.tools.load_test import amain, build_parser
 
@@ -40,12 +41,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--policies", default=",".join(POLICIES), help="routed and drafter names to force")
+    ap.add_argument("--target-weights", choices=["fp32", "int8", "q4"], default=None,
+                    help="the served target's precision (default: the one the router's rows were collected at)")
+    ap.add_argument("--draft-weights", choices=["auto", "fp32", "int8", "q4"], default=None,
+                    help="the served drafts' precision (default: the router's rows', else auto)")
     ap.add_argument("--serve-arg", action="append", default=[], help="extra serve key=value overrides")
     ap.add_argument("--out", default="runs/routed-load")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     policies = [p.strip() for p in args.policies.split(",")]
+    info = Router.load(args.router).info
+    target_weights = args.target_weights or info.get("target_weights") or "int8"
+    draft_weights = args.draft_weights or info.get("draft_weights") or "auto"
     results: dict[str, list[dict]] = {p: [] for p in policies}
     fallbacks = 0.0
     n = args.per_family * 6
@@ -54,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
             policy = policies[(r + j) % len(policies)]
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            cmd = ["serve", "--router", args.router, f"port={port}", "engine.target_weights=int8", "engine.max_batch_size=8",
-                   "engine.k=4", "log_level=warning", *args.serve_arg]  # fmt: skip
+            cmd = ["serve", "--router", args.router, f"port={port}", f"engine.target_weights={target_weights}",
+                   f"engine.draft_weights={draft_weights}", "engine.max_batch_size=8", "engine.k=4", "log_level=warning",
+                   *args.serve_arg]  # fmt: skip
             with open(out / f"serve-{policy}-{r}.log", "w") as log:
                 proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
                 try:

@@ -64,7 +64,12 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     p.add_argument("--weights", default="q4", choices=cpu_kernels.WEIGHTS)
+    p.add_argument("--as-draft", action="store_true",
+                   help="prepare the model as a draft (draft_weights=--weights: q4 rounds every Linear into 4-bit groups)")
     p.add_argument("--tokens", default="1,5", help="step widths to profile")
+    p.add_argument("--batch-rows", default="1",
+                   help="rows stepped together, each with its own cache row (1,4,8: a server's batch): every width runs at "
+                        "every row count. train-router step_profile= reads the result as the verify cost under load")
     p.add_argument("--prefill", type=int, default=100, help="prompt tokens in the cache before the steps")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--paths", default="lean",
@@ -77,22 +82,32 @@ def main(argv=None) -> dict:
     if args.prefill_repeats < 0:
         p.error(f"--prefill-repeats {args.prefill_repeats} must be >= 0")
     widths = [int(t) for t in args.tokens.split(",")]
+    batch_rows = [int(b) for b in args.batch_rows.split(",")]
+    if min(batch_rows) < 1:
+        p.error(f"--batch-rows {args.batch_rows} must be positive row counts")
     paths = args.paths.split(",")
 
-    settings = EngineSettings(target_weights=args.weights)
-    tok, model, _ = load_models(settings, args.model)
-    prepare_kernels(settings, [model], [], widths)
+    if args.as_draft:
+        settings = EngineSettings(draft_weights=args.weights)
+        tok, model, _ = load_models(settings, args.model)
+        prepare_kernels(settings, [], [model], widths)
+    else:
+        settings = EngineSettings(target_weights=args.weights)
+        tok, model, _ = load_models(settings, args.model)
+        prepare_kernels(settings, [model], [], widths)
     clock = KernelClock()
     lean = getattr(model, "_choral_decoder", None)
     if lean is None and "lean" in paths:
         raise SystemExit(f"{args.model} has no lean forward (serving.engine.decoder); use --paths hf")
     runners = {}
     for path in paths:  # one cache per path, both prefilled with the same prompt
-        runners[path] = ModelRunner(model, batch_size=1, max_len=args.prefill + (args.steps + 2) * sum(widths))
+        runners[path] = ModelRunner(model, batch_size=max(batch_rows),
+                                    max_len=args.prefill + (args.steps + 2) * sum(widths) * len(batch_rows))
         if lean is not None:
             lean.enabled = path == "lean"
         prompt = torch.randint(100, 20000, (1, args.prefill), generator=torch.Generator().manual_seed(0))
-        runners[path].prefill(prompt, slot=0)
+        for slot in range(max(batch_rows)):  # every row's cache holds the prompt
+            runners[path].prefill(prompt, slot=slot)
     rows = []
     for path in paths if args.prefill_repeats else ():  # whole prompts: the prefill's own split
         if lean is not None:
@@ -111,12 +126,12 @@ def main(argv=None) -> dict:
                      "other_ms": total * 1e3 - sum(med.values())})
         runners[path].prefill(torch.randint(100, 20000, (1, args.prefill), generator=torch.Generator().manual_seed(0)), slot=0)
     pos = args.prefill
-    for width in widths:
+    for b, width in [(b, w) for b in batch_rows for w in widths]:
         totals = {path: [] for path in paths}
         parts = {path: collections.defaultdict(list) for path in paths}
         for step in range(args.steps + 2):  # two untimed warm-up steps
-            tokens = torch.randint(100, 20000, (1, width))
-            positions = torch.arange(pos, pos + width).unsqueeze(0)  # [1, T]
+            tokens = torch.randint(100, 20000, (b, width))  # [B, T]
+            positions = torch.arange(pos, pos + width).repeat(b, 1)  # [B, T]
             pos += width
             for path in paths:  # the same step on each path, one after the other
                 if lean is not None:
@@ -133,23 +148,24 @@ def main(argv=None) -> dict:
         for path in paths:
             med = {name: statistics.median(v) * 1e3 for name, v in parts[path].items()}
             total_ms = statistics.median(totals[path]) * 1e3
-            rows.append({"path": path, "tokens": width, "step_ms": total_ms, "kernels_ms": med,
+            rows.append({"path": path, "batch_rows": b, "tokens": width, "step_ms": total_ms, "kernels_ms": med,
                          "other_ms": total_ms - sum(med.values())})
     record = {
         "command": " ".join(["python", *sys.argv]),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                     "capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__},
-        "model": args.model, "weights": args.weights, "prefill": args.prefill, "steps": args.steps, "rows": rows,
+        "model": args.model, "weights": args.weights, "as_draft": args.as_draft, "prefill": args.prefill, "steps": args.steps,
+        "batch_rows": batch_rows, "rows": rows,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "profile.json").write_text(json.dumps(record, indent=2))
-    print(f"| forward | tokens | step ms | {' | '.join(KERNEL_NAMES)} | other ms |")
-    print("|---|---|---|" + "---|" * len(KERNEL_NAMES) + "---|")
+    print(f"| forward | rows | tokens | step ms | {' | '.join(KERNEL_NAMES)} | other ms |")
+    print("|---|---|---|---|" + "---|" * len(KERNEL_NAMES) + "---|")
     for r in rows:
         cells = " | ".join(f"{r['kernels_ms'].get(n, 0.0):.1f}" for n in KERNEL_NAMES)
-        print(f"| {r['path']} | {r['tokens']} | {r['step_ms']:.1f} | {cells} | {r['other_ms']:.1f} |")
+        print(f"| {r['path']} | {r.get('batch_rows', 1)} | {r['tokens']} | {r['step_ms']:.1f} | {cells} | {r['other_ms']:.1f} |")
     return record
 
 

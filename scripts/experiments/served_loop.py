@@ -4,8 +4,8 @@ measure the new router against the old one on held-out prompts of that workload.
     python scripts/experiments/served_loop.py --router runs/workload/router/router.pt \\
         --config configs/workload_router.yaml --serve-prompts 24 --eval-prompts 8 --explore 0.5 --out runs/served-loop-explore
 
-1. ``serve --router R0`` (int8 target, ``routing.log_requests``, ``routing.explore`` with
-   ``--explore``) answers the train split of the shifted family (``serving.workload.SHIFTED``: port a standard-library function to Rust, a kind
+1. ``serve --router R0`` (the target and drafts at the precisions R0's rows were collected at,
+   ``routing.log_requests``, ``routing.explore`` with ``--explore``) answers the train split of the shifted family (``serving.workload.SHIFTED``: port a standard-library function to Rust, a kind
    of request the six families never had) from 4 concurrent clients; every routed request is
    logged as a row.
 2. ``train-router --config C served=[served.jsonl]`` trains R1 on the same collected rows plus the
@@ -50,13 +50,16 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = out / "served.jsonl"
+    info = Router.load(args.router).info  # serve and measure at the precisions R0's rows describe
+    target_weights, draft_weights = info.get("target_weights") or "int8", info.get("draft_weights") or "auto"
 
     # 1. Serve the shifted workload with R0 and log it.
     if not log.exists() or len(read_rows(log)) < args.serve_prompts:
         log.unlink(missing_ok=True)
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        cmd = ["serve", "--router", args.router, f"port={port}", "engine.target_weights=int8", "engine.max_batch_size=4",
+        cmd = ["serve", "--router", args.router, f"port={port}", f"engine.target_weights={target_weights}",
+               f"engine.draft_weights={draft_weights}", "engine.max_batch_size=4",
                "engine.k=4", "log_level=warning", f"routing.log_requests={log}", f"routing.explore={args.explore}"]  # fmt: skip
         with open(out / "serve.log", "w") as serve_log:
             proc = subprocess.Popen(cmd, stdout=serve_log, stderr=subprocess.STDOUT)
@@ -77,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     # 3. Before and after on held-out shifted prompts.
     routers = {"before": Router.load(args.router), "after": Router.load(after / "router.pt")}
     prompts = load_family(SHIFTED, "test", args.eval_prompts)
-    settings = EngineSettings(target_weights="int8", k=4, request_k_max=8, max_batch_size=1)
+    settings = EngineSettings(target_weights=target_weights, draft_weights=draft_weights, k=4, request_k_max=8,
+                              max_batch_size=1)  # fmt: skip
     report = workload_eval.measure(routers, prompts, max_new_tokens=args.max_tokens, settings=settings)
     report["config"] |= {"router_before": args.router, "router_after": str(after / "router.pt"), "served_rows": len(read_rows(log)),
                          "served_choices": _choices(read_rows(log)),

@@ -168,11 +168,12 @@ def use_cpu_kernels(
     verifying any of ``widths`` tokens costs about one token and rows are bitwise identical.
     ``models`` keep their fp32 numerics (targets); ``drafts`` get ``draft_weights``: "int8" stores
     them as W8A8 int8 (~2.5x cheaper steps; a draft's numerics never change the output, only how
-    much of it is accepted), "q4" keeps a GGUF draft's 4-bit tensors in 4-bit groups as
-    ``target_weights`` q4 does, "auto" is int8 wherever the kernels apply and the C++ kernel builds,
-    "fp32" keeps them as they are (``own_draft_tensors``: see ``prepare_for_cpu``'s
-    ``own_tensors``). ``target_weights`` "int8" stores the ``models`` as W8A8 int8 too, "q4" keeps
-    their 4-bit GGUF tensors in 4-bit groups (W4A8) and the rest in int8: their numerics change
+    much of it is accepted), "q4" stores them in 4-bit groups: a GGUF draft's own Q4_K groups
+    as ``target_weights`` q4 does, every other Linear rounded into groups (``q4_requantize``),
+    "auto" is int8 wherever the kernels apply and the C++ kernel builds, "fp32" keeps them as
+    they are (``own_draft_tensors``: see ``prepare_for_cpu``'s ``own_tensors``). ``target_weights``
+    "int8" stores the ``models`` as W8A8 int8 too, "q4" keeps their 4-bit GGUF tensors in 4-bit
+    groups (W4A8) and the rest in int8: their numerics change
     (the output is then that precision's target's), their rows stay batch-invariant.
     ``weights_cache``: reuse int8/q4 conversions stored by an earlier run (``prepare_for_cpu``'s
     ``cache``). Returns whether the kernels were applied."""
@@ -195,7 +196,7 @@ def use_cpu_kernels(
         prepare_for_cpu(model, token_counts=widths, weights=target_weights, cache=weights_cache)
     for model in drafts:
         prepare_for_cpu(model, token_counts=widths, weights=draft_weights, own_tensors=own_draft_tensors,
-                        cache=weights_cache)
+                        cache=weights_cache, requantize=True)
     return True
 
 

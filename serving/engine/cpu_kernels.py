@@ -231,6 +231,30 @@ def q4_lattice(w: torch.Tensor, tol: float = 1e-3) -> tuple[torch.Tensor, torch.
     return torch.cat(qs), torch.cat(ds), torch.cat(ms)
 
 
+def q4_requantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``w`` [N, K] rounded into 4-bit groups of 32 along K, as llama.cpp's Q4_1 does: per group
+    the minimum m and the step d = (max - m) / 15, every weight the nearest m + d * q, q in 0..15.
+    For drafts only (``prepare_for_cpu(requantize=True)``): a draft's numerics never change the
+    speculative output, only how much of it is accepted, so it may be rounded where the target
+    may not. Returns q [N, K] uint8, d and m [N, K/32] (``q4_lattice``'s form); None when K is not
+    a multiple of 32."""
+    n, k = w.shape
+    if k % Q4_GROUP:
+        return None
+    qs, ds, ms = [], [], []
+    for rows in w.detach().split(2048):  # bounded temporaries for a 150k-row head
+        g = rows.float().reshape(rows.shape[0], k // Q4_GROUP, Q4_GROUP)  # [n, G, 32]
+        lo = g.amin(-1, keepdim=True)
+        d = (g.amax(-1, keepdim=True) - lo) / 15
+        # fp16 as Q4Linear stores them, so that the levels are rounded against the stored step
+        lo, d = lo.half().float(), d.half().float()
+        safe = torch.where(d > 0, d, torch.ones_like(d))  # a constant group: q = 0
+        qs.append(torch.round((g - lo) / safe).clamp_(0, 15).to(torch.uint8).reshape(rows.shape[0], k))
+        ds.append(d.squeeze(-1))
+        ms.append(lo.squeeze(-1))
+    return torch.cat(qs), torch.cat(ds), torch.cat(ms)
+
+
 def snap_to_q4_lattice(w: torch.Tensor) -> torch.Tensor:
     """``w`` [N, K] (K a multiple of 32) rounded onto 4-bit groups of 32: each group's minimum plus
     an integer 0..15 times (max - min) / 15, as a GGUF Q4_K tensor dequantized to fp32 is. What
@@ -544,6 +568,7 @@ def prepare_for_cpu(
     own_tensors: bool = True,
     lean: bool = True,
     cache: bool = True,
+    requantize: bool = False,
 ) -> nn.Module:
     """Make the forward of `model` batch-invariant and cheap for small token counts, in place.
 
@@ -567,6 +592,10 @@ def prepare_for_cpu(
     cache: with int8 or q4, keep the converted layers of a model loaded from a folder (and not
       changed since) under CHORAL_HOME/prepared and load them next time instead of converting
       (``serving.engine.weights_cache``).
+    requantize: with q4, round the Linears that are not on a 4-bit lattice into 4-bit groups
+      (``q4_requantize``) instead of keeping them int8. For drafts: the bundled 0.5B's GGUF holds
+      almost no Q4_K tensors (its 896-wide rows are not whole 256-weight super-blocks, so llama.cpp
+      wrote Q5_0/Q8_0), and as int8 its step reads 0.5 GB, half the q4 target's.
     """
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
@@ -591,7 +620,8 @@ def prepare_for_cpu(
     # A model as loaded from its folder finds its low-bit layers converted by an earlier run.
     entry = None
     if cache and weights != "fp32":
-        entry = weights_cache.entry(model, weights, [(full, child) for full, _, _, child in targets])
+        kind = "q4-requantized" if weights == "q4" and requantize else weights
+        entry = weights_cache.entry(model, kind, [(full, child) for full, _, _, child in targets])
     stored = weights_cache.load(entry) if entry is not None else None
     checked: dict[tuple, bool] = {}
     converted: dict[str, nn.Module] = {}
@@ -603,6 +633,8 @@ def prepare_for_cpu(
         built = new is None
         if built:
             lattice = q4_lattice(child.weight) if weights == "q4" else None
+            if lattice is None and weights == "q4" and requantize:
+                lattice = q4_requantize(child.weight)
             if lattice is not None:
                 new = Q4Linear(child, lattice)
             elif weights in ("int8", "q4"):

@@ -122,8 +122,9 @@ class EngineSettings:
         "equals that precision's target decoding alone (not the fp32 target's)"))
     draft_weights: Literal["auto", "fp32", "int8", "q4"] = field(default="auto", metadata=doc(
         "int8: drafts run as W8A8 int8 on the CPU kernels (~2.5x cheaper draft steps; the target keeps "
-        "target_weights, so outputs are unchanged, only acceptance may move); q4: a GGUF draft's 4-bit "
-        "tensors in 4-bit groups (as target_weights=q4), the rest int8; auto: int8 wherever the CPU kernels run"))
+        "target_weights, so outputs are unchanged, only acceptance may move); q4: every Linear in 4-bit "
+        "groups of 32 (W4A8), a GGUF's own Q4_K groups kept, the other tensors rounded into groups as "
+        "llama.cpp's Q4_1 (a cheaper step again, acceptance may move); auto: int8 wherever the CPU kernels run"))
     weights_cache: bool = field(default=True, metadata=doc(
         "keep each loaded model's int8/q4 conversion under CHORAL_HOME/prepared (keyed by the weights' "
         "content) and load it next time instead of converting again (the q4 1.5B target: about a minute)"))
@@ -200,6 +201,22 @@ class EngineSettings:
         """Whether the CPU kernels are asked for: they are eager-only, so not while compiling (they
         still apply only on a CPU in fp32 without quantize)."""
         return self.cpu_kernels and self.compile_backend is None
+
+    def drafts_weights(self, device: torch.device | None = None) -> str:
+        """The precision drafts run at: ``draft_weights`` with ``auto`` resolved as ``load_engine``
+        resolves it (int8 where the CPU kernels apply and build, else fp32). What collected rows and
+        served logs record beside ``target_weights``: a draft's step cost and acceptance depend on it."""
+        import torch
+
+        from serving.engine.cpu_kernels import rowdot_available
+        from serving.engine.devices import resolve_device, resolve_dtype
+
+        device = device if device is not None else resolve_device(self.device)
+        applies = (self.uses_cpu_kernels and torch.device(device).type == "cpu" and self.quantize is None
+                   and resolve_dtype(self.dtype) == torch.float32)  # fmt: skip
+        if self.draft_weights == "auto":
+            return "int8" if applies and rowdot_available() else "fp32"
+        return self.draft_weights if applies else "fp32"
 
     def engine_config(self, *, draft: bool, device: torch.device | None = None, **changes) -> EngineConfig:
         """The ``EngineConfig`` of one engine; ``draft=False`` is the target alone (k=0).

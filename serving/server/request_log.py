@@ -16,14 +16,17 @@ from typing import Any
 
 from routing.rows import RowStore
 from serving.engine import Completion
+from serving.engine.engine_settings import is_model_ref
 
 SERVED_DOMAIN = "served"
 
 
 class RequestLog:
-    def __init__(self, path: str | Path, *, target: str, target_weights: str, draft_refs: dict[str, str | None]) -> None:
+    def __init__(self, path: str | Path, *, target: str, target_weights: str, draft_refs: dict[str, str | None],
+                 draft_weights: str | None = None) -> None:  # fmt: skip
         self.store = RowStore(path)
         self.target, self.target_weights, self.draft_refs = target, target_weights, dict(draft_refs)
+        self.draft_weights = draft_weights
 
     def row(self, *, text: str, chat: bool, draft: str, choice: Any, explored: bool, k: int, occupancy: int,
             prompt_tokens: int, greedy: bool, completion: Completion) -> dict:  # fmt: skip
@@ -38,7 +41,9 @@ class RequestLog:
         return {
             "prompt_id": prompt_id, "domain": SERVED_DOMAIN, "split": None, "text": text, "use_chat_template": chat,
             "prompt_tokens": prompt_tokens, "draft": draft, "draft_ref": self.draft_refs.get(draft), "target": self.target,
-            "target_weights": self.target_weights, "mode": mode, "repeat": repeat, "k": k, "batch_size": occupancy,
+            "target_weights": self.target_weights,
+            "draft_weights": self.draft_weights if is_model_ref(self.draft_refs.get(draft)) else None,
+            "mode": mode, "repeat": repeat, "k": k, "batch_size": occupancy,
             "new_tokens": s["new_tokens"], "target_calls": s["target_calls"], "acceptance_rate": s["acceptance_rate"],
             "mean_accepted_length": s["mean_accepted_length"], "per_position_acceptance": s["per_position_acceptance"],
             "output_sha": hashlib.sha256(str(completion.token_ids).encode()).hexdigest()[:16],

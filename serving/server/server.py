@@ -109,6 +109,11 @@ def load_backend(cfg: ServeConfig) -> Backend:
         log.warning("router %s was trained on rows collected with target_weights=%s, and this server runs the target "
                     "at %s: its acceptance and cost predictions describe the other precision", cfg.router, trained_at,
                     cfg.engine.target_weights)  # fmt: skip
+    drafts_at, served_at = router.info.get("draft_weights"), cfg.engine.drafts_weights()
+    if drafts_at is not None and drafts_at != served_at:
+        log.warning("router %s was trained on rows whose drafts ran at draft_weights=%s, and this server runs them at %s: "
+                    "its draft cost and acceptance predictions describe the other precision", cfg.router, drafts_at,
+                    served_at)  # fmt: skip
     tokenizer, engines, unavailable = build_engines(cfg, router)
     target_ref = cfg.target_model or router.target_ref
     configs = {name: getattr(e, "config", None) for name, e in engines.items()}
@@ -256,7 +261,8 @@ class _Server:
                 from serving.server.request_log import RequestLog
 
                 request_log = RequestLog(self.cfg.routing.log_requests, target=backend.router.target_ref,
-                                         target_weights=self.cfg.engine.target_weights, draft_refs=backend.router.draft_refs)  # fmt: skip
+                                         target_weights=self.cfg.engine.target_weights, draft_refs=backend.router.draft_refs,
+                                         draft_weights=self.cfg.engine.drafts_weights())  # fmt: skip
             scheduler = Scheduler(backend.engines, backend.router, self.metrics, max_batch_size=self.cfg.engine.max_batch_size,
                                   queue_limit=self.cfg.queue_limit, unavailable=backend.unavailable, routing=self.cfg.routing,
                                   request_log=request_log)  # fmt: skip
