@@ -107,28 +107,41 @@ def load_table(paths: list[str], mode: str = "greedy") -> Table:
     )
 
 
-def step_table(path: str | Path) -> list[list[float]]:
+def step_table(path: str | Path, target_weights: str | None = None) -> list[list[float]]:
     """[[rows, tokens per row, ms], ...] from a ``scripts/experiments/profile_step.py`` profile.json:
     the median of each step the target ran (``--batch-rows`` x ``--tokens``; the first forward
-    path's). Refuses a file without batched steps, naming it: a profile of one row says nothing
-    about a full batch."""
+    path's; a (rows, tokens) measured twice averaged). Refuses, naming the file: one without steps of
+    one row and of more, a row count without a 1-token step or a second width, a profile of a
+    draft (``--as-draft``), or one of another precision than ``target_weights``."""
     path = Path(path)
+    fix = "measure it with scripts/experiments/profile_step.py --batch-rows 1,4,8 --tokens 1,2,3,5,9"
     if not path.is_file():
-        raise FileNotFoundError(f"step_profile {path} does not exist; measure it with scripts/experiments/profile_step.py "
-                                "--batch-rows 1,4,8 --tokens 1,2,3,5,9")  # fmt: skip
+        raise FileNotFoundError(f"step_profile {path} does not exist; {fix}")
     record = json.loads(path.read_text())
+    if record.get("as_draft"):
+        raise ValueError(f"step_profile {path} profiles a draft (--as-draft); {fix} on the target")
+    if target_weights is not None and record.get("weights") not in (None, target_weights):
+        raise ValueError(f"step_profile {path} was measured at weights={record['weights']}, the rows at "
+                         f"target_weights={target_weights}; {fix} --weights {target_weights}")  # fmt: skip
     rows = [r for r in record.get("rows", []) if isinstance(r.get("tokens"), int)]
     if rows:
         first = rows[0]["path"]
         rows = [r for r in rows if r["path"] == first]
-    if not any(r.get("batch_rows", 1) > 1 for r in rows) or not any(r.get("batch_rows", 1) == 1 for r in rows):
-        raise ValueError(f"step_profile {path} needs steps of one row and of more; measure it with --batch-rows 1,4,8")
+    measured: dict[tuple[float, float], list[float]] = defaultdict(list)
+    for r in rows:
+        measured[(float(r.get("batch_rows", 1)), float(r["tokens"]))].append(float(r["step_ms"]))
+    counts = sorted({b for b, _ in measured})
+    if 1.0 not in counts or len(counts) < 2:
+        raise ValueError(f"step_profile {path} needs steps of one row and of more; {fix}")
+    for b in counts:
+        widths = {t for c, t in measured if c == b}
+        if 1.0 not in widths or len(widths) < 2:
+            raise ValueError(f"step_profile {path} needs a 1-token step and a wider one at {b:g} rows; {fix}")
     table, slowest = [], {}
-    for r in sorted(rows, key=lambda r: (r.get("batch_rows", 1), r["tokens"])):
-        b = float(r.get("batch_rows", 1))
+    for (b, t), ms in sorted(measured.items()):
         # more tokens never cost less: a dip is the machine's noise, so each point is at least the one before
-        slowest[b] = max(slowest.get(b, 0.0), float(r["step_ms"]))
-        table.append([b, float(r["tokens"]), slowest[b]])
+        slowest[b] = max(slowest.get(b, 0.0), statistics.fmean(ms))
+        table.append([b, t, slowest[b]])
     return table
 
 
@@ -203,7 +216,9 @@ def _costs(rows: list[dict], drafts: list[str], has_none: bool) -> dict[str, dic
         draft_ms, verify_ms = statistics.median(step[(d, "draft")]), statistics.median(step[(d, "target")])
         ref = base or verify_ms
         costs[d] = {"draft_cost": draft_ms / ref, "verify_cost": verify_ms / ref if base else 1.0}
-        mine = [r for r in rows if r["draft"] == d and r.get("mean_accepted_length") is not None and r.get("k")]
+        # a row that made no target call (the answer ended at its prefill) says nothing about fill
+        mine = [r for r in rows if r["draft"] == d and r.get("k") and r.get("target_calls")
+                and r.get("mean_accepted_length") is not None and r["mean_accepted_length"] >= 1]  # fmt: skip
         if mine:  # mean_accepted_length: committed tokens per call, the bonus token included
             ks = {int(r["k"]) for r in mine}
             costs[d]["fill"] = measured_fill([float(r["acceptance_rate"]) for r in mine],

@@ -22,8 +22,8 @@ all) where they find no match, so their acceptance per drafted token says little
 call commits. Each drafter's measured **fill** (``costs[d]["fill"]``, from the collected rows: the
 tokens its calls actually committed beyond the bonus token over what E(a, K) - 1 predicts from its
 acceptance rate) scales the drafted part: a call commits 1 + fill * (E - 1). A draft model fills
-almost every slot (fill near 1); on the six-family workload (q4 target) ``suffix`` filled about a
-third. Without a measured fill (routers trained before it) fill is 1, the plain model.
+almost every slot (fill near 1); on the six-family workload (q4 target) ``suffix`` filled about
+half (0.54). Without a measured fill (routers trained before it) fill is 1, the plain model.
 
 Load (the goodput view of SmartSpec and TurboSpec): a verify of 8 rows costs more than of 1, so a
 draft is worth less in a full batch. With a step model (``info["step_model"]``: a target forward
@@ -35,8 +35,8 @@ that the calibrated v holds beyond the verify step it was measured with. ``choos
 occupancy=b)`` chooses for the batch the server has when it admits the request; at b = 1 and
 K = K_c this is the plain model. That straight line is fitted to batch-1 steps of 1 and K_c + 1
 tokens, where the target is bound by reading its weights; a batch of 8 rows verifying 5 tokens each
-is bound by arithmetic and costs far more than the line says (q4 target, Intel VM: 387 ms against
-165). With a measured step table (``info["step_table"]``, train-router's ``step_profile``: the
+is bound by arithmetic and costs far more than the line says (q4 target, Intel VM: 333-387 ms
+against 165). With a measured step table (``info["step_table"]``, train-router's ``step_profile``: the
 target's forward at rows x tokens per row, ``profile_step.py --batch-rows``) the router reads
 T(b, n) for b rows of n tokens off that table (linear between its points, the nearest segment's
 slope outside them) and g(b, K) = T(b, K + 1) / T(b, 1).
@@ -140,7 +140,9 @@ def _interp(xs: torch.Tensor, ys: torch.Tensor, x: torch.Tensor) -> torch.Tensor
 def step_ms(table: list[list[float]], rows: float, tokens: torch.Tensor | float) -> torch.Tensor:
     """A target forward's ms for ``rows`` rows of ``tokens`` tokens each, read off a measured step
     table [[rows, tokens per row, ms], ...]: linear in the tokens within each measured row count,
-    then linear between the two row counts around ``rows`` (the nearest two outside them)."""
+    then linear between the two row counts around ``rows``. Outside the measured row counts it
+    reads the nearest one (a batch larger than profiled is priced as the largest: measure up to
+    the server's max_batch_size)."""
     t = torch.as_tensor(tokens, dtype=torch.float64)
     pts = torch.tensor(table, dtype=torch.float64)  # [P, 3]
     counts = torch.unique(pts[:, 0])  # sorted row counts
@@ -151,7 +153,7 @@ def step_ms(table: list[list[float]], rows: float, tokens: torch.Tensor | float)
         at.append(_interp(mine[:, 1], mine[:, 2], t))
     if len(counts) == 1:
         return at[0].float()
-    b = float(rows)
+    b = min(max(float(rows), float(counts[0])), float(counts[-1]))
     i = min(max(int(torch.searchsorted(counts, torch.tensor([b], dtype=torch.float64))[0]) - 1, 0), len(counts) - 2)
     c0, c1 = float(counts[i]), float(counts[i + 1])
     return (at[i] + (b - c0) * (at[i + 1] - at[i]) / (c1 - c0)).float()

@@ -209,7 +209,7 @@ def train(cfg: RouterTrainConfig) -> dict:
     mean, std = normalisation(raw[fit_idx])
     x = (raw - mean) / std  # [P, F]
 
-    steps = step_table(cfg.step_profile) if cfg.step_profile else None  # measured verifies under load
+    steps = step_table(cfg.step_profile, table.target_weights) if cfg.step_profile else None  # verifies under load
     costs = {d: dict(c) for d, c in table.costs.items()}
     if cfg.calibrate_costs and table.speedup is not None:
         for j, d in enumerate(table.drafts):  # training prompts only: the test split stays unseen

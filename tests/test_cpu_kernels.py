@@ -602,6 +602,24 @@ def test_q4_requantize_rounds_each_group_to_its_nearest_level():
     assert cpu_kernels.q4_requantize(torch.randn(3, 40)) is None  # not whole groups of 32
 
 
+@pytest.mark.unit
+@needs_rowdot
+def test_a_q4_head_keeps_its_rows_for_a_reduced_vocabulary():
+    """A requantized draft head (Q4Linear) cut to a draft vocabulary (``ModelRunner`` with
+    ``config.draft_vocab`` calls ``select_rows``): the kept outputs are the full layer's, bit for
+    bit, and its groups come back as stored."""
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 50, bias=True)
+    mod = cpu_kernels.Q4Linear(lin, cpu_kernels.q4_requantize(lin.weight))
+    q, d, m = mod.lattice()
+    assert q.shape == (50, 96) and d.shape == m.shape == (50, 3)
+    assert torch.equal((q.reshape(50, 3, 32).float() * d[..., None] + m[..., None]).reshape(50, 96), mod.dequantized())
+    ids = torch.tensor([0, 49, 17, 16, 33])  # across panels of 16, out of order
+    x = torch.randn(5, 96)
+    with torch.no_grad():
+        assert torch.equal(mod.select_rows(ids)(x), mod(x)[:, ids])
+
+
 @pytest.mark.integration
 @needs_rowdot
 def test_a_q4_target_gives_its_own_greedy_output_in_any_batch():

@@ -255,6 +255,7 @@ def test_step_ms_reads_a_measured_table_between_and_past_its_points():
     assert float(step_ms(table, 1, 3.0)) == pytest.approx(70.0)
     assert float(step_ms(table, 8, 9.0)) == pytest.approx(540.0)  # past the last point: its segment's slope
     assert float(step_ms(table, 4.5, 1.0)) == pytest.approx(100.0)  # between row counts
+    assert float(step_ms(table, 16, 5.0)) == pytest.approx(340.0)  # past the largest: priced as the largest
     assert torch.allclose(step_ms(table, 8, torch.tensor([1.0, 5.0])), torch.tensor([140.0, 340.0]))
 
 
@@ -279,15 +280,24 @@ def test_a_measured_step_table_prices_a_full_batch_verify_as_measured():
 def test_step_table_takes_batched_profiles_only_and_smooths_noise_away(tmp_path):
     from routing.dataset import step_table
 
-    def profile(rows):
-        path = tmp_path / f"p{len(rows)}.json"
-        path.write_text(json.dumps({"rows": [{"path": "lean", "batch_rows": b, "tokens": t, "step_ms": ms} for b, t, ms in rows]
+    def profile(rows, **extra):
+        path = tmp_path / f"p{len(list(tmp_path.iterdir()))}.json"
+        path.write_text(json.dumps({"weights": "q4", **extra,
+                                    "rows": [{"path": "lean", "batch_rows": b, "tokens": t, "step_ms": ms} for b, t, ms in rows]
                                     + [{"path": "lean", "tokens": "prefill 100", "step_ms": 900.0}]}))  # fmt: skip
         return path
 
+    good = [(1, 1, 60.0), (1, 3, 58.0), (1, 5, 80.0), (8, 1, 140.0), (8, 5, 330.0), (8, 5, 350.0)]
     with pytest.raises(ValueError, match="needs steps of one row and of more"):
         step_table(profile([(1, 1, 60.0), (1, 5, 80.0)]))
+    with pytest.raises(ValueError, match="needs a 1-token step and a wider one at 8 rows"):
+        step_table(profile([(1, 1, 60.0), (1, 5, 80.0), (8, 5, 340.0)]))
+    with pytest.raises(ValueError, match="profiles a draft"):
+        step_table(profile(good, as_draft=True))
+    with pytest.raises(ValueError, match="weights=q4, the rows at target_weights=int8"):
+        step_table(profile(good), "int8")
     with pytest.raises(FileNotFoundError, match="profile_step.py --batch-rows"):
         step_table(tmp_path / "missing.json")
-    got = step_table(profile([(1, 1, 60.0), (1, 3, 58.0), (1, 5, 80.0), (8, 1, 140.0)]))
-    assert got == [[1.0, 1.0, 60.0], [1.0, 3.0, 60.0], [1.0, 5.0, 80.0], [8.0, 1.0, 140.0]]  # a 3-token dip is noise
+    got = step_table(profile(good), "q4")
+    # a 3-token dip is noise; 8 x 5 measured twice is their mean
+    assert got == [[1.0, 1.0, 60.0], [1.0, 3.0, 60.0], [1.0, 5.0, 80.0], [8.0, 1.0, 140.0], [8.0, 5.0, 340.0]]

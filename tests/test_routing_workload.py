@@ -355,9 +355,11 @@ def test_the_table_measures_each_drafters_fill_from_its_tokens_per_call(tmp_path
     extra = float(expected_tokens(per_token_acceptance(torch.tensor([0.5]), 4), torch.tensor(4.0))[0]) - 1
     rows = []
     for i, t in enumerate(CODE[:4]):
-        rows += [_row(f"code/{i}", "code", t, NONE, None, mean_accepted_length=1.0)]
-        rows += [_row(f"code/{i}", "code", t, "sparse", 0.5, mean_accepted_length=1 + extra / 3)]
-        rows += [_row(f"code/{i}", "code", t, "model", 0.5, mean_accepted_length=1 + extra)]
+        rows += [_row(f"code/{i}", "code", t, NONE, None, mean_accepted_length=1.0, target_calls=47)]
+        rows += [_row(f"code/{i}", "code", t, "sparse", 0.5, mean_accepted_length=1 + extra / 3, target_calls=30)]
+        rows += [_row(f"code/{i}", "code", t, "model", 0.5, mean_accepted_length=1 + extra, target_calls=16)]
+    # an answer that ended at its prefill made no call: it says nothing about fill
+    rows += [_row("code/9", "code", CODE[9], d, 0.0, mean_accepted_length=0.0, target_calls=0) for d in ("sparse", "model")]
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     costs = load_table([str(path)]).costs

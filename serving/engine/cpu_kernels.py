@@ -22,6 +22,7 @@ import hashlib
 import logging
 import weakref
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Sequence
 
 import torch
@@ -349,6 +350,27 @@ class Q4Linear(nn.Module):
         mod.in_features, mod.out_features = in_features, out_features
         mod._set(qweight, step, minimum, bias)
         return mod
+
+    def lattice(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The stored groups back in ``q4_lattice``'s form: q [N, K] uint8, d and m [N, K/32]
+        (the fp16 values as stored, in fp32)."""
+        p, groups = self.qweight.shape[0], self.step.shape[1] // Q4_PANEL
+        b = self.qweight.view(p, groups, 4, Q4_PANEL, 4)  # [P, G, v, o, c]
+        q = torch.stack([b & 0x0F, b >> 4], dim=-1).permute(0, 3, 1, 5, 2, 4)  # [P, o, G, nibble, v, c]
+        q = q.reshape(p * Q4_PANEL, groups * Q4_GROUP)[: self.out_features, : self.in_features]
+
+        def per_output(t):  # [P, G*16] -> [N, G]
+            return t.view(p, groups, Q4_PANEL).permute(0, 2, 1).reshape(p * Q4_PANEL, groups)[: self.out_features].float()
+
+        return q.contiguous(), per_output(self.step), per_output(self.minimum)
+
+    def select_rows(self, ids: torch.Tensor) -> "Q4Linear":
+        """The same layer computing only output rows ``ids`` (a reduced draft vocabulary), each
+        row's groups as stored, so every kept output is bitwise the full layer's."""
+        q, d, m = self.lattice()
+        bias = None if self.bias is None else self.bias.detach().index_select(0, ids)
+        shape = SimpleNamespace(weight=torch.empty(len(ids), self.in_features, device="meta"), bias=bias)
+        return Q4Linear(shape, (q.index_select(0, ids), d.index_select(0, ids), m.index_select(0, ids)))
 
     def dequantized(self) -> torch.Tensor:
         p, groups = self.qweight.shape[0], self.step.shape[1] // Q4_PANEL

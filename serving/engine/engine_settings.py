@@ -122,8 +122,8 @@ class EngineSettings:
         "equals that precision's target decoding alone (not the fp32 target's)"))
     draft_weights: Literal["auto", "fp32", "int8", "q4"] = field(default="auto", metadata=doc(
         "int8: drafts run as W8A8 int8 on the CPU kernels (~2.5x cheaper draft steps; the target keeps "
-        "target_weights, so outputs are unchanged, only acceptance may move); q4: every Linear in 4-bit "
-        "groups of 32 (W4A8), a GGUF's own Q4_K groups kept, the other tensors rounded into groups as "
+        "target_weights, so outputs are unchanged, only acceptance may move); q4: every Linear (whose inputs "
+        "are whole groups of 32) in 4-bit groups (W4A8), a GGUF's own Q4_K groups kept, the other tensors rounded into groups as "
         "llama.cpp's Q4_1 (a cheaper step again, acceptance may move); auto: int8 wherever the CPU kernels run"))
     weights_cache: bool = field(default=True, metadata=doc(
         "keep each loaded model's int8/q4 conversion under CHORAL_HOME/prepared (keyed by the weights' "
