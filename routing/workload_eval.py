@@ -28,13 +28,21 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from routing.router import NONE, Router
+from routing.router import NONE, Router, read_router_file
 from serving.engine import Request
 from serving.engine.core import Fallback
 from serving.engine.engine_settings import HOST_DRAFTERS, EngineSettings, load_engine
 from serving.prompts import Prompt, encode_prompt
 
 ROUTED = "routed"
+
+
+def trained_precisions(router_path: str | Path) -> tuple[str, str]:
+    """(target_weights, draft_weights) of the rows the router at ``router_path`` was trained on,
+    read without loading its embedder: what its workload runs serve and measure at. Routers from
+    before the fields were trained on the int8 workload's rows with drafts at ``auto``."""
+    info = read_router_file(router_path)["info"]
+    return info.get("target_weights") or "int8", info.get("draft_weights") or "auto"
 
 
 def measure(routers: dict[str, Router], prompts: list[Prompt], *, max_new_tokens: int, settings: EngineSettings,

@@ -188,14 +188,14 @@ def main(argv: list[str] | None = None) -> int:
         from routing import workload_eval
         from serving.engine.engine_settings import EngineSettings
 
-        router = Router.load(args.workload_router)
-        settings = EngineSettings(target_weights=args.target_weights or router.info.get("target_weights") or "int8",
-                                  draft_weights=args.workload_draft_weights or router.info.get("draft_weights") or "auto",
+        trained_target, trained_drafts = workload_eval.trained_precisions(args.workload_router)
+        settings = EngineSettings(target_weights=args.target_weights or trained_target,
+                                  draft_weights=args.workload_draft_weights or trained_drafts,
                                   k=args.workload_k, request_k_max=8, max_batch_size=1)  # fmt: skip
         from serving.workload import load_workload
 
         prompts = load_workload(args.workload_split, args.per_family)
-        workload = workload_eval.measure({"routed": router}, prompts,
+        workload = workload_eval.measure({"routed": Router.load(args.workload_router)}, prompts,
                                          max_new_tokens=args.workload_max_new_tokens, settings=settings)  # fmt: skip
         workload["config"] |= {"router": args.workload_router, "split": args.workload_split, "per_family": args.per_family}
         workload_eval.save(workload, out / "workload.json")

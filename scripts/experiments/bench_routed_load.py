@@ -26,7 +26,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from routing.router import Router
+from routing.workload_eval import trained_precisions
 from serving.server.launch import free_port, stop, wait_healthy
 from serving.tools.load_test import amain, build_parser
 
@@ -51,9 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     policies = [p.strip() for p in args.policies.split(",")]
-    info = Router.load(args.router).info
-    target_weights = args.target_weights or info.get("target_weights") or "int8"
-    draft_weights = args.draft_weights or info.get("draft_weights") or "auto"
+    trained_target, trained_drafts = trained_precisions(args.router)
+    target_weights, draft_weights = args.target_weights or trained_target, args.draft_weights or trained_drafts
     results: dict[str, list[dict]] = {p: [] for p in policies}
     fallbacks = 0.0
     n = args.per_family * 6

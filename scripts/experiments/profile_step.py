@@ -87,14 +87,9 @@ def main(argv=None) -> dict:
         p.error(f"--batch-rows {args.batch_rows} must be positive row counts")
     paths = args.paths.split(",")
 
-    if args.as_draft:
-        settings = EngineSettings(draft_weights=args.weights)
-        tok, model, _ = load_models(settings, args.model)
-        prepare_kernels(settings, [], [model], widths)
-    else:
-        settings = EngineSettings(target_weights=args.weights)
-        tok, model, _ = load_models(settings, args.model)
-        prepare_kernels(settings, [model], [], widths)
+    settings = EngineSettings(**{"draft_weights" if args.as_draft else "target_weights": args.weights})
+    tok, model, _ = load_models(settings, args.model)
+    prepare_kernels(settings, [] if args.as_draft else [model], [model] if args.as_draft else [], widths)
     clock = KernelClock()
     lean = getattr(model, "_choral_decoder", None)
     if lean is None and "lean" in paths:

@@ -50,8 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = out / "served.jsonl"
-    info = Router.load(args.router).info  # serve and measure at the precisions R0's rows describe
-    target_weights, draft_weights = info.get("target_weights") or "int8", info.get("draft_weights") or "auto"
+    target_weights, draft_weights = workload_eval.trained_precisions(args.router)  # what R0's rows describe
 
     # 1. Serve the shifted workload with R0 and log it.
     if not log.exists() or len(read_rows(log)) < args.serve_prompts:

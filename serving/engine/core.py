@@ -151,6 +151,15 @@ DRAFT_WEIGHTS = ("auto", "fp32", "int8", "q4")
 TARGET_WEIGHTS = ("fp32", "int8", "q4")
 
 
+def drafts_precision(draft_weights: str, *, applies: bool) -> str:
+    """The precision drafts run at: ``auto`` is int8 where the CPU kernels apply (CPU, fp32, no
+    quantize) and the C++ kernel builds, else fp32; another choice stands where they apply (where
+    they do not, ``use_cpu_kernels`` refuses int8 and q4) and is fp32 otherwise."""
+    if draft_weights == "auto":
+        return "int8" if applies and rowdot_available() else "fp32"
+    return draft_weights if applies else "fp32"
+
+
 def use_cpu_kernels(
     models: list[PreTrainedModel],
     *,
@@ -181,7 +190,7 @@ def use_cpu_kernels(
         raise ValueError(f"draft_weights={draft_weights!r} must be one of {DRAFT_WEIGHTS}")
     applies = torch.device(device).type == "cpu" and resolve_dtype(dtype) == torch.float32 and quantize is None
     if draft_weights == "auto":
-        draft_weights = "int8" if applies and rowdot_available() else "fp32"
+        draft_weights = drafts_precision("auto", applies=applies)
     if target_weights not in TARGET_WEIGHTS:
         raise ValueError(f"target_weights={target_weights!r} must be one of {TARGET_WEIGHTS}")
     if target_weights != "fp32" and not (applies and rowdot_available()):

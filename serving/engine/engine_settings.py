@@ -208,15 +208,13 @@ class EngineSettings:
         served logs record beside ``target_weights``: a draft's step cost and acceptance depend on it."""
         import torch
 
-        from serving.engine.cpu_kernels import rowdot_available
+        from serving.engine.core import drafts_precision
         from serving.engine.devices import resolve_device, resolve_dtype
 
         device = device if device is not None else resolve_device(self.device)
         applies = (self.uses_cpu_kernels and torch.device(device).type == "cpu" and self.quantize is None
                    and resolve_dtype(self.dtype) == torch.float32)  # fmt: skip
-        if self.draft_weights == "auto":
-            return "int8" if applies and rowdot_available() else "fp32"
-        return self.draft_weights if applies else "fp32"
+        return drafts_precision(self.draft_weights, applies=applies)
 
     def engine_config(self, *, draft: bool, device: torch.device | None = None, **changes) -> EngineConfig:
         """The ``EngineConfig`` of one engine; ``draft=False`` is the target alone (k=0).
