@@ -6,7 +6,9 @@ CUDA device exists (CI and the development CPU); run on a GPU machine with
 Greedy output must equal transformers' own greedy generate on the same GPU; sampled output must
 follow the target's distribution (the chi-square test of tests/test_distribution.py, on the GPU);
 the decode step must compile with inductor, CUDA's backend, into one graph without recompiling;
-and train-draft must train a tiny student on the GPU in bf16 through accelerate.
+the step shapes must replay as CUDA graphs (eager and compiled) with rows of every drafter kind in
+one batch, capturing nothing after the warm-up; and train-draft must train a tiny student on the
+GPU in bf16 through accelerate.
 """
 
 import json
@@ -71,6 +73,50 @@ def test_sampled_output_follows_target_distribution_on_cuda(K):
 def test_decode_step_compiles_with_inductor_once_on_cuda(gpu_pair):
     seen, _ = compiled_steps(*gpu_pair, "inductor", device=CUDA)
     assert len(seen) >= 2, f"steps accepted only {seen}; the test needs different acceptance counts"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("backend", [None, "inductor"])
+def test_cuda_graphs_replay_every_drafter_kind_with_the_targets_greedy_output(gpu_pair, tokenizer, backend):
+    """A draft model, ngram, suffix and none share a batch of 4 whose step shapes replay as CUDA
+    graphs (captured at load): every output is the target's own greedy output, and no graph is
+    captured after the warm-up (a capture mid-request would be a shape the warm-up missed)."""
+    from serving.engine.drafters.ngram import NgramDrafter
+    from serving.engine.drafters.suffix import SuffixDrafter
+
+    torch._dynamo.reset()
+    target, draft = gpu_pair
+    config = EngineConfig(max_batch_size=4, max_len=96, k=3, k_buckets=(1, 2, 3), compile_backend=backend,
+                          cuda_graphs=True)  # fmt: skip
+    engine = SpeculativeEngine(target, tokenizer, config=config,
+                               drafters={"small": draft, "ngram": NgramDrafter(), "suffix": SuffixDrafter(), "none": None})  # fmt: skip
+    runners = [engine.verifier.runner, engine.model_drafters["small"]]
+    captured = [len(r._graphs) for r in runners]
+    assert all(captured), "the warm-up captured no graph"
+    prompts = ragged_prompts(6, seed=3)
+    names = ["small", "ngram", "suffix", "none", "small", "suffix"]
+    outs = engine.generate([Request(p, max_new_tokens=20, drafter=n) for p, n in zip(prompts, names)])
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(target, prompt, 20)
+    assert [len(r._graphs) for r in runners] == captured
+    assert outs[0].stats["target_calls"] < outs[0].stats["new_tokens"]
+
+
+@pytest.mark.integration
+def test_seeded_sampling_on_cuda_does_not_depend_on_the_batch(gpu_pair, tokenizer):
+    """A seeded sampled request gives the same tokens alone and beside other requests, on the GPU."""
+    target, draft = gpu_pair
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=1234)
+    prompts = ragged_prompts(3, seed=11)
+
+    def run(batch, reqs):
+        engine = SpeculativeEngine(target, tokenizer, draft, EngineConfig(max_batch_size=batch, max_len=96, k=3))
+        return engine.generate(reqs)
+
+    [alone] = run(1, [Request(prompts[0], max_new_tokens=20, params=params)])
+    others = [Request(p, max_new_tokens=20, params=SamplingParams(temperature=1.0, seed=i)) for i, p in enumerate(prompts[1:])]
+    together = run(3, [Request(prompts[0], max_new_tokens=20, params=params), *others])
+    assert together[0].token_ids == alone.token_ids
 
 
 @pytest.mark.e2e

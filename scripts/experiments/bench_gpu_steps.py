@@ -1,6 +1,7 @@
 """Per-step costs of the target and the draft on a GPU, through the engine's own ``ModelRunner``
 (static KV cache, one forward per input width), eager and compiled with inductor (the engine's
-``compile_backend`` on CUDA), and the speedup they predict at a given acceptance rate.
+``compile_backend`` on CUDA), each also replayed as CUDA graphs (``+graphs``, the engine's
+``cuda_graphs``), and the speedup they predict at a given acceptance rate.
 
     python scripts/experiments/bench_gpu_steps.py                       # the bundled pair, bf16, on cuda
     python scripts/experiments/bench_gpu_steps.py --target .gpu/target --draft .gpu/draft --random-init
@@ -77,7 +78,8 @@ def main(argv=None) -> int:
     p.add_argument("--prefill", type=int, default=128)
     p.add_argument("--ks", default="2,4,8", help="draft lengths K to predict for")
     p.add_argument("--alphas", default="0.6,0.75,0.9", help="acceptance rates to predict for")
-    p.add_argument("--modes", default="eager,inductor")
+    p.add_argument("--modes", default="eager,inductor,eager+graphs,inductor+graphs",
+                   help="eager or a torch.compile backend, each optionally +graphs (CUDA graphs)")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--json", default="runs/gpu_steps.json")
     args = p.parse_args(argv)
@@ -92,9 +94,12 @@ def main(argv=None) -> int:
         cost = {}
         for role, model in models.items():
             runner = ModelRunner(model, batch_size=args.batch, max_len=args.prefill + max(widths) + 8)
-            if mode != "eager":
+            backend, _, graphs = mode.partition("+")
+            if backend != "eager":
                 torch._dynamo.reset()
-                runner.compile(mode)
+                runner.compile(backend)
+            if graphs:  # "+graphs": every width replays as a CUDA graph (EngineConfig.cuda_graphs)
+                runner.use_cuda_graphs()
             cost[role] = time_widths(runner, widths if role == "target" else [1], args.prefill, args.reps)
             del runner
         t1 = cost["target"][1]

@@ -92,6 +92,8 @@ class EngineConfig:
         row's KV and first logits instead of prefilling again (``LocalVerifier.prefill``), and is
         charged the measured time of the prefill it reuses. For collect-router-data and benchmarks,
         which run each prompt once per drafter in the same row.
+    cuda_graphs: on CUDA, capture every step shape (rows, width) of the target and the drafts as a
+        CUDA graph at warm-up and replay it (eager or compiled); prefill stays eager.
     """
 
     max_batch_size: int = 1
@@ -105,6 +107,7 @@ class EngineConfig:
     host_k: int = 0
     request_k_max: int = 0
     reuse_prefill: bool = False
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.draft_stop not in DRAFT_STOPS:
@@ -364,6 +367,8 @@ class SpeculativeEngine:
         self._next_id = 0
         if config.compile_backend is not None:
             self.enable_compile(config.compile_backend)
+        if config.cuda_graphs:
+            self.enable_cuda_graphs()
 
     @property
     def drafting(self) -> bool:
@@ -396,6 +401,7 @@ class SpeculativeEngine:
             device=device, dtype=dtype, quantize=quantize, cpu_kernels=cpu_kernels, draft_weights=draft_weights,
             compile_backend=config.compile_backend, max_batch_size=config.max_batch_size, max_len=config.max_len,
             k=config.k or 1, k_buckets=config.k_buckets, draft_confidence=config.draft_confidence, draft_stop=config.draft_stop,
+            cuda_graphs=config.cuda_graphs,
         )  # fmt: skip
         return load_engine(settings, target, {"draft": draft} if draft is not None and config.k != 0 else {}).engine
 
@@ -607,6 +613,14 @@ class SpeculativeEngine:
         self.verifier.compile(backend, shapes)  # a remote target compiles on its own side
         for runner in runners:
             runner.compile(backend, shapes=shapes)
+        self.warmup()
+
+    def enable_cuda_graphs(self) -> None:
+        """Capture every step shape of the target and the model drafts as a CUDA graph now (the
+        warm-up's first run of each shape captures it); later steps replay them."""
+        self.verifier.use_cuda_graphs()
+        for runner in {id(r): r for r in self.model_drafters.values()}.values():
+            runner.use_cuda_graphs()
         self.warmup()
 
     def warmup(self) -> None:

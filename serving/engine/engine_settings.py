@@ -131,6 +131,9 @@ class EngineSettings:
     compile_backend: str | None = field(default=None, metadata=doc(
         "torch.compile backend of the step shapes (inductor, neuron), or auto for the device's; "
         "null: eager. Compiled shapes are warmed up at load"))
+    cuda_graphs: bool = field(default=False, metadata=doc(
+        "on CUDA, capture every step shape (rows, width) as a CUDA graph at load and replay it: a small "
+        "batch's step on a GPU is bound by kernel launches (eager or with compile_backend)"))
     max_batch_size: int = field(default=1, metadata=doc(
         "slots per engine: sequences decoded together in the static batch"))
     max_len: int | None = field(default=None, metadata=doc(
@@ -238,6 +241,7 @@ class EngineSettings:
             host_k=max((x.k or 0 for x in (s.ngram, s.suffix, s.prediction)), default=0) if draft else 0,
             request_k_max=(s.request_k_max or 0) if draft else 0,
             reuse_prefill=bool(s.reuse_prefill),
+            cuda_graphs=s.cuda_graphs,
         )
 
     def host_drafter(self, ref: str):

@@ -79,6 +79,46 @@ class ModelRunner:
         setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), shapes))
         self._forward = torch.compile(self._eager_forward, backend=backend, fullgraph=True, dynamic=False)
 
+    def use_cuda_graphs(self) -> None:
+        """Replay each (rows, input width) forward as a CUDA graph, captured on its first call (the
+        engine's warm-up). On a GPU a small batch's step is bound by kernel launches, not by the
+        chip; a graph launches the whole step at once. Capture works here because every shape is
+        static and the cache is written at positions: the graph's inputs are fixed buffers the
+        step copies into, and the KV cache tensors stay where they are. Eager or compiled."""
+        if self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs needs a CUDA device; this model is on {self.device.type}: set device=cuda "
+                             "or cuda_graphs=false")  # fmt: skip
+        self._inner, self._graphs = self._forward, {}
+        self._graph_pool = torch.cuda.graph_pool_handle()
+        self._forward = self._graphed_forward
+
+    def _graphed_forward(self, tokens: torch.Tensor, positions: torch.Tensor, last_only: bool, cache: StaticKVCache) -> torch.Tensor:
+        key = (tokens.shape[0], tokens.shape[1], last_only)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(tokens, positions, last_only, cache)
+        graph, static_tokens, static_positions, static_logits = self._graphs[key]
+        static_tokens.copy_(tokens)
+        static_positions.copy_(positions)
+        graph.replay()
+        # Graphs share one memory pool, so the next replay of another shape may reuse this output's
+        # memory: hand the caller its own copy.
+        return static_logits.clone()
+
+    def _capture(self, tokens, positions, last_only, cache):
+        static_tokens, static_positions = tokens.clone(), positions.clone()  # [B, T] the graph's inputs
+        # Warm up on a side stream first (cuBLAS handles, a compiled backend's first run): capture
+        # records kernels, it must not create them. These runs rewrite the same KV the replay writes.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._inner(static_tokens, static_positions, last_only, cache)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            static_logits = self._inner(static_tokens, static_positions, last_only, cache)  # [B, T or 1, V]
+        return graph, static_tokens, static_positions, static_logits
+
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         """tokens, positions: [B, T] long, B at most ``batch_size``: the cache's first B rows (a

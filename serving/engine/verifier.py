@@ -122,6 +122,10 @@ class Verifier(ABC):
     def warmup(self, widths: tuple[int, ...], rows: int) -> None:
         """Run every verify width once at batch size ``rows`` (compiled shapes pay their cost now)."""
 
+    def use_cuda_graphs(self) -> None:
+        """Replay the verify forwards as CUDA graphs (``ModelRunner.use_cuda_graphs``). A remote
+        target decides that on its own side."""
+
 
 class LocalVerifier(Verifier):
     """The target in this process: a ``ModelRunner`` (the model bound to a static KV cache with a
@@ -184,6 +188,10 @@ class LocalVerifier(Verifier):
     def compile(self, backend: str, shapes: int) -> None:
         self.runner.compile(backend, shapes=shapes)
         self._kept.clear()  # logits of the eager forward are not the compiled forward's, bit for bit
+
+    def use_cuda_graphs(self) -> None:
+        self.runner.use_cuda_graphs()
+        self._kept.clear()
 
     def warmup(self, widths: tuple[int, ...], rows: int) -> None:
         self._kept.clear()  # it writes every row from position 0
