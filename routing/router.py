@@ -58,6 +58,7 @@ import torch
 from torch import nn
 
 from routing.features import BUNDLED_EMBEDDER, Featurizer
+from serving.engine.goodput import committed_tokens, expected_tokens, per_token_acceptance, step_ms  # noqa: F401 (re-exported)
 
 FORMAT = "choral-router"
 FORMAT_VERSION = 1
@@ -115,61 +116,14 @@ class RouterMLP(nn.Module):
         return self.net(x)
 
 
-def expected_tokens(a: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Tokens committed per verification with per-token acceptance ``a`` and ``k`` drafts
-    (broadcasting); the a -> 1 limit is k + 1."""
-    a = a.clamp(0.0, 1.0 - 1e-6)
-    return (1 - a ** (k + 1)) / (1 - a)
 
 
-def committed_tokens(a: torch.Tensor, k: torch.Tensor, fill: float | torch.Tensor = 1.0) -> torch.Tensor:
-    """Tokens a verification commits when the drafter fills ``fill`` of the slots the geometric
-    model assumes (the module docstring): the bonus token plus fill * (E(a, k) - 1)."""
-    return 1 + fill * (expected_tokens(a, k) - 1)
 
 
-def _interp(xs: torch.Tensor, ys: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Piecewise-linear y(x) through the points (xs sorted), the nearest segment's slope outside
-    them; flat through a single point."""
-    if len(xs) == 1:
-        return torch.full_like(x, float(ys[0]))
-    i = (torch.searchsorted(xs.contiguous(), x.reshape(-1).contiguous()) - 1).clamp(0, len(xs) - 2).reshape(x.shape)
-    return ys[i] + (x - xs[i]) * (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i])
 
 
-def step_ms(table: list[list[float]], rows: float, tokens: torch.Tensor | float) -> torch.Tensor:
-    """A target forward's ms for ``rows`` rows of ``tokens`` tokens each, read off a measured step
-    table [[rows, tokens per row, ms], ...]: linear in the tokens within each measured row count,
-    then linear between the two row counts around ``rows``. Outside the measured row counts it
-    reads the nearest one (a batch larger than profiled is priced as the largest: measure up to
-    the server's max_batch_size)."""
-    t = torch.as_tensor(tokens, dtype=torch.float64)
-    pts = torch.tensor(table, dtype=torch.float64)  # [P, 3]
-    counts = torch.unique(pts[:, 0])  # sorted row counts
-    at = []
-    for r in counts:
-        mine = pts[pts[:, 0] == r]
-        mine = mine[mine[:, 1].argsort()]
-        at.append(_interp(mine[:, 1], mine[:, 2], t))
-    if len(counts) == 1:
-        return at[0].float()
-    b = min(max(float(rows), float(counts[0])), float(counts[-1]))
-    i = min(max(int(torch.searchsorted(counts, torch.tensor([b], dtype=torch.float64))[0]) - 1, 0), len(counts) - 2)
-    c0, c1 = float(counts[i]), float(counts[i + 1])
-    return (at[i] + (b - c0) * (at[i + 1] - at[i]) / (c1 - c0)).float()
 
 
-def per_token_acceptance(rate: torch.Tensor, k: int) -> torch.Tensor:
-    """The per-token acceptance a whose acceptance rate with k drafts, accepted / drafted =
-    mean(a^i for i = 1..k), equals ``rate`` (elementwise bisection; the rate grows with a)."""
-    rate = rate.clamp(0.0, 1.0)
-    lo, hi = torch.zeros_like(rate), torch.ones_like(rate)
-    powers = torch.arange(1, k + 1, dtype=rate.dtype)  # [k]
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        below = (mid[..., None] ** powers).mean(-1) < rate
-        lo, hi = torch.where(below, mid, lo), torch.where(below, hi, mid)
-    return (lo + hi) / 2
 
 
 def speedup_model(a: torch.Tensor, k: torch.Tensor, draft_cost: float, verify_cost: float,

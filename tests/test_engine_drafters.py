@@ -382,3 +382,55 @@ def test_a_bad_fallback_rule_names_the_bad_value():
         Fallback(min_acceptance=1.5)
     with pytest.raises(ValueError, match="after_drafted=0"):
         Fallback(min_acceptance=0.2, after_drafted=0)
+
+
+def goodput_engine(target, draft, tokenizer, table=None):
+    from serving.engine.goodput import StepCosts
+
+    drafters = {"small": draft, "ngram": NgramDrafter(), "suffix": SuffixDrafter(max_cached_requests=4), "none": None}
+    config = EngineConfig(max_batch_size=4, max_len=128, k=4, step_k="goodput")
+    engine = SpeculativeEngine(target, tokenizer, config=config, drafters=drafters)
+    if table is not None:
+        engine.step_costs = StepCosts(table)
+    return engine
+
+
+def test_goodput_steps_keep_every_rows_greedy_output(tiny_target, tiny_draft, tokenizer):
+    """step_k goodput caps proposals per step from measured costs: outputs stay the target's."""
+    prompts = ragged_prompts(8, seed=41)
+    outs = goodput_engine(tiny_target, tiny_draft, tokenizer).generate(mixed_requests(tiny_target, prompts))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(tiny_target, prompt, 24)
+    assert any(o.stats["drafted"] for o in outs)
+
+
+@pytest.mark.parametrize("dear", [True, False])
+def test_goodput_drafts_only_where_the_wider_step_pays(tiny_target, tiny_draft, tokenizer, dear):
+    """With a profile where any proposal makes a step of 4 rows 10x dearer, greedy rows never draft;
+    where a wide step costs what a narrow one does, they draft."""
+    wide = 10.0 if dear else 1.0
+    table = [[r, w, 1.0 if w == 1 else wide] for r in (1, 2, 4) for w in (1, 2, 3, 4, 5)]
+    prompts = ragged_prompts(4, seed=43)
+    engine = goodput_engine(tiny_target, tiny_draft, tokenizer, table)
+    outs = engine.generate([Request(p, max_new_tokens=16, drafter=n) for p, n in zip(prompts, ["small", "ngram", "suffix", "small"])])
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(tiny_target, prompt, 16)
+    drafted = sum(o.stats["drafted"] for o in outs)
+    assert (drafted == 0) if dear else (drafted > 0)
+
+
+def test_goodput_never_caps_a_seeded_sampled_row(tiny_target, tiny_draft, tokenizer):
+    """A seeded sampled row keeps its whole K under goodput (its draws would otherwise depend on
+    the batch): its tokens equal the same request alone, though any proposal makes a step 10x
+    dearer. (The greedy rows beside it draft too: its K sets the step's width anyway.)"""
+    table = [[r, w, 1.0 if w == 1 else 10.0] for r in (1, 2, 4) for w in (1, 2, 3, 4, 5)]
+    prompts = ragged_prompts(3, seed=47)
+    params = SamplingParams(temperature=0.9, seed=77)
+    engine = goodput_engine(tiny_target, tiny_draft, tokenizer, table)
+    outs = engine.generate([Request(prompts[0], max_new_tokens=16, drafter="small", params=params),
+                            *[Request(p, max_new_tokens=16, drafter="small") for p in prompts[1:]]])  # fmt: skip
+    alone = engine_with_every_drafter(tiny_target, tiny_draft, tokenizer, batch=1)
+    [one] = alone.generate([Request(prompts[0], max_new_tokens=16, drafter="small", params=params)])
+    assert outs[0].token_ids == one.token_ids and outs[0].stats["drafted"] > 0
+    for prompt, out in zip(prompts[1:], outs[1:]):
+        assert out.token_ids == hf_greedy(tiny_target, prompt, 16)

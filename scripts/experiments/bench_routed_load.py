@@ -13,6 +13,11 @@ drafter forced (``draft`` body field: the router is skipped and the engine's fix
 completion tokens/s per policy, routed over the best fixed drafter, the router's choices, the
 fallbacks, and whether every greedy answer equals the target alone's (``none``) text.
 Writes ``routed_load.json`` and ``routed_load.md`` under ``--out``.
+
+A policy is ``NAME[@K][+goodput]``: ``suffix@1`` forces ``suffix`` with the engine's K at 1 (a
+fixed drafter with another fixed K), ``routed+goodput`` routes with ``engine.step_k=goodput`` (each
+step caps the greedy rows' K at the batch's best goodput, priced with the router's step table).
+The best fixed drafter is the best policy that is neither routed nor goodput.
 """
 
 from __future__ import annotations
@@ -31,6 +36,23 @@ from serving.server.launch import free_port, stop, wait_healthy
 from serving.tools.load_test import amain, build_parser
 
 POLICIES = ("routed", "suffix", "ngram", "base", "none")
+
+
+def parse_policy(policy: str) -> tuple[str, int | None, bool]:
+    """``NAME[@K][+goodput]`` -> (drafter or "routed", the engine's K or None for 4, goodput)."""
+    head, plus, tail = policy.partition("+")
+    if plus and tail != "goodput":
+        raise SystemExit(f"policy {policy!r}: only +goodput may follow the name (NAME[@K][+goodput])")
+    name, at, k = head.partition("@")
+    if at and not k.isdigit():
+        raise SystemExit(f"policy {policy!r}: K after @ must be a positive integer, e.g. suffix@1")
+    return name, int(k) if at else None, bool(plus)
+
+
+def is_fixed(policy: str) -> bool:
+    """A fixed drafter with a fixed K: what routed serving must beat."""
+    name, _, goodput = parse_policy(policy)
+    return name != "routed" and not goodput
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,11 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         for j in range(len(policies)):
             policy = policies[(r + j) % len(policies)]
+            name, k, goodput = parse_policy(policy)
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             cmd = ["serve", "--router", args.router, f"port={port}", f"engine.target_weights={target_weights}",
-                   f"engine.draft_weights={draft_weights}", "engine.max_batch_size=8", "engine.k=4", "log_level=warning",
-                   *args.serve_arg]  # fmt: skip
+                   f"engine.draft_weights={draft_weights}", "engine.max_batch_size=8", f"engine.k={k or 4}",
+                   "log_level=warning", *(["engine.step_k=goodput"] if goodput else []), *args.serve_arg]  # fmt: skip
             with open(out / f"serve-{policy}-{r}.log", "w") as log:
                 proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
                 try:
@@ -71,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
                     lt = ["--url", url, "--families", "all", "--split", "test", "--n-prompts", str(args.per_family),
                           "--requests", str(n), "--concurrency", str(args.concurrency), "--max-tokens", str(args.max_tokens),
                           "--quiet", "--out", str(out / f"lt-{policy}-{r}")]  # fmt: skip
-                    if policy != "routed":
-                        lt += ["--draft", policy]
+                    if name != "routed":
+                        lt += ["--draft", name]
                     report = asyncio.run(amain(build_parser().parse_args(lt)))
                     with urllib.request.urlopen(url + "/metrics", timeout=10) as m:
                         fallbacks += sum(float(line.split()[-1]) for line in m.read().decode().splitlines()
@@ -97,16 +120,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def summarize(results: dict[str, list[dict]], policies: list[str]) -> dict:
     tps = {p: sum(r["completion_tokens"] for r in rs) / sum(r["wall_s"] for r in rs) for p, rs in results.items()}
-    fixed = [p for p in policies if p != "routed"]
+    fixed = [p for p in policies if is_fixed(p)]
     best = max(fixed, key=lambda p: tps[p]) if fixed else None
+    routed = max((p for p in policies if parse_policy(p)[0] == "routed"), key=lambda p: tps[p], default=None)
     texts = {p: {row["prompt_id"]: row["text"] for r in rs for row in r["rows"]} for p, rs in results.items()}
     ref = texts.get("none", {})
     identical = {p: sum(ref.get(i) == t for i, t in ts.items()) for p, ts in texts.items() if p != "none"}
     choices: dict[str, int] = {}
-    for r in results.get("routed", []):
+    for r in results.get(routed, []):
         for row in r["rows"]:
             choices[row["draft"]] = choices.get(row["draft"], 0) + 1
-    return {"tokens_per_s": tps, "best_fixed": best, "routed_vs_best_fixed": tps["routed"] / tps[best] if best and "routed" in tps else None,
+    return {"tokens_per_s": tps, "best_fixed": best, "best_routed": routed,
+            "routed_vs_best_fixed": tps[routed] / tps[best] if best and routed else None,
             "identical_to_none": identical, "answers": {p: len(ts) for p, ts in texts.items()}, "routed_choices": choices,
             "errors": {p: sum(r["errors"] for r in rs) for p, rs in results.items()}}  # fmt: skip
 
@@ -118,7 +143,7 @@ def markdown(report: dict) -> str:
         ident = "-" if p == "none" else f"{s['identical_to_none'][p]}/{s['answers'][p]}"
         lines.append(f"| {p} | {v:.2f} | {ident} | {s['errors'][p]} |")
     if s["routed_vs_best_fixed"] is not None:
-        lines += ["", f"Routed / best fixed ({s['best_fixed']}): {s['routed_vs_best_fixed']:.3f}. Router's choices: "
+        lines += ["", f"Best routed ({s['best_routed']}) / best fixed ({s['best_fixed']}): {s['routed_vs_best_fixed']:.3f}. Router's choices: "
                   + ", ".join(f"{k} {v}" for k, v in sorted(s["routed_choices"].items()))
                   + f". Fallbacks: {s['fallbacks_total']:.0f}."]  # fmt: skip
     return "\n".join(lines) + "\n"

@@ -54,6 +54,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from serving.engine.bundled import choral_home
 from serving.engine.cpu_kernels import prepare_for_cpu, rowdot_available
 from serving.engine.devices import compile_backend, resolve_dtype, synchronize
+from serving.engine.goodput import StepCosts, expected_from_counts, per_token_acceptance, plan_cap
 from serving.engine.drafters.base import HostDrafter, RowContext
 from serving.engine.drafters.prediction import PredictionDrafter
 from serving.engine.runner import ModelRunner
@@ -65,6 +66,8 @@ from serving.engine.verifier import LocalVerifier, Verifier, VerifierError, Veri
 log = logging.getLogger(__name__)
 
 DRAFT_STOPS = ("token", "cumulative")  # what EngineConfig.draft_stop compares with draft_confidence
+STEP_KS = ("rows", "goodput")  # how a step's K is set (EngineConfig.step_k)
+PRIOR_A = 0.5  # a row's per-token acceptance before it has drafted, without a router's prediction
 
 
 @dataclass
@@ -92,6 +95,11 @@ class EngineConfig:
         row's KV and first logits instead of prefilling again (``LocalVerifier.prefill``), and is
         charged the measured time of the prefill it reuses. For collect-router-data and benchmarks,
         which run each prompt once per drafter in the same row.
+    step_k: "rows": every row drafts its own budget and the step verifies at the longest
+        proposal's bucket; "goodput": each step caps the greedy rows' proposals at the K that
+        maximises the batch's expected tokens per ms (``serving.engine.goodput``, SmartSpec), from
+        each row's own acceptance record and measured step times (``step_costs``). Outputs are
+        unchanged; seeded sampled rows are never capped.
     cuda_graphs: on CUDA, capture every step shape (rows, width) of the target and the drafts as a
         CUDA graph at warm-up and replay it (eager or compiled); prefill stays eager.
     """
@@ -107,9 +115,12 @@ class EngineConfig:
     host_k: int = 0
     request_k_max: int = 0
     reuse_prefill: bool = False
+    step_k: str = "rows"
     cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
+        if self.step_k not in STEP_KS:
+            raise ValueError(f"step_k={self.step_k!r} must be one of {', '.join(STEP_KS)}")
         if self.draft_stop not in DRAFT_STOPS:
             raise ValueError(f"draft_stop={self.draft_stop!r} must be 'token' or 'cumulative'")
         if self.max_batch_size < 1:
@@ -239,6 +250,7 @@ class Request:
     prediction: list[int] | None = None  # token ids of the text the client expects (Predicted Outputs)
     k: int | None = None  # this request's K (num_speculative_tokens), up to the engine's k_max; None: the engine's
     fallback: Fallback | None = None  # switch to the target alone when the drafter stops paying
+    expected_acceptance: float | None = None  # predicted accepted / drafted at its K (the router's): step_k's prior
 
 
 @dataclass
@@ -271,6 +283,7 @@ class _Slot:
     draft_row: int | None = None  # a model drafter's row of its own KV cache (``_draft_rows``)
     fell_back_at: int | None = None  # tokens generated when the row switched to the target alone
     routed_drafter: str | None = None  # the drafter the request started with, when it fell back
+    prior_a: float = PRIOR_A  # per-token acceptance expected before the row's own record (step_k goodput)
 
 
 NONE = "none"  # the drafter name of the target alone
@@ -365,6 +378,10 @@ class SpeculativeEngine:
         self._waiting: deque[tuple[int, Request]] = deque()
         self._carry: list[StepOutput] = []  # outputs of a step that raised, handed out by the next one
         self._next_id = 0
+        # Measured step times by (rows, width): what step_k goodput prices a step with; a profiled
+        # table (``StepCosts.table``, the router's step_table when serving) stands in until measured.
+        self.step_costs = StepCosts()
+        self._models_drafted = False
         if config.compile_backend is not None:
             self.enable_compile(config.compile_backend)
         if config.cuda_graphs:
@@ -700,6 +717,9 @@ class SpeculativeEngine:
         stats.prefill_time_s = time.perf_counter() - started
         slot = _Slot(index, request, ids.shape[1], generator, [first_id], stats, started, drafter, k_value=self._k_start,
                      draft_row=draft_row)  # fmt: skip
+        if request.expected_acceptance is not None and self.config.step_k == "goodput":
+            k = max(1, self._row_k(slot))
+            slot.prior_a = float(per_token_acceptance(torch.tensor([float(request.expected_acceptance)]), k))
         stopped = self._hit_stop(slot, 0)
         if drafter in self.host_drafters:
             self.host_drafters[drafter].observe(b, slot.generated)
@@ -825,10 +845,14 @@ class SpeculativeEngine:
         scattered back, the other rows' left alone)."""
         B, V = len(slots), self.vocab_size
         host_tokens = [[] for _ in slots]
+        if self.config.step_k == "goodput":  # before any proposal: a step that would not draft skips proposing
+            k_rows, _ = self._cap(slots, k_rows, None)
         for b, slot in enumerate(slots):
             if slot is not None and k_rows[b] and slot.drafter in self.host_drafters:
                 context = slot.request.prompt_ids + slot.generated
                 host_tokens[b] = self.host_drafters[slot.drafter].propose(b, context, k_rows[b])[: k_rows[b]]
+        if self.config.step_k == "goodput":
+            k_rows, host_tokens = self._cap(slots, k_rows, host_tokens)
         width = max(map(len, host_tokens))
         from_models = []
         for runner in {id(r): r for r in self.model_drafters.values()}.values():
@@ -855,6 +879,7 @@ class SpeculativeEngine:
             mine = torch.zeros(B, dtype=torch.bool, device=self.device).index_fill_(0, at, True)  # [B]
             from_models.append((tokens, q, n, mine))
             width = max(width, tokens.shape[1])
+        self._models_drafted = bool(from_models)
         # The step's K: the smallest bucket that holds every proposal (a compiled verify width).
         k = next((kb for kb in self.config.k_buckets if kb >= width), width) if width else 0
         rows = torch.tensor([t + [0] * (k - len(t)) for t in host_tokens], dtype=torch.long).reshape(B, k)
@@ -874,6 +899,29 @@ class SpeculativeEngine:
         if q is None:
             q = torch.zeros(B, k, V, device=self.device)  # [B, K, V] nothing drafted
         return draft_tokens, q, n_draft
+
+    def _cap(self, slots: list[_Slot | None], k_rows: list[int], host_tokens: list[list[int]] | None
+             ) -> tuple[list[int], list[list[int]] | None]:  # fmt: skip
+        """step_k goodput: the budgets and host proposals capped at the K that maximises the batch's
+        expected tokens per ms (``goodput.plan_cap``). A host row's budget is what it proposed (known
+        once proposed: ``host_tokens``) or, before proposing (None), its K: an upper bound, so a cap
+        of 0 then stays 0 and the proposals need not be made. Seeded sampled rows keep theirs."""
+        expected, fixed, model_rows = [], [], False
+        for b, slot in enumerate(slots):
+            if slot is None:
+                continue
+            budget = len(host_tokens[b]) if host_tokens is not None and slot.drafter in self.host_drafters else k_rows[b]
+            model_rows |= budget > 0 and slot.drafter in self.model_drafters
+            st = slot.stats
+            expected.append(expected_from_counts(st.accepted_at, st.drafted_at, budget, slot.prior_a))
+            fixed.append(slot.request.params.seed is not None and not slot.request.params.greedy)
+        B = len(slots)
+        cap = plan_cap(expected, fixed, lambda c: self.step_costs.step_ms(B, c, model_rows), self.config.k_buckets)
+        if cap is None:
+            return k_rows, host_tokens
+        keep = [slot is not None and slot.request.params.seed is not None and not slot.request.params.greedy for slot in slots]
+        return ([k if keep[b] else min(k, cap) for b, k in enumerate(k_rows)],
+                None if host_tokens is None else [t if keep[b] else t[:cap] for b, t in enumerate(host_tokens)])  # fmt: skip
 
     def _step(self, all_slots: list[_Slot | None]) -> tuple[list[int], VerifierError | None]:
         """One speculative step over the occupied slots, at the smallest batch bucket that holds
@@ -905,6 +953,8 @@ class SpeculativeEngine:
         params = [slot.request.params if slot else None for slot in slots]
         verdict = self.verifier.verify(VerifyBatch(s, params, sampling, rand, draft_tokens, q, n_draft))
         clock("target")
+        self.step_costs.observe(B, draft_tokens.shape[1] + 1, 1e3 * times["target"],
+                                1e3 * times["draft"] if self._models_drafted else None)  # fmt: skip
         # 4. Commit the accepted tokens and the next one (a row the verifier failed commits nothing).
         lost = verdict.failed.rows if verdict.failed is not None else []
         for b in lost:

@@ -131,6 +131,11 @@ class EngineSettings:
     compile_backend: str | None = field(default=None, metadata=doc(
         "torch.compile backend of the step shapes (inductor, neuron), or auto for the device's; "
         "null: eager. Compiled shapes are warmed up at load"))
+    step_k: Literal["rows", "goodput"] = field(default="rows", metadata=doc(
+        "rows: each row drafts its own K and a step verifies at the longest proposal's bucket; goodput: each "
+        "step caps the greedy rows' proposals at the K that maximises the batch's expected tokens per ms, from "
+        "each row's acceptance so far and measured step times (in a full batch one row's long proposal makes "
+        "every row pay); outputs unchanged"))
     cuda_graphs: bool = field(default=False, metadata=doc(
         "on CUDA, capture every step shape (rows, width) as a CUDA graph at load and replay it: a small "
         "batch's step on a GPU is bound by kernel launches (eager or with compile_backend)"))
@@ -241,6 +246,7 @@ class EngineSettings:
             host_k=max((x.k or 0 for x in (s.ngram, s.suffix, s.prediction)), default=0) if draft else 0,
             request_k_max=(s.request_k_max or 0) if draft else 0,
             reuse_prefill=bool(s.reuse_prefill),
+            step_k=s.step_k if draft else "rows",
             cuda_graphs=s.cuda_graphs,
         )
 

@@ -286,6 +286,7 @@ class Scheduler:
         k_max = getattr(getattr(engine, "config", None), "k_max", 0)
         if self.routing.apply_k and choice.k and k_max:
             request.k = min(int(choice.k), k_max)
+        request.expected_acceptance = choice.expected_rate or None  # step_k goodput's prior for the row
         ratio = self.routing.fallback_ratio
         if ratio is not None:
             floor = choice.fallback_floor(ratio)
