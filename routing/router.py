@@ -116,16 +116,6 @@ class RouterMLP(nn.Module):
         return self.net(x)
 
 
-
-
-
-
-
-
-
-
-
-
 def speedup_model(a: torch.Tensor, k: torch.Tensor, draft_cost: float, verify_cost: float,
                   fill: float = 1.0) -> torch.Tensor:  # fmt: skip
     """Predicted speedup over the target alone (see the module docstring)."""

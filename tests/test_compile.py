@@ -122,5 +122,5 @@ def test_a_shape_not_warmed_up_fails_with_the_recompiles_reason(tiny_target):
 def test_cuda_graphs_on_a_cpu_model_name_the_device_and_the_fix(tiny_target):
     """cuda_graphs needs a CUDA device; on a CPU model it says so and names both ways out."""
     runner = ModelRunner(tiny_target, batch_size=1, max_len=32)
-    with pytest.raises(ValueError, match=r"cuda_graphs needs a CUDA device; this model is on cpu: set device=cuda or cuda_graphs=false"):
+    with pytest.raises(ValueError, match=r"cuda_graphs needs a CUDA device; this model is on cpu: set engine.device=cuda or engine.cuda_graphs=false"):
         runner.use_cuda_graphs()

@@ -103,20 +103,37 @@ def test_cuda_graphs_replay_every_drafter_kind_with_the_targets_greedy_output(gp
 
 
 @pytest.mark.integration
-def test_seeded_sampling_on_cuda_does_not_depend_on_the_batch(gpu_pair, tokenizer):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_seeded_sampling_on_cuda_does_not_depend_on_the_batch(gpu_pair, tokenizer, graphs):
     """A seeded sampled request gives the same tokens alone and beside other requests, on the GPU."""
     target, draft = gpu_pair
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=1234)
     prompts = ragged_prompts(3, seed=11)
 
     def run(batch, reqs):
-        engine = SpeculativeEngine(target, tokenizer, draft, EngineConfig(max_batch_size=batch, max_len=96, k=3))
-        return engine.generate(reqs)
+        config = EngineConfig(max_batch_size=batch, max_len=96, k=3, cuda_graphs=graphs)
+        return SpeculativeEngine(target, tokenizer, draft, config).generate(reqs)
 
     [alone] = run(1, [Request(prompts[0], max_new_tokens=20, params=params)])
     others = [Request(p, max_new_tokens=20, params=SamplingParams(temperature=1.0, seed=i)) for i, p in enumerate(prompts[1:])]
     together = run(3, [Request(prompts[0], max_new_tokens=20, params=params), *others])
     assert together[0].token_ids == alone.token_ids
+
+
+@pytest.mark.integration
+def test_goodput_steps_with_cuda_graphs_keep_the_targets_greedy_output(gpu_pair, tokenizer):
+    """step_k goodput times every graphed shape at load and caps each step's K from those times;
+    every row stays transformers' greedy output."""
+    from serving.engine.drafters.ngram import NgramDrafter
+
+    target, draft = gpu_pair
+    config = EngineConfig(max_batch_size=4, max_len=96, k=3, k_buckets=(1, 2, 3), step_k="goodput", cuda_graphs=True)
+    engine = SpeculativeEngine(target, tokenizer, config=config, drafters={"small": draft, "ngram": NgramDrafter()})
+    assert set(engine.step_costs.verify) == {(r, w) for r in (1, 2, 4) for w in (1, 2, 3, 4)}
+    prompts = ragged_prompts(6, seed=13)
+    outs = engine.generate([Request(p, max_new_tokens=20, drafter=("small", "ngram")[i % 2]) for i, p in enumerate(prompts)])
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(target, prompt, 20)
 
 
 @pytest.mark.e2e

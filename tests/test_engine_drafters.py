@@ -146,7 +146,7 @@ def test_point_masses_enter_the_acceptance_rule_as_one_hot_q(tiny_target, tokeni
     state = engine._state_rows(2)
     k_rows = [engine._row_k(s) for s in slots]
     rand = step_uniforms([s.generator for s in slots], k_rows, max(k_rows), "cpu")
-    tokens, q, n_draft = engine._draft(slots, state, engine._batch_sampling(slots), rand, k_rows)
+    tokens, q, n_draft, _ = engine._draft(slots, state, engine._batch_sampling(slots), rand, k_rows)
     assert tokens[0, :2].tolist() == [7, 8] and n_draft.tolist() == [2, 0] and tokens.shape[1] == 2
     assert torch.equal(q[0], torch.nn.functional.one_hot(torch.tensor([7, 8]), q.shape[-1]).float())
 
@@ -384,34 +384,67 @@ def test_a_bad_fallback_rule_names_the_bad_value():
         Fallback(min_acceptance=0.2, after_drafted=0)
 
 
-def goodput_engine(target, draft, tokenizer, table=None):
-    from serving.engine.goodput import StepCosts
+class FrozenCosts:
+    """Step costs that measurement does not move: a goodput test decides from these alone."""
 
+    def __init__(self, ms):
+        self.ms = ms  # (rows, width) -> ms
+
+    def observe(self, *args):
+        pass
+
+    observe_draft = observe
+
+    def step_ms(self, rows, cap, model_budget=0):
+        return self.ms(rows, cap + 1)
+
+
+def goodput_engine(target, draft, tokenizer, costs=None):
     drafters = {"small": draft, "ngram": NgramDrafter(), "suffix": SuffixDrafter(max_cached_requests=4), "none": None}
     config = EngineConfig(max_batch_size=4, max_len=128, k=4, step_k="goodput")
     engine = SpeculativeEngine(target, tokenizer, config=config, drafters=drafters)
-    if table is not None:
-        engine.step_costs = StepCosts(table)
+    if costs is not None:
+        engine.step_costs = FrozenCosts(costs)
     return engine
 
 
-def test_goodput_steps_keep_every_rows_greedy_output(tiny_target, tiny_draft, tokenizer):
-    """step_k goodput caps proposals per step from measured costs: outputs stay the target's."""
+def test_goodput_steps_keep_every_rows_greedy_output(tiny_target, tiny_draft, tokenizer, monkeypatch):
+    """step_k goodput caps proposals per step (here a step of width w costs 1 + (w - 1)^2 / 4, so
+    some steps draft and some are capped below their longest proposal): outputs stay the target's."""
+    import serving.engine.core as core
+
+    caps, plan = [], core.plan_cap
+
+    def spy(expected, fixed, cost, ks):
+        cap = plan(expected, fixed, cost, ks)
+        caps.append((cap, max(len(e) - 1 for e in expected)))
+        return cap
+
+    monkeypatch.setattr(core, "plan_cap", spy)
     prompts = ragged_prompts(8, seed=41)
-    outs = goodput_engine(tiny_target, tiny_draft, tokenizer).generate(mixed_requests(tiny_target, prompts))
+    engine = goodput_engine(tiny_target, tiny_draft, tokenizer, lambda rows, width: 1.0 + 0.25 * (width - 1) ** 2)
+    outs = engine.generate(mixed_requests(tiny_target, prompts))
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(tiny_target, prompt, 24)
     assert any(o.stats["drafted"] for o in outs)
+    assert any(cap is not None and 0 < longest and cap < longest for cap, longest in caps), "no step was capped"
+
+
+def test_goodput_seeds_its_step_costs_at_load_for_every_width_and_bucket(tiny_target, tiny_draft, tokenizer):
+    engine = goodput_engine(tiny_target, tiny_draft, tokenizer)
+    widths = engine._verify_widths()
+    assert widths == (1, 2, 3, 4, 5)
+    assert set(engine.step_costs.verify) == {(rows, w) for rows in (1, 2, 4) for w in widths}
+    assert set(engine.step_costs.draft_per_forward) == {1, 2, 4}
 
 
 @pytest.mark.parametrize("dear", [True, False])
 def test_goodput_drafts_only_where_the_wider_step_pays(tiny_target, tiny_draft, tokenizer, dear):
-    """With a profile where any proposal makes a step of 4 rows 10x dearer, greedy rows never draft;
-    where a wide step costs what a narrow one does, they draft."""
-    wide = 10.0 if dear else 1.0
-    table = [[r, w, 1.0 if w == 1 else wide] for r in (1, 2, 4) for w in (1, 2, 3, 4, 5)]
+    """Where any proposal makes a step a million times dearer, greedy rows never draft; where a
+    wide step costs what a narrow one does, they draft."""
+    wide = 1e6 if dear else 1.0
     prompts = ragged_prompts(4, seed=43)
-    engine = goodput_engine(tiny_target, tiny_draft, tokenizer, table)
+    engine = goodput_engine(tiny_target, tiny_draft, tokenizer, lambda rows, width: 1.0 if width == 1 else wide)
     outs = engine.generate([Request(p, max_new_tokens=16, drafter=n) for p, n in zip(prompts, ["small", "ngram", "suffix", "small"])])
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(tiny_target, prompt, 16)
@@ -419,14 +452,30 @@ def test_goodput_drafts_only_where_the_wider_step_pays(tiny_target, tiny_draft, 
     assert (drafted == 0) if dear else (drafted > 0)
 
 
+def test_goodput_with_auto_k_leaves_a_capped_rows_k_alone(tiny_target, tiny_draft, tokenizer):
+    """A row capped to no proposal learned nothing about its drafter: "auto" K must not grow it as
+    if every draft had been accepted. Six capped steps, then steps that pay: the first proposal is
+    the K every request starts at."""
+    config = EngineConfig(max_batch_size=1, max_len=128, k="auto", step_k="goodput")
+    engine = SpeculativeEngine(tiny_target, tokenizer, config=config, drafters={"small": tiny_draft})
+    engine.step_costs = FrozenCosts(lambda rows, width: 1.0 if width == 1 else 1e6)
+    engine.add_request(Request(ragged_prompts(1, seed=5)[0], max_new_tokens=40, drafter="small"))
+    for _ in range(6):
+        engine.step()
+    engine.step_costs = FrozenCosts(lambda rows, width: 1.0)
+    engine.step()
+    stats = engine._slots[0].stats
+    assert stats.k_used[:6] == [0] * 6
+    assert stats.k_used[6] == engine._k_start == 5  # not 8, where six "full accepts" would have moved it
+
+
 def test_goodput_never_caps_a_seeded_sampled_row(tiny_target, tiny_draft, tokenizer):
     """A seeded sampled row keeps its whole K under goodput (its draws would otherwise depend on
-    the batch): its tokens equal the same request alone, though any proposal makes a step 10x
-    dearer. (The greedy rows beside it draft too: its K sets the step's width anyway.)"""
-    table = [[r, w, 1.0 if w == 1 else 10.0] for r in (1, 2, 4) for w in (1, 2, 3, 4, 5)]
+    the batch): its tokens equal the same request alone, though any proposal makes a step a million
+    times dearer. (The greedy rows beside it draft too: its K sets the step's width anyway.)"""
     prompts = ragged_prompts(3, seed=47)
     params = SamplingParams(temperature=0.9, seed=77)
-    engine = goodput_engine(tiny_target, tiny_draft, tokenizer, table)
+    engine = goodput_engine(tiny_target, tiny_draft, tokenizer, lambda rows, width: 1.0 if width == 1 else 1e6)
     outs = engine.generate([Request(prompts[0], max_new_tokens=16, drafter="small", params=params),
                             *[Request(p, max_new_tokens=16, drafter="small") for p in prompts[1:]]])  # fmt: skip
     alone = engine_with_every_drafter(tiny_target, tiny_draft, tokenizer, batch=1)

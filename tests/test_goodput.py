@@ -69,8 +69,10 @@ def test_step_costs_measured_then_profiled_then_the_nearest_narrower_shape():
     assert c.verify_ms(8, 3) == pytest.approx(250.0)  # the moving average of what ran
     bare = StepCosts()
     assert bare.verify_ms(4, 2) is None
-    bare.observe(4, 1, 90.0, draft_ms=None)
+    bare.observe(4, 1, 90.0)
     assert bare.verify_ms(4, 5) == 90.0  # unmeasured: priced as the nearest narrower measured width
-    bare.observe(4, 3, 120.0, draft_ms=30.0)  # a draft model drafted 2 tokens in 30 ms
-    assert bare.step_ms(4, 2, model_rows=True) == pytest.approx(bare.verify_ms(4, 3) + 2 * 15.0)
-    assert bare.step_ms(4, 2, model_rows=False) == bare.verify_ms(4, 3)
+    bare.observe(4, 3, 120.0)
+    bare.observe_draft(4, 2, 30.0)  # two draft-model forwards in 30 ms
+    assert bare.step_ms(4, 2, model_budget=4) == pytest.approx(120.0 + 2 * 15.0)
+    assert bare.step_ms(4, 2, model_budget=1) == pytest.approx(120.0 + 15.0)  # one forward: the budget is 1
+    assert bare.step_ms(4, 2, model_budget=0) == 120.0

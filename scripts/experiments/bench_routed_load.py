@@ -16,7 +16,8 @@ Writes ``routed_load.json`` and ``routed_load.md`` under ``--out``.
 
 A policy is ``NAME[@K][+goodput]``: ``suffix@1`` forces ``suffix`` with the engine's K at 1 (a
 fixed drafter with another fixed K), ``routed+goodput`` routes with ``engine.step_k=goodput`` (each
-step caps the greedy rows' K at the batch's best goodput, priced with the router's step table).
+step caps the rows' K at the batch's best goodput, priced with steps timed at load and the
+router's step table).
 The best fixed drafter is the best policy that is neither routed nor goodput.
 """
 
@@ -44,7 +45,7 @@ def parse_policy(policy: str) -> tuple[str, int | None, bool]:
     if plus and tail != "goodput":
         raise SystemExit(f"policy {policy!r}: only +goodput may follow the name (NAME[@K][+goodput])")
     name, at, k = head.partition("@")
-    if at and not k.isdigit():
+    if at and not (k.isdigit() and int(k) >= 1):
         raise SystemExit(f"policy {policy!r}: K after @ must be a positive integer, e.g. suffix@1")
     return name, int(k) if at else None, bool(plus)
 

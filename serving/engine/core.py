@@ -96,10 +96,11 @@ class EngineConfig:
         charged the measured time of the prefill it reuses. For collect-router-data and benchmarks,
         which run each prompt once per drafter in the same row.
     step_k: "rows": every row drafts its own budget and the step verifies at the longest
-        proposal's bucket; "goodput": each step caps the greedy rows' proposals at the K that
+        proposal's bucket; "goodput": each step caps the rows' proposals at the K that
         maximises the batch's expected tokens per ms (``serving.engine.goodput``, SmartSpec), from
-        each row's own acceptance record and measured step times (``step_costs``). Outputs are
-        unchanged; seeded sampled rows are never capped.
+        each row's own acceptance record and measured step times (``step_costs``, timed for every
+        shape at load). Greedy outputs are unchanged and sampled ones keep the target's
+        distribution; seeded sampled rows are never capped (their draws would depend on the batch).
     cuda_graphs: on CUDA, capture every step shape (rows, width) of the target and the drafts as a
         CUDA graph at warm-up and replay it (eager or compiled); prefill stays eager.
     """
@@ -381,11 +382,13 @@ class SpeculativeEngine:
         # Measured step times by (rows, width): what step_k goodput prices a step with; a profiled
         # table (``StepCosts.table``, the router's step_table when serving) stands in until measured.
         self.step_costs = StepCosts()
-        self._models_drafted = False
+        self._model_draft = (0.0, 0)  # this step's draft-model time (s) and forwards
         if config.compile_backend is not None:
             self.enable_compile(config.compile_backend)
         if config.cuda_graphs:
             self.enable_cuda_graphs()
+        if config.step_k == "goodput" and self.drafting:
+            self.time_steps()
 
     @property
     def drafting(self) -> bool:
@@ -650,13 +653,37 @@ class SpeculativeEngine:
                 runner.warmup((1, 2), last_only=True, rows=rows)  # draft_half's two forward shapes
         synchronize(self.device)
 
+    def time_steps(self) -> None:
+        """Seed ``step_costs`` with one timed forward of every verify width and of each draft
+        model's one-token step, at every batch bucket (after a throwaway forward per bucket), so
+        step_k goodput prices every width it may choose from the first request on. A remote
+        target is timed by its steps only."""
+        if not isinstance(self.verifier, LocalVerifier):
+            return
+        runners = list({id(r): r for r in self.model_drafters.values()}.values())
+        for rows in self.config.batch_buckets:
+            widths = self._verify_widths()
+            self.verifier.warmup(widths[:1], rows)
+            for w in widths:
+                started = time.perf_counter()
+                self.verifier.warmup((w,), rows)
+                synchronize(self.device)
+                self.step_costs.observe(rows, w, 1e3 * (time.perf_counter() - started))
+            for runner in runners:
+                runner.warmup((1,), last_only=True, rows=rows)
+                started = time.perf_counter()
+                runner.warmup((1,), last_only=True, rows=rows)
+                synchronize(self.device)
+                self.step_costs.observe_draft(rows, 1, 1e3 * (time.perf_counter() - started))
+
     def _verify_widths(self) -> tuple[int, ...]:
         """Target widths: K+1 per K bucket; a host drafter's short proposal rounds up to a bucket,
         so a fixed k with host drafters may verify any bucket up to it."""
         if not self.drafting:
             return (1,)
         widths = set(self.config.verify_widths)
-        if self.host_drafters or self.config.request_k_max:  # proposals of any length up to k_max
+        # Proposals of any length up to k_max: host drafters, a request's own K, a goodput cap.
+        if self.host_drafters or self.config.request_k_max or self.config.step_k == "goodput":
             widths |= {1} | {k + 1 for k in self.config.k_buckets if k <= self.config.k_max}
         return tuple(sorted(widths))
 
@@ -837,9 +864,9 @@ class SpeculativeEngine:
 
     def _draft(
         self, slots: list[_Slot | None], state: DecodeState, sampling: SamplingTensors, rand: StepRandom, k_rows: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Step 1 for every drafter's rows: (draft_tokens [B, K] long, q [B, K, V], n_draft [B] long),
-        K the step's K bucket. Host drafters propose on the host (q: a point mass at each token);
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        """Step 1 for every drafter's rows: (draft_tokens [B, K] long, q [B, K, V], n_draft [B] long,
+        the rows' budgets after step_k's cap), K the step's K bucket. Host drafters propose on the host (q: a point mass at each token);
         each draft model with rows drafts on the device over its own cache rows only (gathered
         from the engine's rows, at the smallest batch bucket holding them; its proposals are
         scattered back, the other rows' left alone)."""
@@ -855,6 +882,7 @@ class SpeculativeEngine:
             k_rows, host_tokens = self._cap(slots, k_rows, host_tokens)
         width = max(map(len, host_tokens))
         from_models = []
+        started, forwards = time.perf_counter(), 0
         for runner in {id(r): r for r in self.model_drafters.values()}.values():
             # This draft's own rows: its cache row r drafts for engine slot owner[r].
             owner = [b if b is not None and k_rows[b] > 0 else None for b in self._draft_rows[id(runner)]]
@@ -870,6 +898,7 @@ class SpeculativeEngine:
             sub_sampling, sub_rand = sampling.rows(index), rand.rows(index)
             tokens, q, n = draft_half(runner, sub_state, sub_sampling, sub_rand, int(max(k_rows[owner[r]] for r in own)), V,
                                       self.config.draft_confidence, self.config.draft_stop, budget)  # fmt: skip
+            forwards += tokens.shape[1]
             # Back to the engine's rows: [n, K] -> [B, K] (rows not this draft's stay zero, masked).
             at = torch.tensor([owner[r] for r in own], device=self.device)  # [m] engine slots
             mine_rows = torch.tensor(own, device=self.device)  # [m] this draft's rows
@@ -879,7 +908,9 @@ class SpeculativeEngine:
             mine = torch.zeros(B, dtype=torch.bool, device=self.device).index_fill_(0, at, True)  # [B]
             from_models.append((tokens, q, n, mine))
             width = max(width, tokens.shape[1])
-        self._models_drafted = bool(from_models)
+        if forwards:
+            synchronize(self.device)
+        self._model_draft = (time.perf_counter() - started, forwards)
         # The step's K: the smallest bucket that holds every proposal (a compiled verify width).
         k = next((kb for kb in self.config.k_buckets if kb >= width), width) if width else 0
         rows = torch.tensor([t + [0] * (k - len(t)) for t in host_tokens], dtype=torch.long).reshape(B, k)
@@ -898,7 +929,7 @@ class SpeculativeEngine:
                 q = torch.where(mine.view(B, 1, 1), q_m, q if q is not None else torch.zeros_like(q_m))
         if q is None:
             q = torch.zeros(B, k, V, device=self.device)  # [B, K, V] nothing drafted
-        return draft_tokens, q, n_draft
+        return draft_tokens, q, n_draft, k_rows
 
     def _cap(self, slots: list[_Slot | None], k_rows: list[int], host_tokens: list[list[int]] | None
              ) -> tuple[list[int], list[list[int]] | None]:  # fmt: skip
@@ -906,17 +937,18 @@ class SpeculativeEngine:
         expected tokens per ms (``goodput.plan_cap``). A host row's budget is what it proposed (known
         once proposed: ``host_tokens``) or, before proposing (None), its K: an upper bound, so a cap
         of 0 then stays 0 and the proposals need not be made. Seeded sampled rows keep theirs."""
-        expected, fixed, model_rows = [], [], False
+        expected, fixed, model_budget = [], [], 0
         for b, slot in enumerate(slots):
             if slot is None:
                 continue
             budget = len(host_tokens[b]) if host_tokens is not None and slot.drafter in self.host_drafters else k_rows[b]
-            model_rows |= budget > 0 and slot.drafter in self.model_drafters
+            if slot.drafter in self.model_drafters:
+                model_budget = max(model_budget, budget)
             st = slot.stats
             expected.append(expected_from_counts(st.accepted_at, st.drafted_at, budget, slot.prior_a))
             fixed.append(slot.request.params.seed is not None and not slot.request.params.greedy)
         B = len(slots)
-        cap = plan_cap(expected, fixed, lambda c: self.step_costs.step_ms(B, c, model_rows), self.config.k_buckets)
+        cap = plan_cap(expected, fixed, lambda c: self.step_costs.step_ms(B, c, model_budget), self.config.k_buckets)
         if cap is None:
             return k_rows, host_tokens
         keep = [slot is not None and slot.request.params.seed is not None and not slot.request.params.greedy for slot in slots]
@@ -947,14 +979,15 @@ class SpeculativeEngine:
         width = max(k, self.config.k_max if self.drafting else 0)
         rand = step_uniforms([slot.generator if slot else None for slot in slots], k_rows, width, self.device)
         # 1. Draft: every drafter proposes for its own rows, padded to the step's K bucket.
-        draft_tokens, q, n_draft = self._draft(slots, s, sampling, rand, k_rows)
+        draft_tokens, q, n_draft, k_rows = self._draft(slots, s, sampling, rand, k_rows)
         clock("draft")
         # 2-3. Verify once and accept/reject: the target's accepted count and next token per row.
         params = [slot.request.params if slot else None for slot in slots]
         verdict = self.verifier.verify(VerifyBatch(s, params, sampling, rand, draft_tokens, q, n_draft))
         clock("target")
-        self.step_costs.observe(B, draft_tokens.shape[1] + 1, 1e3 * times["target"],
-                                1e3 * times["draft"] if self._models_drafted else None)  # fmt: skip
+        self.step_costs.observe(B, draft_tokens.shape[1] + 1, 1e3 * times["target"])
+        if self._model_draft[1]:
+            self.step_costs.observe_draft(B, self._model_draft[1], 1e3 * self._model_draft[0])
         # 4. Commit the accepted tokens and the next one (a row the verifier failed commits nothing).
         lost = verdict.failed.rows if verdict.failed is not None else []
         for b in lost:

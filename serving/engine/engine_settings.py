@@ -133,7 +133,7 @@ class EngineSettings:
         "null: eager. Compiled shapes are warmed up at load"))
     step_k: Literal["rows", "goodput"] = field(default="rows", metadata=doc(
         "rows: each row drafts its own K and a step verifies at the longest proposal's bucket; goodput: each "
-        "step caps the greedy rows' proposals at the K that maximises the batch's expected tokens per ms, from "
+        "step caps the rows' proposals (not a seeded sampled row's) at the K that maximises the batch's expected tokens per ms, from "
         "each row's acceptance so far and measured step times (in a full batch one row's long proposal makes "
         "every row pay); outputs unchanged"))
     cuda_graphs: bool = field(default=False, metadata=doc(

@@ -114,43 +114,55 @@ def plan_cap(expected: Sequence[Sequence[float]], fixed: Sequence[bool], cost: C
 
 
 class StepCosts:
-    """Step times by (rows, verify width), for ``plan_cap``: a moving average of the engine's own
-    measured steps, a profiled table (``step_ms``) where a shape has not run yet, and where neither
-    exists the nearest narrower shape measured at those rows (optimistic, so an unmeasured width
-    gets tried once and measured). The draft models' time per drafted token is averaged too."""
+    """Step times by (rows, verify width), for ``plan_cap``: a moving average of measured steps
+    (the engine seeds every shape at load, ``SpeculativeEngine.time_steps``, then adds each step it
+    runs), a profiled table (``step_ms``) for a shape not measured yet, and where neither exists the
+    nearest narrower shape measured at those rows (optimistic, so the width gets tried and
+    measured). The draft models' time per forward is averaged the same way."""
 
     def __init__(self, table: Sequence[Sequence[float]] | None = None, weight: float = 0.2) -> None:
-        self.table = [list(map(float, p)) for p in table] if table else None
         self.weight = weight
         self.verify: dict[tuple[int, int], float] = {}  # (rows, width) -> ms
-        self.draft_per_token: dict[int, float] = {}  # rows -> ms per drafted token of the draft models
+        self.draft_per_forward: dict[int, float] = {}  # rows -> ms of one draft-model forward
+        self._table_ms: dict[tuple[int, int], float] = {}  # the table read once per shape
+        self.set_table(table)
+
+    def set_table(self, table: Sequence[Sequence[float]] | None) -> None:
+        """A profiled step table for the shapes not measured yet (measurements stay)."""
+        self.table = [list(map(float, p)) for p in table] if table else None
+        self._table_ms.clear()
 
     def _average(self, store: dict, key, ms: float) -> None:
         old = store.get(key)
         store[key] = ms if old is None else (1 - self.weight) * old + self.weight * ms
 
-    def observe(self, rows: int, width: int, verify_ms: float, draft_ms: float | None = None) -> None:
-        """One step's measured verify (``width`` tokens per row over ``rows`` rows) and, when a
-        draft model drafted ``width - 1`` tokens, its drafting time."""
+    def observe(self, rows: int, width: int, verify_ms: float) -> None:
+        """One measured verify of ``width`` tokens per row over ``rows`` rows."""
         self._average(self.verify, (rows, width), verify_ms)
-        if draft_ms is not None and width > 1:
-            self._average(self.draft_per_token, rows, draft_ms / (width - 1))
+
+    def observe_draft(self, rows: int, forwards: int, draft_ms: float) -> None:
+        """``forwards`` sequential draft-model forwards over a step of ``rows`` rows took ``draft_ms``."""
+        if forwards > 0:
+            self._average(self.draft_per_forward, rows, draft_ms / forwards)
 
     def verify_ms(self, rows: int, width: int) -> float | None:
         if (rows, width) in self.verify:
             return self.verify[(rows, width)]
         if self.table:
-            return float(step_ms(self.table, rows, float(width)))
+            if (rows, width) not in self._table_ms:
+                self._table_ms[(rows, width)] = float(step_ms(self.table, rows, float(width)))
+            return self._table_ms[(rows, width)]
         narrower = [w for (r, w) in self.verify if r == rows and w < width]
         return self.verify[(rows, max(narrower))] if narrower else None
 
-    def step_ms(self, rows: int, cap: int, model_rows: bool) -> float | None:
+    def step_ms(self, rows: int, cap: int, model_budget: int = 0) -> float | None:
         """A step whose longest proposal is ``cap`` tokens: its verify, plus the draft models'
-        ``cap`` forwards when a row of a draft model drafts."""
+        forwards (as many as the longest draft-model budget under the cap)."""
         verify = self.verify_ms(rows, cap + 1)
-        if verify is None or not (model_rows and cap):
+        forwards = min(cap, model_budget)
+        if verify is None or not forwards:
             return verify
-        return verify + cap * self.draft_per_token.get(rows, 0.0)
+        return verify + forwards * self.draft_per_forward.get(rows, 0.0)
 
 
 def expected_from_counts(accepted_at: Sequence[int], drafted_at: Sequence[int], budget: int, prior_a: float,

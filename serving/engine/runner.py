@@ -69,12 +69,15 @@ class ModelRunner:
         self.cache = StaticKVCache.for_model(config, batch_size, max_len, self.dtype, self.device)
         self._row_caches = {batch_size: self.cache}  # rows -> a view of the cache's first rows
         self._forward = self._eager_forward
+        self._graphs: dict | None = None  # (rows, width, last_only) -> a captured CUDA graph (use_cuda_graphs)
 
     def compile(self, backend: str, shapes: int = 8) -> None:
         """Compile ``forward`` with ``fullgraph=True, dynamic=False``: one graph per (rows, input
         width), built on first use (``SpeculativeEngine.warmup`` pays that at load). ``shapes``:
         how many graphs of this method the engine uses (all its runners together); torch's limit
         of graphs per function is raised to it."""
+        if self._graphs is not None:
+            raise RuntimeError("compile the runner before use_cuda_graphs: the graphs replay the forward they captured")
         limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
         setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), shapes))
         self._forward = torch.compile(self._eager_forward, backend=backend, fullgraph=True, dynamic=False)
@@ -86,8 +89,8 @@ class ModelRunner:
         static and the cache is written at positions: the graph's inputs are fixed buffers the
         step copies into, and the KV cache tensors stay where they are. Eager or compiled."""
         if self.device.type != "cuda":
-            raise ValueError(f"cuda_graphs needs a CUDA device; this model is on {self.device.type}: set device=cuda "
-                             "or cuda_graphs=false")  # fmt: skip
+            raise ValueError(f"cuda_graphs needs a CUDA device; this model is on {self.device.type}: set "
+                             "engine.device=cuda or engine.cuda_graphs=false")  # fmt: skip
         self._inner, self._graphs = self._forward, {}
         self._graph_pool = torch.cuda.graph_pool_handle()
         self._forward = self._graphed_forward
@@ -100,8 +103,8 @@ class ModelRunner:
         static_tokens.copy_(tokens)
         static_positions.copy_(positions)
         graph.replay()
-        # Graphs share one memory pool, so the next replay of another shape may reuse this output's
-        # memory: hand the caller its own copy.
+        # The next replay of this shape overwrites its output buffer while the caller may still
+        # hold the last logits (the draft keeps q across its forwards): hand it its own copy.
         return static_logits.clone()
 
     def _capture(self, tokens, positions, last_only, cache):

@@ -286,7 +286,14 @@ class Scheduler:
         k_max = getattr(getattr(engine, "config", None), "k_max", 0)
         if self.routing.apply_k and choice.k and k_max:
             request.k = min(int(choice.k), k_max)
-        request.expected_acceptance = choice.expected_rate or None  # step_k goodput's prior for the row
+        # step_k goodput's prior for the row: the predicted rate at the K the row will draft.
+        engine_k = getattr(getattr(engine, "config", None), "k", None)
+        k = request.k or (engine_k if isinstance(engine_k, int) and engine_k else choice.k)
+        rate = (getattr(choice, "predicted_acceptance", None) or {}).get(choice.draft)
+        rate_at = getattr(self.router, "rate_at", None)
+        if rate is not None and k:
+            at_k = getattr(choice, "expected_rate", None) if k == choice.k or rate_at is None else rate_at(rate, int(k))
+            request.expected_acceptance = at_k
         ratio = self.routing.fallback_ratio
         if ratio is not None:
             floor = choice.fallback_floor(ratio)

@@ -41,7 +41,6 @@ from serving.server.detokenize import IncrementalDetokenizer
 from serving.engine import Request
 from serving.engine.core import PREDICTION
 from serving.engine.engine_settings import HOST_DRAFTERS, load_engine
-from serving.engine.goodput import StepCosts
 from serving.server.metrics import CONTENT_TYPE, ServerMetrics
 from serving.engine.models import load_tokenizer
 from serving.server.openai_api import (
@@ -96,8 +95,8 @@ def build_engines(cfg: ServeConfig, router: Any) -> tuple[Any, dict[str, Engine]
     )  # fmt: skip
     engine = loaded.engine
     table = router.info.get("step_table")
-    if settings.step_k == "goodput" and table:  # the profiled steps price each shape until it has run
-        engine.step_costs = StepCosts(table)
+    if settings.step_k == "goodput" and table:  # the profiled steps price a shape the engine has not timed
+        engine.step_costs.set_table(table)
     return loaded.tokenizer, {name: engine for name in engine.drafter_names}, unavailable
 
 
