@@ -626,7 +626,7 @@ class SpeculativeEngine:
             # Freezing folds the weights into the graph as constants so the CPU GEMMs use
             # prepacked layouts; inference only, which is all the engine does.
             torch._inductor.config.freezing = True
-        runners = list({id(r): r for r in self.model_drafters.values()}.values())
+        runners = self._draft_runners
         # Every runner compiles the same method, so its graphs count together against torch's limit:
         # per batch bucket, the target's verify widths and each draft's two widths.
         shapes = len(self.config.batch_buckets) * (len(self._verify_widths()) + 2 * len(runners))
@@ -635,11 +635,16 @@ class SpeculativeEngine:
             runner.compile(backend, shapes=shapes)
         self.warmup()
 
+    @property
+    def _draft_runners(self) -> list[ModelRunner]:
+        """Each draft model's runner once (two drafter names may share one model)."""
+        return list({id(r): r for r in self.model_drafters.values()}.values())
+
     def enable_cuda_graphs(self) -> None:
         """Capture every step shape of the target and the model drafts as a CUDA graph now (the
         warm-up's first run of each shape captures it); later steps replay them."""
         self.verifier.use_cuda_graphs()
-        for runner in {id(r): r for r in self.model_drafters.values()}.values():
+        for runner in self._draft_runners:
             runner.use_cuda_graphs()
         self.warmup()
 
@@ -649,7 +654,7 @@ class SpeculativeEngine:
         loads are quick."""
         for rows in self.config.batch_buckets:
             self.verifier.warmup(self._verify_widths(), rows)  # a remote target warms itself up
-            for runner in {id(r): r for r in self.model_drafters.values()}.values():
+            for runner in self._draft_runners:
                 runner.warmup((1, 2), last_only=True, rows=rows)  # draft_half's two forward shapes
         synchronize(self.device)
 
@@ -660,9 +665,8 @@ class SpeculativeEngine:
         target is timed by its steps only."""
         if not isinstance(self.verifier, LocalVerifier):
             return
-        runners = list({id(r): r for r in self.model_drafters.values()}.values())
+        runners, widths = self._draft_runners, self._verify_widths()
         for rows in self.config.batch_buckets:
-            widths = self._verify_widths()
             self.verifier.warmup(widths[:1], rows)
             for w in widths:
                 started = time.perf_counter()
@@ -736,7 +740,7 @@ class SpeculativeEngine:
             rows[draft_row] = b
             self.model_drafters[drafter].prefill(ids, draft_row)
         elif drafter in self.host_drafters:
-            private = request.params.seed is not None and not request.params.greedy
+            private = request.params.seeded_sampling
             self.host_drafters[drafter].start(b, RowContext(index, request.prompt_ids, request.prediction, private))
         done = start_row(self.state, b, ids[0], first_id, request.max_new_tokens)
         self._sampling = None
@@ -883,7 +887,7 @@ class SpeculativeEngine:
         width = max(map(len, host_tokens))
         from_models = []
         started, forwards = time.perf_counter(), 0
-        for runner in {id(r): r for r in self.model_drafters.values()}.values():
+        for runner in self._draft_runners:
             # This draft's own rows: its cache row r drafts for engine slot owner[r].
             owner = [b if b is not None and k_rows[b] > 0 else None for b in self._draft_rows[id(runner)]]
             own = [r for r, b in enumerate(owner) if b is not None]
@@ -937,6 +941,7 @@ class SpeculativeEngine:
         expected tokens per ms (``goodput.plan_cap``). A host row's budget is what it proposed (known
         once proposed: ``host_tokens``) or, before proposing (None), its K: an upper bound, so a cap
         of 0 then stays 0 and the proposals need not be made. Seeded sampled rows keep theirs."""
+        keep = [slot is not None and slot.request.params.seeded_sampling for slot in slots]
         expected, fixed, model_budget = [], [], 0
         for b, slot in enumerate(slots):
             if slot is None:
@@ -946,12 +951,11 @@ class SpeculativeEngine:
                 model_budget = max(model_budget, budget)
             st = slot.stats
             expected.append(expected_from_counts(st.accepted_at, st.drafted_at, budget, slot.prior_a))
-            fixed.append(slot.request.params.seed is not None and not slot.request.params.greedy)
+            fixed.append(keep[b])
         B = len(slots)
         cap = plan_cap(expected, fixed, lambda c: self.step_costs.step_ms(B, c, model_budget), self.config.k_buckets)
         if cap is None:
             return k_rows, host_tokens
-        keep = [slot is not None and slot.request.params.seed is not None and not slot.request.params.greedy for slot in slots]
         return ([k if keep[b] else min(k, cap) for b, k in enumerate(k_rows)],
                 None if host_tokens is None else [t if keep[b] else t[:cap] for b, t in enumerate(host_tokens)])  # fmt: skip
 

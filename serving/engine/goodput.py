@@ -10,8 +10,8 @@ batch is expected to commit per second; ``plan_cap`` is that choice, a pure func
     cap = argmax over c in {0} + K buckets of  sum_b E_b[min(c, budget_b)] / cost(c)
 
 E_b[j] is what row b is expected to commit if it may propose j tokens (1 + the chance each
-drafted position survives), cost(c) the step's ms at that width (``StepCosts``: measured steps,
-with a profiled table as the prior). Capping a row's proposal never changes a greedy row's
+drafted position survives), cost(c) the step's ms at that width (``StepCosts``: steps timed at
+load and while serving, a profiled table for a shape not timed). Capping a row's proposal never changes a greedy row's
 output, only how fast it comes; a seeded sampled row is never capped (its draws would then depend
 on the batch), so its budget is a floor on the cap.
 

@@ -54,6 +54,12 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def seeded_sampling(self) -> bool:
+        """A sampled request with its own seed: its tokens must not depend on the batch, so nothing
+        that other rows decide (a shared draft cache, a step's K cap) may change its draws."""
+        return self.seed is not None and not self.greedy
+
+    @property
     def filters(self) -> bool:
         return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
 
