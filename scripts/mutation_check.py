@@ -110,9 +110,14 @@ MUTANTS = [
            ("tests/test_cpu_kernels.py", "-k", "amx")),
     Mutant("avx2-q4-scale-spread", "the AVX2 4-bit path multiplies the row scale into both chains before adding them "
            "(a 4-bit layer then gives other bits on an AVX2 CPU)", "serving/engine/rowdot.cpp",
-           "_mm256_store_ps(y, _mm256_mul_ps(_mm256_set1_ps(xa[r]), _mm256_add_ps(acc[r], b)));",
+           "_mm256_store_ps(y, _mm256_mul_ps(_mm256_set1_ps(xa[r]), _mm256_add_ps(acc[r], mb[r])));",
            "_mm256_store_ps(y, _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(xa[r]), acc[r]), "
-           "_mm256_mul_ps(_mm256_set1_ps(xa[r]), b)));", ("tests/test_cpu_kernels.py", "-k", "paths_agree")),
+           "_mm256_mul_ps(_mm256_set1_ps(xa[r]), mb[r])));", ("tests/test_cpu_kernels.py", "-k", "paths_agree")),
+    Mutant("q4-minimums-in-the-steps-chain", "the AVX-512 4-bit path adds the minimums into the steps' chain "
+           "instead of their own (its bits then differ from the AMX, AVX2 and scalar paths')", "serving/engine/rowdot.cpp",
+           "      mb[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[r * G + g]), mb[r]);",
+           "      acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[r * G + g]), acc[r]);",
+           ("tests/test_cpu_kernels.py", "-k", "paths_agree or amx_are")),
     Mutant("cache-key-ignores-content", "a cached conversion is found without looking at the weights",
            "serving/engine/weights_cache.py",
            "            h.update(t.view(torch.uint8).numpy().data if t.numel() else b\"\")\n", "",

@@ -452,19 +452,29 @@ static inline void q4_nibbles(const uint8_t* p, __m512i& lo, __m512i& hi) {
   hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
 }
 
-// y = a * (D + M) for R rows of one panel, given each row's D (acc): the minimums' chain, then the
-// outputs of the panel that exist (valid of 16).
+// y = a * (D + M) for R rows of one panel, given each row's D (acc) and M (mb), for the outputs of
+// the panel that exist (valid of 16).
+template <int R>
+static inline void q4_store(const __m512* acc, const __m512* mb, const float* xa, float* out, int64_t ldo,
+                            int64_t valid) {
+  const __mmask16 keep = __mmask16((1u << valid) - 1u);
+  for (int r = 0; r < R; ++r)
+    _mm512_mask_storeu_ps(out + r * ldo, keep, _mm512_mul_ps(_mm512_set1_ps(xa[r]), _mm512_add_ps(acc[r], mb[r])));
+}
+
+// The minimums' chains M = sum_g m_g * X_g of R rows, then q4_store. Each row's chain runs over the
+// groups in order; the rows' chains are interleaved (group by group, row by row), so that R chains
+// are in flight instead of one FMA's latency per group and row.
 template <int R>
 static inline void q4_finish(const __m512* acc, const at::Half* mn, int64_t G, const float* xsum, const float* xa,
                              float* out, int64_t ldo, int64_t valid) {
-  const __mmask16 keep = __mmask16((1u << valid) - 1u);
-  for (int r = 0; r < R; ++r) {
-    __m512 b = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; ++g)
-      b = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + g * 16))),
-                          _mm512_set1_ps(xsum[r * G + g]), b);
-    _mm512_mask_storeu_ps(out + r * ldo, keep, _mm512_mul_ps(_mm512_set1_ps(xa[r]), _mm512_add_ps(acc[r], b)));
+  __m512 mb[R];
+  for (int r = 0; r < R; ++r) mb[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + g * 16)));
+    for (int r = 0; r < R; ++r) mb[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[r * G + g]), mb[r]);
   }
+  q4_store<R>(acc, mb, xa, out, ldo, valid);
 }
 #endif
 
@@ -475,8 +485,10 @@ template <int R>
 static inline void q4panel(const uint8_t* w, const at::Half* d, const at::Half* mn, int64_t G, const int8_t* x,
                            int64_t KP, const float* xsum, const float* xa, float* out, int64_t ldo, int64_t valid) {
 #if Q4_PATH == 2
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  // D's and M's chains advance together, group by group: M's FMA latency hides behind D's work
+  // instead of running as a second serial pass over the groups.
+  __m512 acc[R], mb[R];
+  for (int r = 0; r < R; ++r) acc[r] = mb[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* wg = w + g * Q4_GBYTES;
     if (R > 1)
@@ -484,6 +496,7 @@ static inline void q4panel(const uint8_t* w, const at::Half* d, const at::Half* 
     __m512i lo[4], hi[4];
     for (int v = 0; v < 4; ++v) q4_nibbles(wg + v * 64, lo[v], hi[v]);
     const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + g * 16)));
+    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + g * 16)));
     for (int r = 0; r < R; ++r) {  // nibbles unsigned, inputs signed
       const int8_t* xr = x + r * KP + g * 32;
       __m512i t0 = _mm512_setzero_si512(), t1 = _mm512_setzero_si512();
@@ -492,9 +505,10 @@ static inline void q4panel(const uint8_t* w, const at::Half* d, const at::Half* 
         t1 = _mm512_dpbusd_epi32(t1, hi[v], _mm512_set1_epi32(load4(xr + 16 + 4 * v)));
       }
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(t0, t1)), dv, acc[r]);
+      mb[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[r * G + g]), mb[r]);
     }
   }
-  q4_finish<R>(acc, mn, G, xsum, xa, out, ldo, valid);
+  q4_store<R>(acc, mb, xa, out, ldo, valid);
 #elif Q4_PATH == 1
   // Outputs 0-7 and 8-15 of the panel as two 8-lane halves; the same per-output arithmetic.
   const __m256i low4 = _mm256_set1_epi8(0x0F);
@@ -523,13 +537,15 @@ static inline void q4panel(const uint8_t* w, const at::Half* d, const at::Half* 
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(t, ones)), dv, acc[r]);
       }
     }
+    __m256 mb[R];  // the minimums' chains, the rows' interleaved (as q4_finish)
+    for (int r = 0; r < R; ++r) mb[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + g * 16 + half * 8)));
+      for (int r = 0; r < R; ++r) mb[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xsum[r * G + g]), mb[r]);
+    }
     for (int r = 0; r < R; ++r) {
-      __m256 b = _mm256_setzero_ps();
-      for (int64_t g = 0; g < G; ++g)
-        b = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + g * 16 + half * 8))),
-                            _mm256_set1_ps(xsum[r * G + g]), b);
       alignas(32) float y[8];
-      _mm256_store_ps(y, _mm256_mul_ps(_mm256_set1_ps(xa[r]), _mm256_add_ps(acc[r], b)));
+      _mm256_store_ps(y, _mm256_mul_ps(_mm256_set1_ps(xa[r]), _mm256_add_ps(acc[r], mb[r])));
       for (int o = 0; o < 8 && half * 8 + o < valid; ++o) out[r * ldo + half * 8 + o] = y[o];
     }
   }
