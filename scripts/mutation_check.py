@@ -34,6 +34,9 @@ class Mutant:
     old: str
     new: str
     tests: tuple[str, ...]  # pytest arguments: files, node ids, -k expressions
+    # CPU flags (as /proc/cpuinfo names them) without which the mutated code is not compiled or not
+    # run here: on a CPU that lacks one the tests pass whatever the mutant did, which is no survival.
+    needs: tuple[str, ...] = ()
 
 
 STOP_TESTS = ("tests/test_engine_tiny.py", "-k", "stop")
@@ -103,11 +106,11 @@ MUTANTS = [
            "from the one-row VNNI step in the last bit)", "serving/engine/rowdot.cpp",
            "float(dots[o][r] - W8A8_SHIFT * wsum[n + o]) * xs[m] * ws[n + o];",
            "float(dots[o][r] - W8A8_SHIFT * wsum[n + o]) * (xs[m] * ws[n + o]);",
-           ("tests/test_cpu_kernels.py", "-k", "amx")),
+           ("tests/test_cpu_kernels.py", "-k", "amx"), needs=("amx_int8",)),
     Mutant("amx-q4-groups-swapped", "the AMX 4-bit path adds each pair of groups' sums in reverse order (its rows "
            "then differ from the vector path's in the last bit)", "serving/engine/rowdot.cpp",
            "for (int h = 0; h < (two ? 2 : 1); ++h) {", "for (int h = two ? 1 : 0; h >= 0; --h) {",
-           ("tests/test_cpu_kernels.py", "-k", "amx")),
+           ("tests/test_cpu_kernels.py", "-k", "amx"), needs=("amx_int8",)),
     Mutant("avx2-q4-scale-spread", "the AVX2 4-bit path multiplies the row scale into both chains before adding them "
            "(a 4-bit layer then gives other bits on an AVX2 CPU)", "serving/engine/rowdot.cpp",
            "_mm256_store_ps(y, _mm256_mul_ps(_mm256_set1_ps(xa[r]), _mm256_add_ps(acc[r], mb[r])));",
@@ -117,7 +120,7 @@ MUTANTS = [
            "instead of their own (its bits then differ from the AMX, AVX2 and scalar paths')", "serving/engine/rowdot.cpp",
            "      mb[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[r * G + g]), mb[r]);",
            "      acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[r * G + g]), acc[r]);",
-           ("tests/test_cpu_kernels.py", "-k", "paths_agree or amx_are")),
+           ("tests/test_cpu_kernels.py", "-k", "paths_agree or amx_are"), needs=("avx512_vnni", "avx512bw")),
     Mutant("cache-key-ignores-content", "a cached conversion is found without looking at the weights",
            "serving/engine/weights_cache.py",
            "            h.update(t.view(torch.uint8).numpy().data if t.numel() else b\"\")\n", "",
@@ -147,12 +150,25 @@ def tree_env(tree: Path) -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags from /proc/cpuinfo (empty where there is none to read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+
+
 def run_mutant(m: Mutant, tree: Path, timeout_s: float) -> tuple[str, float, str]:
-    """Returns (outcome, seconds, last output line): killed, survived, stale or timeout."""
+    """Returns (outcome, seconds, last output line): killed, survived, stale, timeout, no tests or
+    not run here."""
     path = tree / m.path
     original = path.read_text()
     if original.count(m.old) != 1:
         return "stale", 0.0, f"{m.path}: the mutant's text occurs {original.count(m.old)} times, not once"
+    missing = [f for f in m.needs if f not in cpu_flags()]
+    if missing:
+        return "not run here", 0.0, f"this CPU has no {', '.join(missing)}"
     path.write_text(original.replace(m.old, m.new))
     started = time.perf_counter()
     try:
@@ -186,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     chosen = [known[n] for n in args.names] or MUTANTS
     if args.list:
         for m in chosen:
-            print(f"{m.name}: {m.why}\n    {m.path}; tests: {' '.join(m.tests)}")
+            needs = f"; needs CPU flags {', '.join(m.needs)}" if m.needs else ""
+            print(f"{m.name}: {m.why}\n    {m.path}; tests: {' '.join(m.tests)}{needs}")
         return 0
     with tempfile.TemporaryDirectory(prefix="choral-mutants-") as tmp:
         tree = Path(tmp)
@@ -205,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {m.name} | {outcome} | {seconds:.0f} | {last} |", flush=True)
     ran = len(chosen) - not_here
     print(f"\n{ran - bad} of {ran} mutants killed, {bad} survived (or stale, or timed out)"
-          + (f"; {not_here} not run here (their tests skip on this machine)" if not_here else ""))
+          + (f"; {not_here} not run here (their code does not run on this machine)" if not_here else ""))
     return 1 if bad else 0
 
 

@@ -576,8 +576,9 @@ static inline void q4panel(const uint8_t* w, const at::Half* d, const at::Half* 
 // Input rows from which a call runs on AMX. Below it the vector path was as fast or faster on the
 // Intel VM of 2026-11-27: each group's sums leave the tiles through memory (tilestored, 16 rows of 64
 // bytes), and with the tile loads that is most of a tile pass. On the bundled target's shapes AMX was
-// 1.03-1.28x the vector path at 32 rows and 1.25-1.51x at 64-256 (compare_kernels.py --amx-vs-vector;
-// docs/experiments/q4-target.md), and 0.5-0.8x at 2-8 rows in an earlier probe.
+// 1.17-1.26x the vector path at 32-33 rows and 1.39-1.70x at 64-170 once both paths interleaved their
+// minimums' chains (compare_kernels.py --amx-vs-vector; docs/experiments/q4-target.md, sixth session),
+// and 0.5-0.8x at 2-8 rows in an earlier probe.
 constexpr int64_t Q4_AMX_MIN_ROWS = 32;
 
 // Unpacks a panel's G groups (packed, 256 bytes each) into B tiles (512 bytes each, out 64-aligned).
