@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from serving.engine.devices import cpu_flags
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -150,15 +152,6 @@ def tree_env(tree: Path) -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
 
 
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags from /proc/cpuinfo (empty where there is none to read)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
-
-
 def run_mutant(m: Mutant, tree: Path, timeout_s: float) -> tuple[str, float, str]:
     """Returns (outcome, seconds, last output line): killed, survived, stale, timeout, no tests or
     not run here."""
@@ -166,7 +159,8 @@ def run_mutant(m: Mutant, tree: Path, timeout_s: float) -> tuple[str, float, str
     original = path.read_text()
     if original.count(m.old) != 1:
         return "stale", 0.0, f"{m.path}: the mutant's text occurs {original.count(m.old)} times, not once"
-    missing = [f for f in m.needs if f not in cpu_flags()]
+    have = cpu_flags() if m.needs else set()
+    missing = [f for f in m.needs if f not in have]
     if missing:
         return "not run here", 0.0, f"this CPU has no {', '.join(missing)}"
     path.write_text(original.replace(m.old, m.new))

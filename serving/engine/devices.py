@@ -101,22 +101,29 @@ def steady_host_allocator(mmap_threshold: int = 1 << 20) -> bool:
     return bool(libc.mallopt(M_MMAP_THRESHOLD, int(mmap_threshold)))
 
 
+def _cpuinfo_field(key: str) -> str | None:
+    """The first ``key : value`` line of /proc/cpuinfo (None where there is none to read)."""
+    from pathlib import Path
+
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    return next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith(key)), None)
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags as /proc/cpuinfo names them (avx2, avx512_vnni, amx_int8, ...);
+    empty where there is none to read."""
+    return set((_cpuinfo_field("flags") or "").split())
+
+
 def describe_machine() -> str:
     """The CPU model, its vector extensions that change the kernels' speed, cores and torch: what
     a benchmark record names as its machine."""
     import os
     import platform
-    from pathlib import Path
 
-    name, flags = platform.processor() or "unknown CPU", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
+    name, flags = _cpuinfo_field("model name") or platform.processor() or "unknown CPU", cpu_flags()
     isa = ", ".join(f for f in ("avx2", "avx512f", "avx512_vnni", "amx_tile") if f in flags) or "no AVX2"
     return f"{name} ({isa}), {os.cpu_count()} cores, torch {torch.__version__}"
