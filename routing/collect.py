@@ -115,6 +115,7 @@ def make_row(cfg: CollectConfig, prompt: Prompt, n_prompt: int, draft: str, mode
         "mode": mode,
         "repeat": repeat,
         "k": 0 if draft == NONE else cfg.engine.k,
+        "mean_k": s["mean_k"],  # what each verification drafted on average: the answer's end caps K
         "batch_size": cfg.engine.max_batch_size,
         "new_tokens": s["new_tokens"],
         "target_calls": s["target_calls"],

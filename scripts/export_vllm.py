@@ -68,6 +68,11 @@ def speculative_config(pool: PoolSettings, target_tokenizer) -> dict | None:
     return spec
 
 
+def dtype_args(dtype: str) -> list[str]:
+    """vLLM's ``--dtype``; ``auto`` (vLLM's default: the checkpoint's, bf16 for the bundled pair) adds nothing."""
+    return [] if dtype == "auto" else ["--dtype", dtype]
+
+
 def server_command(target: str, host: str, port: int, max_model_len: int, spec: dict | None, extra: list[str]) -> list[str]:
     # `python -m` rather than the `vllm` script: the script fails in vLLM's CPU build.
     cmd = ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--host", host,
@@ -131,7 +136,7 @@ def export_fleet(args: argparse.Namespace) -> int:
             lines += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
             # A loopback replica listens on loopback only; any other must be reachable from the front.
             host = parts.hostname if parts.hostname in ("127.0.0.1", "localhost", "::1") else "0.0.0.0"
-            cmd = server_command(target, host, port, args.max_model_len, spec, extra)
+            cmd = server_command(target, host, port, args.max_model_len, spec, extra + dtype_args(args.dtype))
             lines.append('exec "${VLLM_VENV:+$VLLM_VENV/bin/}"' + shlex.join(cmd) if args.platform == "cpu" else "exec " + shlex.join(cmd))
             script = out / f"{pool.name}-{i}.sh"
             script.write_text("\n".join(lines) + "\n")
@@ -157,7 +162,7 @@ def export_one(args: argparse.Namespace) -> int:
     check_same_tokenizer(load_tokenizer(target), load_tokenizer(draft), draft_name=f"draft {args.draft!r}")
     spec = {"model": draft, "num_speculative_tokens": args.k, "method": "draft_model"}
     cmd = ["vllm", "serve", target, "--port", str(args.port), "--max-model-len", str(args.max_model_len),
-           "--speculative-config", json.dumps(spec)]  # fmt: skip
+           *dtype_args(args.dtype), "--speculative-config", json.dumps(spec)]  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "speculative_config.json").write_text(json.dumps(spec, indent=2) + "\n")
@@ -186,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft", help="one server: hub id, folder or bundled name (e.g. <train-draft output.dir>/best)")
     ap.add_argument("--k", type=int, default=4, help="one server: num_speculative_tokens")
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
+                    help="vLLM's --dtype of every replica (auto: vLLM's default, the checkpoint's dtype)")
     ap.add_argument("--port", type=int, default=8000, help="one server: its port")
     ap.add_argument("--out", default="runs/vllm")
     args = ap.parse_args(argv)

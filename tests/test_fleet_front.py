@@ -436,6 +436,9 @@ def test_export_vllm_writes_every_replica_of_a_fleet(model_dirs, tmp_path):
     assert "CUDA_VISIBLE_DEVICES=2,3" in drafting.read_text() and "--tensor-parallel-size 2" in drafting.read_text()
     assert export("--platform", "neuron").returncode == 0
     assert "NEURON_RT_VISIBLE_CORES=2-3" in drafting.read_text() and "documents EAGLE3" in drafting.read_text()
+    assert "--dtype" not in drafting.read_text()  # vLLM's own default unless asked
+    assert export("--platform", "cpu", "--dtype", "float32").returncode == 0
+    assert all("--dtype float32" in s.read_text() for s in (local, remote, drafting))
     # A draft with another tokenizer is refused here, where the error is clear.
     from tests.conftest import make_tokenizer
 

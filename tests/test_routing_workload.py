@@ -317,6 +317,8 @@ def test_served_requests_draft_the_routers_k_and_land_in_the_request_log(model_d
     assert [r["repeat"] for r in rows] == [0, 0, 1]  # the same prompt again: the key's next repeat
     assert all(r["source"] == "served" and r["target_weights"] == "fp32" and r["new_tokens"] == 12 for r in rows)
     assert [r["k"] for r in rows] == [o.model_extra["choral"]["k"] for o in outs]
+    # what was drafted, as the simulator's profile reads it: at most K, less where the answer's end capped it
+    assert all(0 < r["mean_k"] <= r["k"] for r in rows)
     assert metrics[("choral_logged_requests_total", ())] == 3
     assert not any(r["explored"] for r in rows) and not any(o.model_extra["choral"]["explored"] for o in outs)
     assert metrics[("choral_router_predicted_acceptance_count", (("draft", "small"),))] == 3

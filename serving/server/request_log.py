@@ -43,7 +43,8 @@ class RequestLog:
             "prompt_tokens": prompt_tokens, "draft": draft, "draft_ref": self.draft_refs.get(draft), "target": self.target,
             "target_weights": self.target_weights,
             "draft_weights": self.draft_weights if is_model_ref(self.draft_refs.get(draft)) else None,
-            "mode": mode, "repeat": repeat, "k": k, "batch_size": occupancy,
+            # k: the request's K; mean_k: what each verification drafted (goodput and the answer's end cap it)
+            "mode": mode, "repeat": repeat, "k": k, "mean_k": s["mean_k"], "batch_size": occupancy,
             "new_tokens": s["new_tokens"], "target_calls": s["target_calls"], "acceptance_rate": s["acceptance_rate"],
             "mean_accepted_length": s["mean_accepted_length"], "per_position_acceptance": s["per_position_acceptance"],
             "output_sha": hashlib.sha256(str(completion.token_ids).encode()).hexdigest()[:16],
