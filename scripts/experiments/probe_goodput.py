@@ -80,12 +80,19 @@ def main(argv: list[str] | None = None) -> int:
         wall = time.perf_counter() - started
         tokens = sum(len(o.token_ids) for o in outs)
         verify = {f"{r}x{w}": round(ms, 1) for (r, w), ms in sorted(engine.step_costs.verify.items()) if r == args.batch and w <= 3}
+        # Each row's stats hold the phases of every step it was in: per step, the draft phase (host
+        # proposals included) and the verify, averaged over the rows.
+        per_step = [(o.stats["draft_time_s"] / o.stats["target_calls"], o.stats["target_time_s"] / o.stats["target_calls"])
+                    for o in outs if o.stats["target_calls"]]  # fmt: skip
         row = {"run": f"{drafter}:{k}:{step_k}", "tok_s": tokens / wall, "tokens": tokens, "wall_s": wall,
                "drafted": sum(o.stats["drafted"] for o in outs), "accepted": sum(o.stats["accepted"] for o in outs),
+               "draft_phase_ms": 1e3 * sum(d for d, _ in per_step) / max(len(per_step), 1),
+               "verify_phase_ms": 1e3 * sum(t for _, t in per_step) / max(len(per_step), 1),
                "caps": {f"{n} rows -> {c}": v for (n, c), v in sorted(caps.items(), key=str)}, "verify_ms": verify}  # fmt: skip
         results.append(row)
         print(f"{row['run']}: {row['tok_s']:.2f} tok/s ({tokens} tokens, {wall:.1f} s), drafted {row['drafted']}, "
-              f"accepted {row['accepted']}; verify ms at {args.batch} rows {verify}; caps {row['caps']}", flush=True)  # fmt: skip
+              f"accepted {row['accepted']}; per step: draft phase {row['draft_phase_ms']:.1f} ms, verify phase "
+              f"{row['verify_phase_ms']:.1f} ms; verify ms at {args.batch} rows {verify}; caps {row['caps']}", flush=True)  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {"command": " ".join(["python scripts/experiments/probe_goodput.py", *(argv if argv is not None else sys.argv[1:])]),
