@@ -1,7 +1,9 @@
 """What ``engine.step_k=goodput`` decides at a full batch, without HTTP: one engine on the q4 pair
 decodes the routing workload's test prompts at batch 8 under several (drafter, K, step_k) runs,
 and prints each run's tokens/s, the caps the planner chose by occupied rows, and the verify times
-the engine measured (timed at load by ``SpeculativeEngine.time_steps``, then by its own steps).
+the engine measured (timed at load by ``SpeculativeEngine.time_steps``, then by its own steps);
+``--phases`` also times the target's forwards by shape and the verify's probabilities and
+accept/reject over each run's serving steps.
 
     python scripts/experiments/probe_goodput.py none:4:rows ngram:1:rows ngram:4:goodput suffix:4:goodput none:4:rows
 
@@ -37,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weights", default="q4", help="target_weights and draft_weights")
     ap.add_argument("--profile", default="runs/workload-q4/step-profile/profile.json",
                     help="profile_step.py output: the table for shapes not timed (none: no table)")
+    ap.add_argument("--phases", action="store_true",
+                    help="also time the target's forwards by shape and the verify's probabilities and accept/reject")
     ap.add_argument("--out", default="runs/probe-goodput")
     args = ap.parse_args(argv)
     runs = []
@@ -69,12 +73,30 @@ def main(argv: list[str] | None = None) -> int:
         return cap
 
     core.plan_cap = counted
+    phases: collections.defaultdict = collections.defaultdict(list)  # name -> ms of each call, this run
+    if args.phases:
+        import serving.engine.speculative as speculative
+        from serving.engine.runner import ModelRunner
+
+        def timed(name, f):
+            def wrapper(*a, **kw):
+                started = time.perf_counter()
+                out = f(*a, **kw)
+                key = f"forward {tuple(a[1].shape)}" if name == "forward" else name  # [rows, width]
+                phases[key].append(1e3 * (time.perf_counter() - started))
+                return out
+            return wrapper
+
+        speculative.probs_from_logits = timed("probabilities", speculative.probs_from_logits)
+        speculative.accept_reject = timed("accept/reject", speculative.accept_reject)
+        ModelRunner.forward = timed("forward", ModelRunner.forward)  # the draft models' too, by their shapes
     results = []
     for drafter, k, step_k in runs:
         engine.config.k, engine.config.step_k = k, step_k
         engine.step_costs = StepCosts(table)
         engine.time_steps()
         caps.clear()
+        phases.clear()  # the serving steps only, not the timing at load
         started = time.perf_counter()
         outs = engine.generate([Request(p, max_new_tokens=args.max_tokens, drafter=drafter) for p in prompt_ids])
         wall = time.perf_counter() - started
@@ -88,11 +110,15 @@ def main(argv: list[str] | None = None) -> int:
                "drafted": sum(o.stats["drafted"] for o in outs), "accepted": sum(o.stats["accepted"] for o in outs),
                "draft_phase_ms": 1e3 * sum(d for d, _ in per_step) / max(len(per_step), 1),
                "verify_phase_ms": 1e3 * sum(t for _, t in per_step) / max(len(per_step), 1),
-               "caps": {f"{n} rows -> {c}": v for (n, c), v in sorted(caps.items(), key=str)}, "verify_ms": verify}  # fmt: skip
+               "caps": {f"{n} rows -> {c}": v for (n, c), v in sorted(caps.items(), key=str)}, "verify_ms": verify,
+               "phases_median_ms": {k: round(sorted(v)[len(v) // 2], 1) for k, v in sorted(phases.items())},
+               "phases_calls": {k: len(v) for k, v in sorted(phases.items())}}  # fmt: skip
         results.append(row)
         print(f"{row['run']}: {row['tok_s']:.2f} tok/s ({tokens} tokens, {wall:.1f} s), drafted {row['drafted']}, "
               f"accepted {row['accepted']}; per step: draft phase {row['draft_phase_ms']:.1f} ms, verify phase "
               f"{row['verify_phase_ms']:.1f} ms; verify ms at {args.batch} rows {verify}; caps {row['caps']}", flush=True)  # fmt: skip
+        if args.phases:
+            print("  medians, ms (calls): " + ", ".join(f"{k} {v} ({row['phases_calls'][k]})" for k, v in row["phases_median_ms"].items()))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {"command": " ".join(["python scripts/experiments/probe_goodput.py", *(argv if argv is not None else sys.argv[1:])]),
