@@ -17,6 +17,7 @@ import argparse
 import collections
 import json
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -103,13 +104,12 @@ def main(argv: list[str] | None = None) -> int:
         tokens = sum(len(o.token_ids) for o in outs)
         verify = {f"{r}x{w}": round(ms, 1) for (r, w), ms in sorted(engine.step_costs.verify.items()) if r == args.batch and w <= 3}
         # Each row's stats hold the phases of every step it was in: per step, the draft phase (host
-        # proposals included) and the verify, averaged over the rows.
-        per_step = [(o.stats["draft_time_s"] / o.stats["target_calls"], o.stats["target_time_s"] / o.stats["target_calls"])
-                    for o in outs if o.stats["target_calls"]]  # fmt: skip
+        # proposals included) and the verify (the stats' own target_step_ms), averaged over the rows.
+        stepped = [o.stats for o in outs if o.stats["target_calls"]]
         row = {"run": f"{drafter}:{k}:{step_k}", "tok_s": tokens / wall, "tokens": tokens, "wall_s": wall,
                "drafted": sum(o.stats["drafted"] for o in outs), "accepted": sum(o.stats["accepted"] for o in outs),
-               "draft_phase_ms": 1e3 * sum(d for d, _ in per_step) / max(len(per_step), 1),
-               "verify_phase_ms": 1e3 * sum(t for _, t in per_step) / max(len(per_step), 1),
+               "draft_phase_ms": statistics.fmean(1e3 * st["draft_time_s"] / st["target_calls"] for st in stepped) if stepped else 0.0,
+               "verify_phase_ms": statistics.fmean(st["target_step_ms"] for st in stepped) if stepped else 0.0,
                "caps": {f"{n} rows -> {c}": v for (n, c), v in sorted(caps.items(), key=str)}, "verify_ms": verify,
                "phases_median_ms": {k: round(sorted(v)[len(v) // 2], 1) for k, v in sorted(phases.items())},
                "phases_calls": {k: len(v) for k, v in sorted(phases.items())}}  # fmt: skip
