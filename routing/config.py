@@ -213,6 +213,11 @@ class RouterTrainConfig:
     calibrate_costs: bool = field(default=True, metadata=doc(
         "fit each draft's per-call cost to the measured speedups of the training prompts (needs the "
         "target alone collected); false keeps the bare verify-step cost"))
+    prefill: bool = field(default=True, metadata=doc(
+        "price each request by its prompt's length, fitted to the collected rows: its prefills (a long prompt "
+        "dilutes every drafter's speedup, and a draft model pays its own prefill too) and each drafter's fill "
+        "(ngram and suffix copy from the prompt, so they fill more slots the longer it is) (routing.router); "
+        "false: the per-call ratio with one fill per drafter, as routers before it"))
     step_profile: str | None = field(default=None, metadata=doc(
         "a profile_step.py profile.json measured with --batch-rows (the target at the serving precision, "
         "rows x tokens per row up to the server's batch x (K+1)): the router prices a verify under load from "

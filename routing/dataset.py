@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from routing.router import NONE, measured_fill
+from routing.router import NONE, measured_fill, measured_fill_line
 from routing.rows import read_rows
 
 
@@ -41,6 +41,8 @@ class Table:
     draft_weights: str | None = None  # the drafts' precision in them (engine.draft_weights resolved); None: not recorded
     splits: list[str | None] | None = None  # per prompt, the workload's fixed split (serving.workload), if any
     step_model: dict[str, float] | None = None  # target forward ms = base_ms + per_token_ms * tokens (batch 1)
+    prompt_tokens: torch.Tensor | None = None  # [P] each prompt's length in the target's tokens (None: not recorded)
+    prefill: dict | None = None  # the prefill model of routing.router (``_prefill_model``); None: not measurable
 
 
 def load_table(paths: list[str], mode: str = "greedy") -> Table:
@@ -104,6 +106,9 @@ def load_table(paths: list[str], mode: str = "greedy") -> Table:
         draft_weights=draft_precisions.pop() if draft_precisions else None,
         splits=[info[p].get("split") for p in ids],
         step_model=_step_model(rows) if has_none else None,
+        prompt_tokens=(torch.tensor([float(info[p]["prompt_tokens"]) for p in ids])
+                       if all(info[p].get("prompt_tokens") for p in ids) else None),  # fmt: skip
+        prefill=_prefill_model(rows, drafts) if has_none else None,
     )
 
 
@@ -159,6 +164,40 @@ def _step_model(rows: list[dict]) -> dict[str, float] | None:
     if t <= 0 or t1 - t <= 0:
         return None
     return {"base_ms": t1 - t, "per_token_ms": t}
+
+
+def _line(xs: list[float], ys: list[float]) -> list[float] | None:
+    """Least-squares [intercept, slope] of ys on xs; None with fewer than two distinct xs."""
+    if len(set(xs)) < 2:
+        return None
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return [my - slope * mx, slope]
+
+
+def _prefill_model(rows: list[dict], drafts: list[str]) -> dict | None:
+    """The prefill model of ``routing.router`` from collected rows, in target steps (each prompt's
+    ``none`` row's ``target_step_ms``): the target's prefill against the prompt's length from the
+    ``none`` rows, each drafter's own prefill on top (its row's ``prefill_ms`` minus the ``none``
+    row's, which a drafting row also pays) the same way, and the answers' median length. None when
+    the rows do not record prefill times and prompt lengths (collected before them)."""
+    alone = {r["prompt_id"]: r for r in rows if r["draft"] == NONE and r.get("prefill_ms") is not None
+             and r.get("prompt_tokens") and r.get("target_step_ms")}  # fmt: skip
+    target = _line([float(r["prompt_tokens"]) for r in alone.values()],
+                   [r["prefill_ms"] / r["target_step_ms"] for r in alone.values()])  # fmt: skip
+    if target is None:
+        return None
+    lines = {}
+    for d in drafts:
+        mine = [r for r in rows if r["draft"] == d and r["prompt_id"] in alone and r.get("prefill_ms") is not None]
+        line = _line([float(alone[r["prompt_id"]]["prompt_tokens"]) for r in mine],
+                     [(r["prefill_ms"] - alone[r["prompt_id"]]["prefill_ms"]) / alone[r["prompt_id"]]["target_step_ms"]
+                      for r in mine])  # fmt: skip
+        lines[d] = line or [0.0, 0.0]
+    answers = [float(r["new_tokens"]) for r in alone.values() if r.get("new_tokens")]
+    if not answers:
+        return None
+    return {"target": target, "drafts": lines, "new_tokens": statistics.median(answers)}
 
 
 @dataclass
@@ -223,6 +262,12 @@ def _costs(rows: list[dict], drafts: list[str], has_none: bool) -> dict[str, dic
             ks = {int(r["k"]) for r in mine}
             costs[d]["fill"] = measured_fill([float(r["acceptance_rate"]) for r in mine],
                                              [float(r["mean_accepted_length"]) - 1 for r in mine], max(ks))  # fmt: skip
+            if all(r.get("prompt_tokens") for r in mine):
+                line = measured_fill_line([float(r["acceptance_rate"]) for r in mine],
+                                          [float(r["mean_accepted_length"]) - 1 for r in mine],
+                                          [float(r["prompt_tokens"]) for r in mine], max(ks))  # fmt: skip
+                if line is not None:
+                    costs[d]["fill_line"] = line
     return costs
 
 
@@ -250,6 +295,8 @@ def join_tables(first: Table, second: Table) -> Table:
         domains=first.domains + second.domains,
         acceptance=torch.cat([first.acceptance, second.acceptance]),  # [P1 + P2, D]
         speedup=None if first.speedup is None else torch.cat([first.speedup, second.speedup]),
+        prompt_tokens=(None if first.prompt_tokens is None or second.prompt_tokens is None
+                       else torch.cat([first.prompt_tokens, second.prompt_tokens])),  # fmt: skip
         splits=(first.splits or [None] * len(first.prompt_ids)) + (second.splits or [None] * len(second.prompt_ids)),
     )
 

@@ -41,6 +41,16 @@ target's forward at rows x tokens per row, ``profile_step.py --batch-rows``) the
 T(b, n) for b rows of n tokens off that table (linear between its points, the nearest segment's
 slope outside them) and g(b, K) = T(b, K + 1) / T(b, 1).
 
+Prefill: a measured speedup is a whole request's, both prefills included, so a long prompt dilutes
+every drafter's speedup and a draft model also pays its own prefill (on the six-family workload the
+0.5B's residual, measured minus predicted, fell with the prompt's length: correlation -0.73 on the
+int8 target, ``scripts/experiments/router_residuals.py``). With a prefill model (``info["prefill"]``,
+fitted by train-router to the collected rows: the target's prefill in target steps, p(L) =
+p0 + p1 L for a prompt of L tokens, each drafter's own on top, p_d(L), and the answer's length n) and
+the prompt's length, a request of n tokens runs p + n steps alone and p + p_d + (n / E) (K c + v)
+with the drafter, so the speedup is E (p + n) / (E (p + p_d) + n (K c + v)); without the prompt's
+length (or a model), the per-call ratio above.
+
 ``Router.create`` builds an untrained but valid router (random MLP, identity normalisation) from
 draft references alone, for tests and for wiring a server up before any data is collected.
 """
@@ -51,6 +61,7 @@ import hashlib
 import io
 import os
 import zipfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,22 +144,85 @@ def measured_fill(rates: list[float], accepted_per_call: list[float], k: int) ->
     return sum(accepted_per_call) / predicted if predicted > 1e-9 else 1.0
 
 
+def measured_fill_line(rates: list[float], accepted_per_call: list[float], lengths: list[float], k: int) -> list[float] | None:
+    """A drafter's fill as a line in the prompt's length, [intercept, slope per prompt token]: the
+    least-squares fit of each row's tokens accepted per call to (f0 + f1 L) (E(a, k) - 1). A
+    drafter that copies from the prompt (``ngram``, ``suffix``) fills more of its slots the longer the
+    prompt (on the six-family workload, int8 target: ``ngram`` 0.38-0.55 on the short chat, code and
+    math prompts, 0.80-0.90 on the long edit, extract and quoted ones). None when the rows cannot
+    separate the two terms (fewer than two lengths, or nothing predicted)."""
+    if len(rates) < 2 or len(set(lengths)) < 2 or k < 1:
+        return None
+    a = per_token_acceptance(torch.tensor(rates, dtype=torch.float64), k)  # [N]
+    e = expected_tokens(a, torch.tensor(float(k), dtype=torch.float64)) - 1  # [N]
+    x = torch.stack([e, e * torch.tensor(lengths, dtype=torch.float64)], 1)  # [N, 2]
+    y = torch.tensor(accepted_per_call, dtype=torch.float64)  # [N]
+    gram = x.T @ x  # [2, 2]
+    if float(torch.linalg.det(gram)) <= 1e-12 * float(gram.diagonal().prod()).__abs__() + 1e-18:
+        return None
+    f0, f1 = torch.linalg.solve(gram, x.T @ y).tolist()
+    return [f0, f1]
+
+
+def fill_of(cost: dict, prompt_tokens: torch.Tensor | None) -> torch.Tensor | float:
+    """A drafter's fill: from its line in the prompt's length where it has one and the lengths
+    [N] are known (clamped to [0.05, 1]: a fill outside it is an extrapolation), else its one
+    measured fill (1.0 without)."""
+    line = cost.get("fill_line")
+    if line is not None and prompt_tokens is not None:
+        return (float(line[0]) + float(line[1]) * prompt_tokens.float()).clamp(0.05, 1.0)
+    return float(cost.get("fill", 1.0))
+
+
 def calibrated_verify_cost(rate: torch.Tensor, speedup: torch.Tensor, k: int, draft_cost: float,
-                           fill: float = 1.0) -> float:  # fmt: skip
+                           fill: float | torch.Tensor = 1.0, prompt_tokens: torch.Tensor | None = None,
+                           prefill: dict | None = None, draft: str | None = None) -> float:  # fmt: skip
     """The per-call cost v (relative to a target step) that makes the cost model reproduce measured
     speedups on average: mean of E(a_i) / s_i - k c over prompts i, from acceptance rates [N] and
     measured speedups [N] collected at K = k. A measured speedup also pays for what a verify step
     does not show (both prefills, host work between steps), so this v is usually larger than the
     verify step alone; without it the model promises speedups the measurements never reach and
     never prefers the target alone. NaN when no prompt has a usable measurement or the fit is not
-    positive: callers keep the bare verify cost then."""
+    positive: callers keep the bare verify cost then. With the prompts' lengths [N] and a prefill
+    model (``draft``: whose own prefill it pays), the prefills are priced as the speedup model
+    prices them and v is the per-call cost that remains: solved per prompt from
+    s = E (p + n) / (E (p + p_d) + n (k c + v))."""
     a = per_token_acceptance(rate.float(), k)  # [N]
     ok = (speedup > 0) & torch.isfinite(speedup) & torch.isfinite(rate)
     if not ok.any():
         return float("nan")
-    per_prompt = committed_tokens(a[ok], torch.tensor(float(k)), fill) / speedup[ok].float() - k * draft_cost  # [N]
+    if isinstance(fill, torch.Tensor):
+        fill = fill[ok]  # [N] per prompt (a fill line)
+    e = committed_tokens(a[ok], torch.tensor(float(k)), fill)  # [N]
+    if prefill and prompt_tokens is not None:
+        n = float(prefill["new_tokens"])
+        lengths = prompt_tokens.float()[ok]
+        p = prefill_steps(prefill["target"], lengths)  # [N]
+        p_d = prefill_steps(prefill.get("drafts", {}).get(draft, (0.0, 0.0)), lengths)  # [N]
+        per_prompt = (e * (p + n) / speedup[ok].float() - e * (p + p_d)) / n - k * draft_cost  # [N]
+    else:
+        per_prompt = e / speedup[ok].float() - k * draft_cost  # [N]
     v = float(per_prompt.mean())
     return v if v > 0 else float("nan")
+
+
+def prefill_steps(line: Sequence[float], tokens: torch.Tensor) -> torch.Tensor:
+    """A prefill's cost in target steps from a fitted line [intercept, slope per prompt token],
+    never below 0."""
+    return (float(line[0]) + float(line[1]) * tokens.float()).clamp(min=0.0)
+
+
+def with_prefill(tokens_per_call: torch.Tensor, call_cost: torch.Tensor, prompt_tokens: torch.Tensor,
+                 prefill: dict, drafts: list[str]) -> torch.Tensor:  # fmt: skip
+    """Whole-request speedups [N, D, Kb] from committed tokens per call and the per-call cost [.., D, Kb]
+    (both relative to a target step), for prompts of ``prompt_tokens`` [N] tokens and the prefill
+    model ``prefill`` (the module docstring): E (p + n) / (E (p + p_d) + n cost)."""
+    n = float(prefill["new_tokens"])
+    p = prefill_steps(prefill["target"], prompt_tokens)[:, None, None]  # [N, 1, 1]
+    lines = prefill.get("drafts", {})
+    p_d = torch.stack([prefill_steps(lines.get(d, (0.0, 0.0)), prompt_tokens) for d in drafts], 1)[:, :, None]  # [N, D, 1]
+    e = tokens_per_call
+    return e * (p + n) / (e * (p + p_d) + n * call_cost)
 
 
 class Router:
@@ -196,7 +270,9 @@ class Router:
         self.objective = objective
         self.embedder = embedder
         self.cheap_features = cheap_features
-        self.costs = {n: {k: float(v) for k, v in costs[n].items()} for n in self.drafts}
+        # Scalars, and lines ([intercept, slope] such as fill_line) as lists of floats.
+        self.costs = {n: {k: [float(x) for x in v] if isinstance(v, (list, tuple)) else float(v) for k, v in costs[n].items()}
+                      for n in self.drafts}  # fmt: skip
         self.k_buckets = sorted(int(k) for k in k_buckets)
         if not self.k_buckets or self.k_buckets[0] < 1:
             raise RouterError(f"k_buckets={k_buckets} must be non-empty positive integers")
@@ -364,15 +440,28 @@ class Router:
 
         return g(float(occupancy), ks) - g(1.0, torch.tensor(kc))
 
-    def speedups(self, acceptance: torch.Tensor, occupancy: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    def speedups(self, acceptance: torch.Tensor, occupancy: int = 1,
+                 prompt_tokens: torch.Tensor | Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Best predicted speedup [N, D] of each draft over ``k_buckets`` and the K [N, D] at it,
-        from acceptance rates [N, D], for a batch of ``occupancy`` rows."""
+        from acceptance rates [N, D], for a batch of ``occupancy`` rows; with the prompts' lengths
+        [N] and a prefill model (``info["prefill"]``), whole-request speedups, prefills included."""
         ks = torch.tensor(self.k_buckets, dtype=torch.float32)  # [Kb]
         c = torch.tensor([self.costs[n]["draft_cost"] for n in self.drafts])[:, None]  # [D, 1]
         v = torch.tensor([self.costs[n]["verify_cost"] for n in self.drafts])[:, None]  # [D, 1]
-        fill = torch.tensor([self.costs[n].get("fill", 1.0) for n in self.drafts])[:, None]  # [D, 1]
+        lengths = None if prompt_tokens is None else torch.as_tensor(prompt_tokens, dtype=torch.float32).reshape(-1)  # [N]
+        if lengths is not None and lengths.shape[0] != acceptance.shape[0]:
+            raise ValueError(f"{lengths.shape[0]} prompt lengths for {acceptance.shape[0]} prompts")
+        n_rows = acceptance.shape[0]
+        fill = torch.stack([torch.as_tensor(fill_of(self.costs[n], lengths), dtype=torch.float32).expand(n_rows)
+                            for n in self.drafts], 1)[:, :, None]  # [N, D, 1]  # fmt: skip
         a = per_token_acceptance(acceptance.float(), int(self.info.get("collected_k") or 4))  # [N, D]
-        s = committed_tokens(a[:, :, None], ks, fill) / (ks * c + v + self.verify_shift(ks, occupancy))  # [N, D, Kb]
+        tokens = committed_tokens(a[:, :, None], ks, fill)  # [N, D, Kb]
+        cost = ks * c + v + self.verify_shift(ks, occupancy)  # [D, Kb]
+        prefill = self.info.get("prefill")
+        if prefill and lengths is not None:
+            s = with_prefill(tokens, cost.expand_as(tokens), lengths, prefill, self.drafts)  # [N, D, Kb]
+        else:
+            s = tokens / cost  # [N, D, Kb]
         best, idx = s.max(dim=2)  # [N, D]
         return best, ks[idx].long()
 
@@ -394,11 +483,13 @@ class Router:
         a = (lo + hi) / 2
         return sum(a**i for i in range(1, k + 1)) / k
 
-    def decide(self, acceptance: torch.Tensor, occupancy: int = 1) -> list[Choice]:
+    def decide(self, acceptance: torch.Tensor, occupancy: int = 1,
+               prompt_tokens: torch.Tensor | Sequence[int] | None = None) -> list[Choice]:  # fmt: skip
         """The choices the objective makes from acceptance rates [N, D] (predicted by the MLP,
         or by anything else: train-router scores its baselines with the same rule), for a batch
-        of ``occupancy`` rows."""
-        speed, best_k = self.speedups(acceptance, occupancy)  # [N, D]
+        of ``occupancy`` rows; ``prompt_tokens`` [N], the prompts' lengths, price their prefills
+        where the router has a prefill model."""
+        speed, best_k = self.speedups(acceptance, occupancy, prompt_tokens)  # [N, D]
         choices = []
         for i in range(acceptance.shape[0]):
             pa = {n: float(acceptance[i, j]) for j, n in enumerate(self.drafts)}
@@ -416,16 +507,19 @@ class Router:
             choices.append(Choice(draft, pa, ps, k, occupancy, even, rate))
         return choices
 
-    def choose(self, prompt: str, occupancy: int = 1) -> Choice:
-        return self.choose_batch([prompt], occupancy)[0]
+    def choose(self, prompt: str, occupancy: int = 1, prompt_tokens: int | None = None) -> Choice:
+        return self.choose_batch([prompt], occupancy, None if prompt_tokens is None else [prompt_tokens])[0]
 
-    def choose_batch(self, prompts: list[str], occupancy: int = 1) -> list[Choice]:
-        """Choices for prompts that join a batch of ``occupancy`` rows (themselves included)."""
+    def choose_batch(self, prompts: list[str], occupancy: int = 1, prompt_tokens: Sequence[int] | None = None) -> list[Choice]:
+        """Choices for prompts that join a batch of ``occupancy`` rows (themselves included);
+        ``prompt_tokens``: their lengths in the target's tokens (to price the prefills)."""
         if isinstance(prompts, str):
             raise TypeError("choose_batch takes a list of prompts; use choose() for one")
         if occupancy < 1:
             raise ValueError(f"occupancy={occupancy} must be >= 1 (the batch the request joins, itself included)")
-        return self.decide(self.predict_acceptance(list(prompts)), occupancy)
+        if prompt_tokens is not None and len(prompt_tokens) != len(prompts):
+            raise ValueError(f"{len(prompt_tokens)} prompt lengths for {len(prompts)} prompts")
+        return self.decide(self.predict_acceptance(list(prompts)), occupancy, prompt_tokens)
 
 
 def read_router_file(path: str | Path) -> dict:

@@ -69,7 +69,7 @@ def measure(routers: dict[str, Router], prompts: list[Prompt], *, max_new_tokens
     rows = []
     for i, prompt in enumerate(tqdm(prompts, desc="workload", unit="prompt")):
         ids = encode_prompt(tokenizer, prompt)
-        choices = {name: r.choose(prompt.text) for name, r in routers.items()}
+        choices = {name: r.choose(prompt.text, prompt_tokens=len(ids)) for name, r in routers.items()}
         row = {"id": prompt.id, "family": prompt.domain, "choice": {n: c.draft for n, c in choices.items()},
                "k": {n: c.k for n, c in choices.items()}, "tokens_per_s": {}, "acceptance": {}, "fallback": {}}  # fmt: skip
         outputs = {}

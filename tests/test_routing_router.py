@@ -301,3 +301,60 @@ def test_step_table_takes_batched_profiles_only_and_smooths_noise_away(tmp_path)
     got = step_table(profile(good), "q4")
     # a 3-token dip is noise; 8 x 5 measured twice is their mean
     assert got == [[1.0, 1.0, 60.0], [1.0, 3.0, 60.0], [1.0, 5.0, 80.0], [8.0, 1.0, 140.0], [8.0, 5.0, 340.0]]
+
+
+@pytest.mark.unit
+def test_a_long_prompt_costs_a_draft_model_its_own_prefill_and_a_copying_drafter_fills_more():
+    """With a prefill model and the prompts' lengths the rule prices whole requests:
+    E (p + n) / (E (p + p_d) + n (K c + v)), p and p_d lines in the prompt's length; a fill line
+    makes a drafter that copies from the prompt fill more slots on a long one. Without the
+    lengths it is the per-call ratio, as before."""
+    costs = {"model": {"draft_cost": 0.3, "verify_cost": 1.0},
+             "copy": {"draft_cost": 0.0, "verify_cost": 1.0, "fill": 0.6, "fill_line": [0.3, 0.002]}}  # fmt: skip
+    r = Router.create({"model": "m", "copy": "ngram", "none": None}, "target", objective="speedup", costs=costs, k_buckets=[4])
+    r.info |= {"collected_k": 4, "prefill": {"target": [0.5, 0.04], "drafts": {"model": [0.2, 0.02]}, "new_tokens": 48.0}}
+    acc = torch.tensor([[0.8, 0.5], [0.8, 0.5]])  # [N, D] in r.drafts order: model, copy
+    lengths = torch.tensor([50.0, 300.0])
+    whole, _ = r.speedups(acc, 1, lengths)  # [N, D]
+    per_call, _ = r.speedups(acc)
+    a = per_token_acceptance(acc, 4)
+    k = torch.tensor(4.0)
+    for i, length in enumerate(lengths.tolist()):
+        p, n = 0.5 + 0.04 * length, 48.0
+        e = committed_tokens(a[i, 0], k, 1.0)
+        assert whole[i, 0].item() == pytest.approx((e * (p + n) / (e * (p + 0.2 + 0.02 * length) + n * (4 * 0.3 + 1.0))).item(), rel=1e-5)
+        fill = min(1.0, 0.3 + 0.002 * length)
+        e = committed_tokens(a[i, 1], k, fill)
+        assert whole[i, 1].item() == pytest.approx((e * (p + n) / (e * p + n * 1.0)).item(), rel=1e-5)
+    # The draft model loses ground on the long prompt, the copying drafter gains it.
+    assert whole[1, 0] < whole[0, 0] and whole[1, 1] > whole[0, 1]
+    assert r.decide(acc, 1, lengths)[0].draft == "model" and r.decide(acc, 1, lengths)[1].draft == "copy"
+    assert torch.allclose(per_call[:, 1], committed_tokens(a[:, 1], k, 0.6) / 1.0)  # no lengths: the one fill
+    with pytest.raises(ValueError, match="1 prompt lengths for 2 prompts"):
+        r.speedups(acc, 1, [50])
+
+
+@pytest.mark.unit
+def test_the_fill_line_and_the_prefill_calibration_recover_what_produced_the_rows():
+    """measured_fill_line gives back the line that generated each row's tokens per call;
+    calibrated_verify_cost, told the prefill model, gives back the per-call cost that produced
+    whole-request speedups."""
+    from routing.router import measured_fill_line, with_prefill
+
+    rates = [0.2, 0.4, 0.6, 0.8, 0.5, 0.7]
+    lengths = [40.0, 90.0, 150.0, 220.0, 300.0, 60.0]
+    a = per_token_acceptance(torch.tensor(rates), 4)
+    extra = expected_tokens(a, torch.tensor(4.0)) - 1  # [N]
+    made = [(0.25 + 0.002 * n) * e for n, e in zip(lengths, extra.tolist())]
+    assert measured_fill_line(rates, made, lengths, 4) == pytest.approx([0.25, 0.002], rel=1e-6)
+    assert measured_fill_line(rates[:1], made[:1], lengths[:1], 4) is None  # one row: no line
+    assert measured_fill_line(rates, made, [100.0] * len(rates), 4) is None  # one length: no slope
+
+    prefill = {"target": [0.5, 0.04], "drafts": {"d": [0.1, 0.01]}, "new_tokens": 48.0}
+    tokens = torch.tensor(lengths)
+    e = committed_tokens(a, torch.tensor(4.0), 1.0)  # [N]
+    measured = with_prefill(e[:, None, None], torch.full((len(rates), 1, 1), 4 * 0.2 + 1.3), tokens, prefill, ["d"])[:, 0, 0]
+    assert calibrated_verify_cost(torch.tensor(rates), measured, 4, 0.2, 1.0, prompt_tokens=tokens, prefill=prefill,
+                                  draft="d") == pytest.approx(1.3, rel=1e-4)  # fmt: skip
+    # Without the prefill model the same rows read as a larger per-call cost: the prefills land in v.
+    assert calibrated_verify_cost(torch.tensor(rates), measured, 4, 0.2) > 1.3

@@ -254,7 +254,7 @@ def test_exploration_sends_a_share_of_routed_requests_to_the_other_drafters():
     from serving.server.serve_config import RoutingSettings
 
     choice = SimpleNamespace(draft="a", k=6, occupancy=1, fallback_floor=lambda ratio: 0.3)
-    router = SimpleNamespace(draft_names=["a", "b", "c", NONE], choose_batch=lambda texts, occ: [choice] * len(texts))
+    router = SimpleNamespace(draft_names=["a", "b", "c", NONE], choose_batch=lambda texts, occ, lengths=None: [choice] * len(texts))
     loop = asyncio.new_event_loop()
 
     def admit(explore, seed=0, forced=None, n=600):
@@ -369,3 +369,70 @@ def test_the_table_measures_each_drafters_fill_from_its_tokens_per_call(tmp_path
     old = tmp_path / "old.jsonl"
     old.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "mean_accepted_length"}) + "\n" for r in rows))
     assert all("fill" not in c for c in load_table([str(old)]).costs.values())
+
+
+@pytest.mark.unit
+def test_pool_oracle_learns_the_family_rule_on_training_rows_and_scores_it_on_test_rows(tmp_path, capsys):
+    """scripts/experiments/pool_oracle.py: the family rule is the drafter fastest on a family's
+    training prompts (not its test prompts), the oracle the fastest per test prompt, and a
+    drafting row whose output differs from its prompt's target-alone row is counted."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("pool_oracle", root / "scripts" / "experiments" / "pool_oracle.py")
+    pool_oracle = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pool_oracle)
+
+    def rows(pid, family, speeds, differ=()):
+        return [{"prompt_id": pid, "domain": family, "draft": d, "mode": "greedy", "repeat": 0, "speedup": s,
+                 "output_sha": "other" if d in differ else "same"} for d, s in speeds.items()]  # fmt: skip
+
+    train = rows("c/0", "code", {NONE: 1.0, "a": 1.5, "b": 1.2}) + rows("e/0", "edit", {NONE: 1.0, "a": 1.1, "b": 1.8})
+    # On the test prompts "b" is faster on code too (a rule learned there would take it), and the best
+    # single drafter overall; per prompt, "a" wins c/1 and "b" the rest.
+    test = (rows("c/1", "code", {NONE: 1.0, "a": 1.6, "b": 1.4}) + rows("c/2", "code", {NONE: 1.0, "a": 1.0, "b": 1.5})
+            + rows("e/1", "edit", {NONE: 1.0, "a": 1.0, "b": 2.0}, differ=("a",)))  # fmt: skip
+    for name, data in (("train", train), ("test", test)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
+    assert pool_oracle.main(["--train", str(tmp_path / "train.jsonl"), "--test", str(tmp_path / "test.jsonl")]) == 0
+    out = capsys.readouterr().out
+    best, oracle, rule = (1.4 + 1.5 + 2.0) / 3, (1.6 + 1.5 + 2.0) / 3, (1.6 + 1.0 + 2.0) / 3
+    assert "| code | 2 | 1.30 | 1.45 | 1.55 | 1.30 | a |" in out  # the rule took "a" for code from the training row
+    assert f"best single drafter: b ({best:.3f}); oracle / best single {oracle / best:.3f}" in out
+    assert f"family rule / best single {rule / best:.3f}, {100 * rule / oracle:.1f}% of the oracle" in out
+    assert "outputs differing from the target alone: 1 of 6" in out
+
+
+@pytest.mark.unit
+def test_the_table_fits_the_prefills_and_each_drafters_fill_to_the_prompts_length(tmp_path):
+    """load_table's prefill model: the target's prefill in target steps as a line in the prompt's
+    length (the none rows), each drafter's own prefill on top (its row's prefill_ms minus the none
+    row's), the answers' median length; and a fill line per drafter. Rows without prefill times
+    or prompt lengths give neither."""
+    from routing.router import expected_tokens, per_token_acceptance
+
+    rows = []
+    for i, (n, rate) in enumerate([(40, 0.3), (120, 0.5), (200, 0.6), (320, 0.4)]):
+        step = 80.0 + 10 * i  # each prompt's own target step, ms
+        extra = float(expected_tokens(per_token_acceptance(torch.tensor([rate]), 4), torch.tensor(4.0))[0]) - 1
+        common = dict(prompt_tokens=n, target_step_ms=step, new_tokens=48, target_calls=20)
+        rows.append(_row(f"code/{i}", "code", CODE[i], NONE, None, prefill_ms=step * (0.5 + 0.04 * n), mean_accepted_length=1.0, **common))
+        rows.append(_row(f"code/{i}", "code", CODE[i], "model", rate, prefill_ms=step * (0.5 + 0.04 * n + 0.2 + 0.01 * n),
+                         mean_accepted_length=1 + extra, **common))  # fmt: skip
+        rows.append(_row(f"code/{i}", "code", CODE[i], "copy", rate, prefill_ms=step * (0.5 + 0.04 * n),
+                         mean_accepted_length=1 + (0.2 + 0.002 * n) * extra, **common))  # fmt: skip
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = load_table([str(path)])
+    assert table.prompt_tokens.tolist() == [40.0, 120.0, 200.0, 320.0]
+    assert table.prefill["target"] == pytest.approx([0.5, 0.04], rel=1e-6)
+    assert table.prefill["drafts"]["model"] == pytest.approx([0.2, 0.01], rel=1e-6)
+    assert table.prefill["drafts"]["copy"] == pytest.approx([0.0, 0.0], abs=1e-9)
+    assert table.prefill["new_tokens"] == 48.0
+    assert table.costs["copy"]["fill_line"] == pytest.approx([0.2, 0.002], rel=1e-5)
+    assert table.costs["model"]["fill_line"] == pytest.approx([1.0, 0.0], abs=1e-6)
+    old = tmp_path / "old.jsonl"
+    old.write_text("".join(json.dumps({k: v for k, v in r.items() if k not in ("prefill_ms", "prompt_tokens")}) + "\n" for r in rows))
+    bare = load_table([str(old)])
+    assert bare.prefill is None and bare.prompt_tokens is None and all("fill_line" not in c for c in bare.costs.values())

@@ -514,7 +514,7 @@ def test_forced_requests_skip_the_router(live, monkeypatch):
     it is served even while the router fails; a routed request then gets a clean 500."""
     calls = []
 
-    def broken(texts, occupancy=1):
+    def broken(texts, occupancy=1, prompt_tokens=None):
         calls.append(texts)
         raise RuntimeError("router down")
 

@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     summary["fallbacks_total"] = fallbacks
     report = {"command": " ".join(["python scripts/experiments/bench_routed_load.py", *(argv if argv is not None else sys.argv[1:])]),
               "machine": f"{os.cpu_count()} cpus", "summary": summary,
-              "runs": {p: [{k: v for k, v in r.items() if k != "rows"} for r in rs] for p, rs in results.items()}}  # fmt: skip
+              "runs": {p: [{k: v for k, v in r.items() if k != "rows"} | {"requests": [compact(row) for row in r["rows"]]}
+                           for r in rs] for p, rs in results.items()}}  # fmt: skip
     tmp = out / ".routed_load.json.tmp"
     tmp.write_text(json.dumps(report, indent=1))
     os.replace(tmp, out / "routed_load.json")
@@ -117,6 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     (out / "routed_load.md").write_text(md)
     print(md)
     return 0
+
+
+def compact(row: dict) -> dict:
+    """What one request did, without its text: the drafter it ran, its acceptance and tokens per
+    target call (to see where a policy gained or lost)."""
+    return {k: row.get(k) for k in ("prompt_id", "ok", "draft", "acceptance", "tokens_per_target_call", "completion_tokens", "e2e_ms")}
 
 
 def summarize(results: dict[str, list[dict]], policies: list[str]) -> dict:

@@ -228,7 +228,8 @@ class Scheduler:
         if self.router is not None and routed:
             try:
                 texts = [tickets[i].route_text for i in routed]
-                for i, c in zip(routed, self.router.choose_batch(texts, occupancy)):
+                lengths = [len(tickets[i].request.prompt_ids) for i in routed]  # to price the prefills
+                for i, c in zip(routed, self.router.choose_batch(texts, occupancy, lengths)):
                     choices[i] = c
             except Exception as e:  # a broken router must not take the server down
                 log.exception("routing failed")
