@@ -158,7 +158,7 @@ def measured_fill_line(rates: list[float], accepted_per_call: list[float], lengt
     x = torch.stack([e, e * torch.tensor(lengths, dtype=torch.float64)], 1)  # [N, 2]
     y = torch.tensor(accepted_per_call, dtype=torch.float64)  # [N]
     gram = x.T @ x  # [2, 2]
-    if float(torch.linalg.det(gram)) <= 1e-12 * float(gram.diagonal().prod()).__abs__() + 1e-18:
+    if float(torch.linalg.det(gram)) <= 1e-12 * float(gram.diagonal().prod()):  # the two terms are collinear
         return None
     f0, f1 = torch.linalg.solve(gram, x.T @ y).tolist()
     return [f0, f1]
@@ -450,7 +450,7 @@ class Router:
         v = torch.tensor([self.costs[n]["verify_cost"] for n in self.drafts])[:, None]  # [D, 1]
         lengths = None if prompt_tokens is None else torch.as_tensor(prompt_tokens, dtype=torch.float32).reshape(-1)  # [N]
         if lengths is not None and lengths.shape[0] != acceptance.shape[0]:
-            raise ValueError(f"{lengths.shape[0]} prompt lengths for {acceptance.shape[0]} prompts")
+            raise ValueError(f"{lengths.shape[0]} prompt lengths for {acceptance.shape[0]} prompts: pass one length per prompt")
         n_rows = acceptance.shape[0]
         fill = torch.stack([torch.as_tensor(fill_of(self.costs[n], lengths), dtype=torch.float32).expand(n_rows)
                             for n in self.drafts], 1)[:, :, None]  # [N, D, 1]  # fmt: skip
@@ -518,7 +518,7 @@ class Router:
         if occupancy < 1:
             raise ValueError(f"occupancy={occupancy} must be >= 1 (the batch the request joins, itself included)")
         if prompt_tokens is not None and len(prompt_tokens) != len(prompts):
-            raise ValueError(f"{len(prompt_tokens)} prompt lengths for {len(prompts)} prompts")
+            raise ValueError(f"{len(prompt_tokens)} prompt lengths for {len(prompts)} prompts: pass one length per prompt")
         return self.decide(self.predict_acceptance(list(prompts)), occupancy, prompt_tokens)
 
 

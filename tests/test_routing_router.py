@@ -334,6 +334,21 @@ def test_a_long_prompt_costs_a_draft_model_its_own_prefill_and_a_copying_drafter
         r.speedups(acc, 1, [50])
 
 
+@pytest.mark.integration
+def test_a_router_priced_by_length_keeps_its_lines_through_save_and_load(tmp_path):
+    costs = {"model": {"draft_cost": 0.3, "verify_cost": 1.0},
+             "copy": {"draft_cost": 0.0, "verify_cost": 1.0, "fill": 0.6, "fill_line": [0.3, 0.002]}}  # fmt: skip
+    r = Router.create({"model": "m", "copy": "ngram", "none": None}, "target", objective="speedup", costs=costs)
+    r.info |= {"collected_k": 4, "prefill": {"target": [0.5, 0.04], "drafts": {"model": [0.2, 0.02]}, "new_tokens": 48.0}}
+    r.save(tmp_path / "router.pt")
+    loaded = Router.load(tmp_path / "router.pt")
+    assert loaded.costs["copy"]["fill_line"] == [0.3, 0.002] and loaded.info["prefill"] == r.info["prefill"]
+    prompts = ["def add(a, b):", "Summarise the passage below."]
+    assert loaded.choose_batch(prompts, 1, [20, 400]) == r.choose_batch(prompts, 1, [20, 400])
+    with pytest.raises(ValueError, match="one length per prompt"):
+        loaded.choose_batch(prompts, 1, [20])
+
+
 @pytest.mark.unit
 def test_the_fill_line_and_the_prefill_calibration_recover_what_produced_the_rows():
     """measured_fill_line gives back the line that generated each row's tokens per call;
