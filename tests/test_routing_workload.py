@@ -254,7 +254,9 @@ def test_exploration_sends_a_share_of_routed_requests_to_the_other_drafters():
     from serving.server.serve_config import RoutingSettings
 
     choice = SimpleNamespace(draft="a", k=6, occupancy=1, fallback_floor=lambda ratio: 0.3)
-    router = SimpleNamespace(draft_names=["a", "b", "c", NONE], choose_batch=lambda texts, occ, lengths=None: [choice] * len(texts))
+    asked: list[list[int] | None] = []  # the prompt lengths admission passed the router (to price prefills)
+    router = SimpleNamespace(draft_names=["a", "b", "c", NONE],
+                             choose_batch=lambda texts, occ, lengths=None: asked.append(lengths) or [choice] * len(texts))  # fmt: skip
     loop = asyncio.new_event_loop()
 
     def admit(explore, seed=0, forced=None, n=600):
@@ -269,6 +271,7 @@ def test_exploration_sends_a_share_of_routed_requests_to_the_other_drafters():
 
     try:
         tickets, sched = admit(0.3)
+        assert asked == [[3] * 600]  # each routed request's prompt length, in order
         count = Counter(t.draft for t in tickets)
         assert 0.25 < 1 - count["a"] / 600 < 0.35 and count[NONE] == 0  # about 30% explored, never to none
         assert abs(count["b"] - count["c"]) < 50  # uniformly among the others
