@@ -44,6 +44,11 @@ class Table:
     prompt_tokens: torch.Tensor | None = None  # [P] each prompt's length in the target's tokens (None: not recorded)
     prefill: dict | None = None  # the prefill model of routing.router (``_prefill_model``); None: not measurable
 
+    def lengths(self, idx: list[int]) -> torch.Tensor | None:
+        """The prompts' lengths [len(idx)] for the router's rule, None where not recorded (a router
+        without a prefill model or fill line prices them at nothing)."""
+        return None if self.prompt_tokens is None else self.prompt_tokens[idx]
+
 
 def load_table(paths: list[str], mode: str = "greedy") -> Table:
     rows = []
@@ -170,9 +175,8 @@ def _line(xs: list[float], ys: list[float]) -> list[float] | None:
     """Least-squares [intercept, slope] of ys on xs; None with fewer than two distinct xs."""
     if len(set(xs)) < 2:
         return None
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return [my - slope * mx, slope]
+    slope, intercept = statistics.linear_regression(xs, ys)
+    return [intercept, slope]
 
 
 def _prefill_model(rows: list[dict], drafts: list[str]) -> dict | None:

@@ -111,11 +111,6 @@ class Policies:
         self.opts = options(table, router)
         self.key = objective_metric(table, router.objective)
         self.y = table.acceptance.clamp(0, 1)  # [P, D]
-        # Prompt lengths [P] where the rule prices prefills (a router with a prefill model).
-        self.tokens = table.prompt_tokens if router.info.get("prefill") else None
-
-    def lengths(self, idx: list[int]) -> torch.Tensor | None:
-        return None if self.tokens is None else self.tokens[idx]
 
     def values(self, idx: list[int]) -> torch.Tensor:
         """Measured objective [len(idx), O] of every option."""
@@ -137,7 +132,7 @@ class Policies:
         net = RouterMLP(self.x.shape[1], self.y.shape[1], hidden=m.hidden, layers=m.layers, dropout=m.dropout)
         net.load_state_dict(state)
         with torch.no_grad():
-            return [c.draft for c in self.router.decide(torch.sigmoid(net.eval()(self.x[held])), 1, self.lengths(held))]
+            return [c.draft for c in self.router.decide(torch.sigmoid(net.eval()(self.x[held])), 1, self.table.lengths(held))]
 
     def logreg(self, params: dict, fit: list[int], held: list[int]) -> list[str]:
         from sklearn.linear_model import LogisticRegression
@@ -156,7 +151,7 @@ class Policies:
         y = self.labels(self.y[fit], fit, shrink)  # [len(fit), D]
         knn = KNeighborsRegressor(n_neighbors=min(int(params["k"]), len(fit))).fit(self.x[fit].numpy(), y.numpy())
         pred = torch.tensor(knn.predict(self.x[held].numpy()), dtype=torch.float32).reshape(len(held), -1)  # [N, D]
-        return [c.draft for c in self.router.decide(pred, 1, self.lengths(held))]
+        return [c.draft for c in self.router.decide(pred, 1, self.table.lengths(held))]
 
 
 def select_settings(cfg: RouterTrainConfig, policies: Policies, table: Table, fit_idx: list[int]) -> dict:
@@ -217,18 +212,14 @@ def train(cfg: RouterTrainConfig) -> dict:
     steps = step_table(cfg.step_profile, table.target_weights) if cfg.step_profile else None  # verifies under load
     # Whole requests are priced with their prefills where the rows measured them (routing.router).
     prefill = table.prefill if cfg.prefill and table.prompt_tokens is not None else None
-
-    def lengths(idx: list[int]) -> torch.Tensor | None:
-        return None if prefill is None else table.prompt_tokens[idx]
-
     costs = {d: dict(c) for d, c in table.costs.items()}
-    if prefill is None:  # the prompt's length prices nothing: one fill per drafter, as before
+    if prefill is None:  # the prompt's length prices nothing (table.lengths is then ignored): one fill per drafter
         for c in costs.values():
             c.pop("fill_line", None)
     if cfg.calibrate_costs and table.speedup is not None:
         for j, d in enumerate(table.drafts):  # training prompts only: the test split stays unseen
             v = calibrated_verify_cost(table.acceptance[fit_idx, j], table.speedup[fit_idx, j], table.k, costs[d]["draft_cost"],
-                                       fill_of(costs[d], lengths(fit_idx)), prompt_tokens=lengths(fit_idx), prefill=prefill,
+                                       fill_of(costs[d], table.lengths(fit_idx)), prompt_tokens=table.lengths(fit_idx), prefill=prefill,
                                        draft=d)  # fmt: skip
             costs[d]["verify_step_cost"] = costs[d]["verify_cost"]
             if math.isfinite(v):
@@ -289,12 +280,12 @@ def train(cfg: RouterTrainConfig) -> dict:
     if cv:
         router.info["selection"] = selection
 
-    choices = {"router (MLP)": [c.draft for c in router.decide(router.predict_from_features(raw[test_idx]), 1, lengths(test_idx))]}
+    choices = {"router (MLP)": [c.draft for c in router.decide(router.predict_from_features(raw[test_idx]), 1, table.lengths(test_idx))]}
     choices["logistic regression"] = policies.logreg(logreg, fit_idx, test_idx)
     choices[f"knn (k={min(int(knn['k']), len(fit_idx))})"] = policies.knn(knn, fit_idx, test_idx)
     # The objective's rule fed the measured acceptance instead of a prediction: what a perfect
     # acceptance predictor would get, so the report separates prediction error from cost-model error.
-    choices["hindsight acceptance"] = [c.draft for c in router.decide(table.acceptance[test_idx], 1, lengths(test_idx))]
+    choices["hindsight acceptance"] = [c.draft for c in router.decide(table.acceptance[test_idx], 1, table.lengths(test_idx))]
 
     report = evaluate(table, fit_idx, test_idx, router, choices)
     report["mlp"] = {"best_epoch": history["best_epoch"], "final_train_loss": history["train_loss"][-1],

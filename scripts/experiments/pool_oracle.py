@@ -22,9 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from routing.router import NONE  # noqa: E402
 from routing.rows import read_rows  # noqa: E402
-
-NONE = "none"
 
 
 def by_prompt(path: str, mode: str = "greedy") -> dict[tuple[str, str], dict[str, dict]]:

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                "draft_phase_ms": statistics.fmean(1e3 * st["draft_time_s"] / st["target_calls"] for st in stepped) if stepped else 0.0,
                "verify_phase_ms": statistics.fmean(st["target_step_ms"] for st in stepped) if stepped else 0.0,
                "caps": {f"{n} rows -> {c}": v for (n, c), v in sorted(caps.items(), key=str)}, "verify_ms": verify,
-               "phases_median_ms": {k: round(sorted(v)[len(v) // 2], 1) for k, v in sorted(phases.items())},
+               "phases_median_ms": {k: round(statistics.median_high(v), 1) for k, v in sorted(phases.items())},
                "phases_calls": {k: len(v) for k, v in sorted(phases.items())}}  # fmt: skip
         results.append(row)
         print(f"{row['run']}: {row['tok_s']:.2f} tok/s ({tokens} tokens, {wall:.1f} s), drafted {row['drafted']}, "

@@ -28,9 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from routing.router import NONE, Router, measured_fill  # noqa: E402
+from routing.router import NONE, Router, measured_fill, per_token_acceptance, speedup_model  # noqa: E402
 from routing.rows import read_rows  # noqa: E402
-from serving.engine.goodput import committed_tokens, per_token_acceptance  # noqa: E402
 
 
 def predicted(router: Router, draft: str, rate: float, k: int) -> float:
@@ -38,15 +37,15 @@ def predicted(router: Router, draft: str, rate: float, k: int) -> float:
     c = router.costs[draft]
     a = per_token_acceptance(torch.tensor([rate]), int(router.info.get("collected_k") or k))
     kt = torch.tensor([float(k)])
-    tokens = committed_tokens(a, kt, c.get("fill", 1.0))
-    return float(tokens / (kt * c["draft_cost"] + c["verify_cost"] + router.verify_shift(kt, 1)))
+    return float(speedup_model(a, kt, c["draft_cost"], c["verify_cost"] + router.verify_shift(kt, 1), c.get("fill", 1.0)))
 
 
 def correlation(xs: list[float], ys: list[float]) -> float:
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
-    sx, sy = sum((x - mx) ** 2 for x in xs) ** 0.5, sum((y - my) ** 2 for y in ys) ** 0.5
-    return sxy / (sx * sy) if sx and sy else float("nan")
+    """Pearson's r, NaN where either side is constant (or has one value)."""
+    try:
+        return statistics.correlation(xs, ys)
+    except statistics.StatisticsError:
+        return float("nan")
 
 
 def main(argv: list[str] | None = None) -> int:
