@@ -23,7 +23,11 @@ call commits. Each drafter's measured **fill** (``costs[d]["fill"]``, from the c
 tokens its calls actually committed beyond the bonus token over what E(a, K) - 1 predicts from its
 acceptance rate) scales the drafted part: a call commits 1 + fill * (E - 1). A draft model fills
 almost every slot (fill near 1); on the six-family workload (q4 target) ``suffix`` filled about
-half (0.54). Without a measured fill (routers trained before it) fill is 1, the plain model.
+half (0.54). Without a measured fill (routers trained before it) fill is 1, the plain model. Such a
+drafter also widens the verify only on the calls where it proposes, so the extra width of a K
+longer than the collected one (the load shift below) is weighed by its fill too: on the int8 target
+at batch one, where a verify of 9 tokens costs 1.19x one of 1, ``ngram`` at K = 8 ran at 2.03x the
+target alone over the 30 test prompts, against 1.87x at K = 4.
 
 Load (the goodput view of SmartSpec and TurboSpec): a verify of 8 rows costs more than of 1, so a
 draft is worth less in a full batch. With a step model (``info["step_model"]``: a target forward
@@ -40,6 +44,16 @@ against 165). With a measured step table (``info["step_table"]``, train-router's
 target's forward at rows x tokens per row, ``profile_step.py --batch-rows``) the router reads
 T(b, n) for b rows of n tokens off that table (linear between its points, the nearest segment's
 slope outside them) and g(b, K) = T(b, K + 1) / T(b, 1).
+
+A drafter's own work does not share that way. The verify width is the batch's (and step_k goodput
+widens it only where the batch gains), but a draft model's forwards run for its own rows while every
+row of the batch waits, and in a mixed batch its rows are few. So at occupancy b a drafter's cost c
+(and a draft model's own prefill) weighs b T(1, 1) / T(b, 1) times what it weighs alone
+(``draft_share``): the aggregate tokens/s of b rows gains from the request's draft only if its extra
+tokens outweigh b rows' worth of the time its drafter takes. On the int8 target (Intel VM) the
+0.5B's c = 0.27 becomes 1.5 at b = 8 (its step table: b T(1, 1) / T(b, 1) = 5.5), where the router
+that sent it 27 of 72 requests reached 0.88x the best fixed policy's aggregate
+(``bench_routed_load.py``, eighth session); ``ngram``'s c = 0.003 stays negligible.
 
 Prefill: a measured speedup is a whole request's, both prefills included, so a long prompt dilutes
 every drafter's speedup and a draft model also pays its own prefill (on the six-family workload the
@@ -69,6 +83,7 @@ import torch
 from torch import nn
 
 from routing.features import BUNDLED_EMBEDDER, Featurizer
+from serving.engine.engine_settings import HOST_DRAFTERS
 from serving.engine.goodput import committed_tokens, expected_tokens, per_token_acceptance, step_ms  # noqa: F401 (re-exported)
 
 FORMAT = "choral-router"
@@ -213,16 +228,17 @@ def prefill_steps(line: Sequence[float], tokens: torch.Tensor) -> torch.Tensor:
 
 
 def with_prefill(tokens_per_call: torch.Tensor, call_cost: torch.Tensor, prompt_tokens: torch.Tensor,
-                 prefill: dict, drafts: list[str]) -> torch.Tensor:  # fmt: skip
+                 prefill: dict, drafts: list[str], draft_share: float = 1.0) -> torch.Tensor:  # fmt: skip
     """Whole-request speedups [N, D, Kb] from committed tokens per call and the per-call cost [.., D, Kb]
     (both relative to a target step), for prompts of ``prompt_tokens`` [N] tokens and the prefill
-    model ``prefill`` (the module docstring): E (p + n) / (E (p + p_d) + n cost)."""
+    model ``prefill`` (the module docstring): E (p + n) / (E (p + s p_d) + n cost), a draft's own
+    prefill weighed by its ``draft_share`` s of the batch (``Router.draft_share``)."""
     n = float(prefill["new_tokens"])
     p = prefill_steps(prefill["target"], prompt_tokens)[:, None, None]  # [N, 1, 1]
     lines = prefill.get("drafts", {})
     p_d = torch.stack([prefill_steps(lines.get(d, (0.0, 0.0)), prompt_tokens) for d in drafts], 1)[:, :, None]  # [N, D, 1]
     e = tokens_per_call
-    return e * (p + n) / (e * (p + p_d) + n * call_cost)
+    return e * (p + n) / (e * (p + draft_share * p_d) + n * call_cost)
 
 
 class Router:
@@ -440,6 +456,26 @@ class Router:
 
         return g(float(occupancy), ks) - g(1.0, torch.tensor(kc))
 
+    def _copies(self) -> torch.Tensor:
+        """[D] bool: which drafters propose only where they find a match (``ngram``, ``suffix``)."""
+        return torch.tensor([self.draft_refs[n] in HOST_DRAFTERS for n in self.drafts])
+
+    def draft_share(self, occupancy: int) -> float:
+        """What a drafter's own work (its K forwards a call, a draft model's prefill) costs at
+        occupancy b relative to a batch of one, in the row's steps: b T(1, 1) / T(b, 1) (the module
+        docstring). 1 at b = 1."""
+        if occupancy <= 1:
+            return 1.0
+        table, model = self.info.get("step_table"), self.info.get("step_model")
+        if table:
+            grows = float(step_ms(table, occupancy, 1.0) / step_ms(table, 1, 1.0))
+        elif model and model.get("per_token_ms", 0.0) > 0:
+            base, t = float(model["base_ms"]), float(model["per_token_ms"])
+            grows = (base + occupancy * t) / (base + t)
+        else:
+            grows = 1.0  # nothing says how the target's step grows with the batch
+        return occupancy / grows
+
     def speedups(self, acceptance: torch.Tensor, occupancy: int = 1,
                  prompt_tokens: torch.Tensor | Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Best predicted speedup [N, D] of each draft over ``k_buckets`` and the K [N, D] at it,
@@ -454,28 +490,37 @@ class Router:
         n_rows = acceptance.shape[0]
         fill = torch.stack([torch.as_tensor(fill_of(self.costs[n], lengths), dtype=torch.float32).expand(n_rows)
                             for n in self.drafts], 1)[:, :, None]  # [N, D, 1]  # fmt: skip
-        a = per_token_acceptance(acceptance.float(), int(self.info.get("collected_k") or 4))  # [N, D]
+        a = per_token_acceptance(acceptance.float(), self.collected_k)  # [N, D]
         tokens = committed_tokens(a[:, :, None], ks, fill)  # [N, D, Kb]
-        cost = ks * c + v + self.verify_shift(ks, occupancy)  # [D, Kb]
+        share = self.draft_share(occupancy)
+        # A drafter that proposes only where it finds a match widens the verify only then (its fill).
+        widens = torch.where(self._copies()[None, :, None], fill, torch.ones_like(fill))  # [N, D, 1]
+        cost = ks * c * share + v + widens * self.verify_shift(ks, occupancy)  # [N, D, Kb]
         prefill = self.info.get("prefill")
         if prefill and lengths is not None:
-            s = with_prefill(tokens, cost.expand_as(tokens), lengths, prefill, self.drafts)  # [N, D, Kb]
+            s = with_prefill(tokens, cost, lengths, prefill, self.drafts, share)  # [N, D, Kb]
         else:
             s = tokens / cost  # [N, D, Kb]
         best, idx = s.max(dim=2)  # [N, D]
         return best, ks[idx].long()
 
+    @property
+    def collected_k(self) -> int:
+        return int(self.info.get("collected_k") or 4)
+
     def rate_at(self, rate: float, k: int) -> float:
         """A predicted acceptance rate (at the collected K) as the rate it means at K = ``k``."""
-        a = float(per_token_acceptance(torch.tensor([float(rate)]), int(self.info.get("collected_k") or 4)))
+        a = float(per_token_acceptance(torch.tensor([float(rate)]), self.collected_k))
         return sum(a**i for i in range(1, k + 1)) / k if k else 0.0
 
     def break_even(self, draft: str, k: int, occupancy: int = 1) -> float:
         """The acceptance rate (accepted / drafted at K = ``k``) at which ``draft`` is predicted
         to be exactly as fast as the target alone: below it, drafting loses."""
         kt = torch.tensor([float(k)])
-        cost = float(k * self.costs[draft]["draft_cost"] + self.costs[draft]["verify_cost"] + self.verify_shift(kt, occupancy))
         fill = self.costs[draft].get("fill", 1.0)
+        widens = fill if self.draft_refs[draft] in HOST_DRAFTERS else 1.0
+        cost = float(k * self.costs[draft]["draft_cost"] * self.draft_share(occupancy) + self.costs[draft]["verify_cost"]
+                     + widens * self.verify_shift(kt, occupancy))  # fmt: skip
         lo, hi = 0.0, 1.0  # per-token acceptance a; E(a, K) grows with a
         for _ in range(40):
             mid = (lo + hi) / 2

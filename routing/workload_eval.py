@@ -24,6 +24,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from tqdm import tqdm
@@ -46,9 +47,11 @@ def trained_precisions(router_path: str | Path) -> tuple[str, str]:
 
 
 def measure(routers: dict[str, Router], prompts: list[Prompt], *, max_new_tokens: int, settings: EngineSettings,
-            fallback_ratio: float | None = 0.75, singles: bool = True) -> dict:  # fmt: skip
+            fallback_ratio: float | None = 0.75, singles: bool = True, extra_k: Sequence[int] = ()) -> dict:  # fmt: skip
     """Measure the target alone, every single drafter (unless ``singles`` is false) and each
-    router's routed policy (named by its key) on every prompt."""
+    router's routed policy (named by its key) on every prompt. ``extra_k``: each single drafter
+    also at these fixed K (policies ``NAME@K``; ``settings.request_k_max`` must allow them), so
+    that a routed policy's K choice is measured against single drafters that fix a longer K too."""
     targets = {r.target_ref for r in routers.values()}
     if len(targets) != 1:
         raise ValueError(f"the routers name different targets {sorted(targets)}: compare routers of one target")
@@ -56,10 +59,13 @@ def measure(routers: dict[str, Router], prompts: list[Prompt], *, max_new_tokens
     for r in routers.values():
         drafts |= {n: ref for n, ref in r.draft_refs.items() if n != NONE}
     drafts |= {h: h for h in HOST_DRAFTERS if h not in drafts}
-    single = [*drafts, NONE] if singles else [NONE]
-    # Each policy gets its own model-free drafters: a suffix cache shared between policies would
-    # hold this very prompt's answer from the policy that ran it first.
-    own = {f"{name}/{h}": h for name in routers for h in HOST_DRAFTERS}
+    limit = settings.request_k_max or settings.k  # what a request may set for itself
+    bad = [k for k in extra_k if not 1 <= k <= limit]
+    if bad:
+        raise ValueError(f"extra_k={list(extra_k)}: {bad} outside 1..{limit} (request_k_max={settings.request_k_max}); "
+                         "raise request_k_max or drop them")
+    at_k, own = own_drafters(drafts, list(routers), extra_k, settings.k)
+    single = [*drafts, *at_k, NONE] if singles else [NONE]
     loaded = load_engine(settings, targets.pop(), drafts | own | {NONE: None})
     engine, tokenizer = loaded.engine, loaded.tokenizer
     warm = tokenizer.encode("def add(a, b):", add_special_tokens=False)
@@ -81,6 +87,8 @@ def measure(routers: dict[str, Router], prompts: list[Prompt], *, max_new_tokens
                 drafter = f"{name}/{c.draft}" if c.draft in HOST_DRAFTERS else c.draft
                 request = Request(ids, max_new_tokens=max_new_tokens, drafter=drafter, k=c.k if c.draft != NONE else None,
                                   fallback=Fallback(floor) if floor > 0 else None)  # fmt: skip
+            elif name in at_k:
+                request = Request(ids, max_new_tokens=max_new_tokens, drafter=at_k[name][0], k=at_k[name][1])
             else:
                 request = Request(ids, max_new_tokens=max_new_tokens, drafter=name)
             started = time.perf_counter()
@@ -93,12 +101,27 @@ def measure(routers: dict[str, Router], prompts: list[Prompt], *, max_new_tokens
                 row["fallback"][name] = out.stats.get("fallback")
         row["identical"] = {n: outputs[n] == outputs[NONE] for n in policies if n != NONE}
         rows.append(row)
-    return {"config": {"max_new_tokens": max_new_tokens, "k": settings.k, "target_weights": settings.target_weights,
+    return {"config": {"max_new_tokens": max_new_tokens, "k": settings.k, "extra_k": list(extra_k),
+                       "target_weights": settings.target_weights,
                        "draft_weights": settings.drafts_weights(),
                        "fallback_ratio": fallback_ratio, "machine": f"{platform.machine()} {os.cpu_count()} cpus",
                        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])},
             "policies": policies, "routed": list(routers), "rows": rows,
             "summary": summarize(rows, single, list(routers))}  # fmt: skip
+
+
+def own_drafters(drafts: dict[str, str], routed: list[str], extra_k: Sequence[int], k: int
+                 ) -> tuple[dict[str, tuple[str, int]], dict[str, str]]:  # fmt: skip
+    """The ``NAME@K`` single policies, policy -> (the engine drafter it runs, K), and the model-free
+    drafters each policy owns, engine name -> kind. Every policy that drafts with a model-free drafter
+    gets its own instance: a ``suffix`` cache shared between policies would hold this very prompt's
+    answer from the policy that ran it first (a shared one made ``suffix@8`` 3.10x, its K = 4 run
+    2.34x, where ``ngram`` made 2.03x and 1.87x)."""
+    at_k = {f"{d}@{kk}": (f"{d}@{kk}" if ref in HOST_DRAFTERS else d, kk)
+            for kk in extra_k if kk != k for d, ref in drafts.items()}  # fmt: skip
+    own = {f"{name}/{h}": h for name in routed for h in HOST_DRAFTERS}
+    own |= {name: drafts[name.partition("@")[0]] for name, (drafter, _) in at_k.items() if drafter == name}
+    return at_k, own
 
 
 def summarize(rows: list[dict], singles: list[str], routed: list[str]) -> dict:
@@ -135,7 +158,8 @@ def markdown(report: dict) -> str:
     routed = report["routed"]
     singles = [p for p in report["policies"] if p not in routed]
     best = s["all"]["best_single"]
-    lines = [f"{c['max_new_tokens']} new tokens, greedy, single drafters at K = {c['k']}, target {c['target_weights']}, "
+    ks = " and ".join(str(k) for k in dict.fromkeys([c["k"], *c.get("extra_k", [])]))
+    lines = [f"{c['max_new_tokens']} new tokens, greedy, single drafters at K = {ks} (`NAME@K`), target {c['target_weights']}, "
              f"drafts {c.get('draft_weights', 'int8')}; "
              "speedup = tokens/s over the target alone on the same prompt, prefill included; oracle = the fastest single "
              f"policy per prompt; best single drafter (hindsight, all prompts): `{best}`.", "",

@@ -165,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-family", type=int, default=5, help="workload prompts per family")
     ap.add_argument("--workload-max-new-tokens", type=int, default=48)
     ap.add_argument("--workload-k", type=int, default=4, help="the single drafters' fixed K (engine.k)")
+    ap.add_argument("--workload-extra-k", default="", help="comma-separated: every single drafter also at these "
+                    "fixed K (e.g. 8: the routed policy's longest K), counted as single drafters")
     ap.add_argument("--target-weights", choices=["fp32", "int8", "q4"], default=None,
                     help="the workload section's target precision (default: the one the router's rows were collected at)")
     ap.add_argument("--workload-draft-weights", choices=["auto", "fp32", "int8", "q4"], default=None,
@@ -196,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
 
         prompts = load_workload(args.workload_split, args.per_family)
         workload = workload_eval.measure({"routed": Router.load(args.workload_router)}, prompts,
-                                         max_new_tokens=args.workload_max_new_tokens, settings=settings)  # fmt: skip
+                                         max_new_tokens=args.workload_max_new_tokens, settings=settings,
+                                         extra_k=[int(k) for k in args.workload_extra_k.split(",") if k.strip()])  # fmt: skip
         workload["config"] |= {"router": args.workload_router, "split": args.workload_split, "per_family": args.per_family}
         workload_eval.save(workload, out / "workload.json")
     if workload:

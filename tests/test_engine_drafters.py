@@ -368,11 +368,32 @@ def test_a_row_whose_drafter_stops_paying_falls_back_without_changing_its_output
     for i, (p, out) in enumerate(zip(prompts, outs)):
         assert out.token_ids == answers[i][1]
         assert out.stats["drafter"] == "wrong"
-        if i in (0, 2):  # two rejected 4-token drafts (one token each), then one verified token a step
-            assert out.stats["fallback"] == {"to": "none", "at_token": 3}
-            assert out.stats["drafted"] == 8 and out.stats["target_calls"] == 39
+        if i in (0, 2):  # three rejected 4-token drafts (one token each), then one verified token a step:
+            # 0 of 8 is not yet evidence of an acceptance below 0.3 (95% bound 0.31), 0 of 12 is (0.22)
+            assert out.stats["fallback"] == {"to": "none", "at_token": 4}
+            assert out.stats["drafted"] == 12 and out.stats["target_calls"] == 39
         else:
             assert "fallback" not in out.stats and out.stats["drafted"] > 8
+
+
+@pytest.mark.unit
+def test_the_fallback_fires_on_evidence_not_on_a_short_run_of_misses():
+    from scipy.stats import binomtest
+
+    from serving.engine.core import Fallback
+
+    model = Fallback(min_acceptance=0.3, after_drafted=8)  # a draft model's floor
+    assert not model.fires(0, 8) and model.fires(0, 12)
+    assert not model.fires(2, 7)  # too few drafted to judge
+    copier = Fallback(min_acceptance=0.03)  # ngram's floor at batch one: a miss costs almost nothing
+    assert not copier.fires(0, 16) and not copier.fires(0, 90) and copier.fires(0, 120)
+    assert not copier.fires(16, 16)
+    # The bound is the exact one: it fires exactly where a one-sided binomial test rejects
+    # "acceptance >= floor" at 5%.
+    for drafted in (16, 24, 40, 64):
+        for accepted in range(drafted):
+            rejects = binomtest(accepted, drafted, 0.3, alternative="less").pvalue < 0.05
+            assert model.fires(accepted, drafted) == rejects, (accepted, drafted)
 
 
 def test_a_bad_fallback_rule_names_the_bad_value():
@@ -382,6 +403,8 @@ def test_a_bad_fallback_rule_names_the_bad_value():
         Fallback(min_acceptance=1.5)
     with pytest.raises(ValueError, match="after_drafted=0"):
         Fallback(min_acceptance=0.2, after_drafted=0)
+    with pytest.raises(ValueError, match="confidence=1.0"):
+        Fallback(min_acceptance=0.2, confidence=1.0)
 
 
 class FrozenCosts:

@@ -14,7 +14,7 @@ import torch
 from routing.collect import load_sources
 from routing.config import CollectConfig, RouterTrainConfig, SourceConfig
 from routing.dataset import load_served, load_table
-from routing.router import NONE, Router
+from routing.router import NONE, Router, committed_tokens, per_token_acceptance
 from routing.train import train
 from serving.workload import FAMILIES, SPLITS, load_family, load_workload, split_of
 
@@ -88,6 +88,46 @@ def test_a_fuller_batch_makes_drafting_worth_less(costed_router):
     assert alone.k == 8 and 1 <= full.k < 8
     with pytest.raises(ValueError, match="occupancy=0"):
         r.choose_batch(["x"], occupancy=0)
+
+
+@pytest.mark.unit
+def test_a_draft_models_own_work_weighs_on_the_whole_batch():
+    """At occupancy b a drafter's forwards hold up all b rows: its cost weighs b T(1, 1) / T(b, 1)
+    (the step table's), so a draft model that wins alone loses a full batch to a copying drafter
+    predicted slower alone; at b = 1 nothing changes."""
+    costs = {"model": {"draft_cost": 0.25, "verify_cost": 1.1}, "copy": {"draft_cost": 0.003, "verify_cost": 1.1}}
+    r = Router.create({"model": "m", "copy": "c", NONE: None}, "target", objective="speedup", costs=costs)
+    table = [[1, 1, 70.0], [1, 5, 72.0], [8, 1, 88.0], [8, 2, 113.0], [8, 5, 213.0]]
+    r.info |= {"collected_k": 4, "step_table": table}
+    assert r.draft_share(1) == 1.0
+    assert r.draft_share(8) == pytest.approx(8 * 70.0 / 88.0)
+    rates = torch.tensor([[0.95, 0.3]])  # [1, D]: the model drafter accepts far more
+    alone, full = r.decide(rates, 1)[0], r.decide(rates, 8)[0]
+    assert alone.draft == "model" and full.draft == "copy"
+    # Exactly the batch-one cost with c scaled by the share (the verify shift unchanged).
+    bare = Router.create({"model": "m", "copy": "c", NONE: None}, "target", objective="speedup",
+                         costs={**costs, "model": {"draft_cost": 0.25 * r.draft_share(8), "verify_cost": 1.1}})  # fmt: skip
+    bare.info |= {"collected_k": 4, "step_table": table}
+    bare.draft_share = lambda occupancy: 1.0
+    assert r.speedups(rates, 8)[0][0, 0] == pytest.approx(bare.speedups(rates, 8)[0][0, 0])
+    # Without a step table or model the target's step is taken not to grow: the share is b.
+    plain = Router.create({"model": "m", NONE: None}, "target", objective="speedup", costs={"model": costs["model"]})
+    assert plain.draft_share(8) == 8.0
+
+
+@pytest.mark.unit
+def test_a_drafter_that_proposes_only_on_a_match_pays_the_wider_verify_only_then():
+    """``ngram`` with fill 0.5 widens the verify on half its calls: past the collected K its
+    predicted speedup loses half the extra width a draft model with the same numbers loses."""
+    cost = {"draft_cost": 0.003, "verify_cost": 1.0, "fill": 0.5}
+    r = Router.create({"model": "m", "copy": "ngram", NONE: None}, "target", objective="speedup",
+                      costs={"model": dict(cost), "copy": dict(cost)}, k_buckets=(8,))  # fmt: skip
+    r.info |= {"collected_k": 4, "step_table": [[1, 1, 70.0], [1, 5, 70.0], [1, 9, 105.0]]}
+    speed, _ = r.speedups(torch.tensor([[0.7, 0.7]]), 1)  # [1, D]
+    e = float(committed_tokens(per_token_acceptance(torch.tensor(0.7), 4), torch.tensor(8.0), 0.5))
+    assert float(speed[0, 0]) == pytest.approx(e / (8 * 0.003 + 1.0 + 0.5))  # the whole shift, 105 / 70 - 1
+    assert float(speed[0, 1]) == pytest.approx(e / (8 * 0.003 + 1.0 + 0.25))  # half of it
+    assert r.break_even("copy", 8) < r.break_even("model", 8)
 
 
 @pytest.mark.unit
@@ -228,10 +268,10 @@ def test_the_scheduler_applies_the_routers_k_and_fallback_floor(costed_router):
 
     engine = SimpleNamespace(config=SimpleNamespace(k_max=6))
     choice = costed_router.decide(torch.tensor([[0.8]]), 1)[0]  # K 8: more than the engine verifies
-    sched = Scheduler({"a": engine}, routing=RoutingSettings(fallback_ratio=0.5, fallback_after=12))
+    sched = Scheduler({"a": engine}, routing=RoutingSettings(fallback_ratio=0.5, fallback_after=12, fallback_confidence=0.9))
     request = Request([1, 2, 3])
     sched._apply_choice(request, engine, choice)
-    assert request.k == 6 and request.fallback.after_drafted == 12
+    assert request.k == 6 and request.fallback.after_drafted == 12 and request.fallback.confidence == 0.9
     assert request.fallback.min_acceptance == pytest.approx(choice.fallback_floor(0.5))
     off = Scheduler({"a": engine}, routing=RoutingSettings(apply_k=False, fallback_ratio=None))
     request = Request([1, 2, 3])
@@ -337,15 +377,22 @@ def test_the_workload_measurement_runs_every_policy_and_checks_identity(model_di
     routers = {"r": Router.create({"small": draft}, str(model_dirs["target"]), k_buckets=(2, 6))}
     prompts = [Prompt("code", "code/a", "def add(a, b):", False), Prompt("chat", "chat/b", "Say hello twice.")]
     settings = EngineSettings(device="cpu", max_len=128, k=2, request_k_max=6)
-    report = workload_eval.measure(routers, prompts, max_new_tokens=10, settings=settings)
-    assert report["policies"] == ["small", "ngram", "suffix", NONE, "r"]
+    with pytest.raises(ValueError, match=r"extra_k=\[7\]: \[7\] outside 1..6"):
+        workload_eval.measure(routers, prompts, max_new_tokens=10, settings=settings, extra_k=[7])
+    report = workload_eval.measure(routers, prompts, max_new_tokens=10, settings=settings, extra_k=[6])
+    assert report["policies"] == ["small", "ngram", "suffix", "small@6", "ngram@6", "suffix@6", NONE, "r"]
+    # suffix@6 drafts with a suffix cache of its own, never the one suffix (K = 2) filled on the same prompt
+    at_k, own = workload_eval.own_drafters({"small": draft, "ngram": "ngram", "suffix": "suffix"}, ["r"], [2, 6], 2)
+    assert at_k == {"small@6": ("small", 6), "ngram@6": ("ngram@6", 6), "suffix@6": ("suffix@6", 6)}
+    assert own == {"r/ngram": "ngram", "r/suffix": "suffix", "ngram@6": "ngram", "suffix@6": "suffix"}
     assert all(all(row["identical"].values()) for row in report["rows"])
     assert [row["k"]["r"] for row in report["rows"]] == [c.k for c in routers["r"].choose_batch([p.text for p in prompts])]
     s = report["summary"]
     assert set(s) == {"code", "chat", "all"} and s["all"]["prompts"] == 2 and s["all"]["identical"] == 2
-    assert s["all"]["oracle"] >= max(s["all"]["speedup"][n] for n in ("small", "ngram", "suffix", NONE)) - 1e-9
+    assert s["all"]["oracle"] >= max(s["all"]["speedup"][n] for n in report["policies"][:-1]) - 1e-9
+    assert s["all"]["best_single"] in report["policies"][:-1]  # a drafter at K = 6 counts as a single drafter
     md = workload_eval.markdown(report)
-    assert "| all | 2 |" in md and "r / best single" in md
+    assert "| all | 2 |" in md and "r / best single" in md and "K = 2 and 6" in md
     workload_eval.plot(report, tmp_path / "w.png")
     assert (tmp_path / "w.png").stat().st_size > 0
 
@@ -439,3 +486,32 @@ def test_the_table_fits_the_prefills_and_each_drafters_fill_to_the_prompts_lengt
     old.write_text("".join(json.dumps({k: v for k, v in r.items() if k not in ("prefill_ms", "prompt_tokens")}) + "\n" for r in rows))
     bare = load_table([str(old)])
     assert bare.prefill is None and bare.prompt_tokens is None and all("fill_line" not in c for c in bare.costs.values())
+
+
+@pytest.mark.unit
+def test_the_load_bench_pairs_routed_with_the_best_fixed_policy_round_by_round():
+    """bench_routed_load.py's summary: the best fixed policy over all rounds (goodput and routed
+    policies are not fixed), aggregate tokens/s as all tokens over all wall time, and routed over
+    that best fixed policy in each round, where both ran back to back."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("bench_routed_load", root / "scripts" / "experiments" / "bench_routed_load.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def run(tokens, wall, draft):
+        rows = [{"prompt_id": "p", "text": "same", "draft": draft}]
+        return {"completion_tokens": tokens, "wall_s": wall, "throughput_tokens_per_s": tokens / wall, "rows": rows, "errors": 0}
+
+    # The machine slows down in round 1: every policy's tok/s falls, routed stays ahead of suffix@1.
+    results = {"none": [run(100, 10, NONE), run(100, 20, NONE)], "suffix@1": [run(110, 10, "suffix"), run(110, 20, "suffix")],
+               "ngram+goodput": [run(200, 10, "ngram"), run(200, 10, "ngram")],
+               "routed+goodput": [run(121, 10, "ngram"), run(99, 20, "ngram")]}  # fmt: skip
+    s = bench.summarize(results, list(results))
+    assert s["best_fixed"] == "suffix@1" and s["best_routed"] == "routed+goodput"
+    assert s["tokens_per_s"]["routed+goodput"] == pytest.approx(220 / 30)
+    assert s["routed_vs_best_fixed"] == pytest.approx(220 / 220)
+    assert s["routed_vs_best_fixed_per_round"] == pytest.approx([1.1, 0.9])
+    assert s["routed_choices"] == {"ngram": 2} and s["identical_to_none"]["suffix@1"] == 1
+

@@ -138,8 +138,13 @@ def summarize(results: dict[str, list[dict]], policies: list[str]) -> dict:
     for r in results.get(routed, []):
         for row in r["rows"]:
             choices[row["draft"]] = choices.get(row["draft"], 0) + 1
+    # Paired by round (the policies of one round run back to back, so machine drift between rounds
+    # cancels): routed over the best fixed policy in each round.
+    per_round = ([a["throughput_tokens_per_s"] / b["throughput_tokens_per_s"] for a, b in zip(results[routed], results[best])]
+                 if best and routed else [])  # fmt: skip
     return {"tokens_per_s": tps, "best_fixed": best, "best_routed": routed,
             "routed_vs_best_fixed": tps[routed] / tps[best] if best and routed else None,
+            "routed_vs_best_fixed_per_round": per_round,
             "identical_to_none": identical, "answers": {p: len(ts) for p, ts in texts.items()}, "routed_choices": choices,
             "errors": {p: sum(r["errors"] for r in rs) for p, rs in results.items()}}  # fmt: skip
 
@@ -153,7 +158,8 @@ def markdown(report: dict) -> str:
     if s["routed_vs_best_fixed"] is not None:
         lines += ["", f"Best routed ({s['best_routed']}) / best fixed ({s['best_fixed']}): {s['routed_vs_best_fixed']:.3f}. Router's choices: "
                   + ", ".join(f"{k} {v}" for k, v in sorted(s["routed_choices"].items()))
-                  + f". Fallbacks: {s['fallbacks_total']:.0f}."]  # fmt: skip
+                  + f". Fallbacks: {s['fallbacks_total']:.0f}. Per round (paired): "
+                  + ", ".join(f"{x:.3f}" for x in s.get("routed_vs_best_fixed_per_round", [])) + "."]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

@@ -299,7 +299,8 @@ class Scheduler:
         if ratio is not None:
             floor = choice.fallback_floor(ratio)
             if floor > 0:
-                request.fallback = Fallback(min_acceptance=floor, after_drafted=self.routing.fallback_after)
+                request.fallback = Fallback(min_acceptance=floor, after_drafted=self.routing.fallback_after,
+                                            confidence=self.routing.fallback_confidence)
 
     def _has_room(self, engine: Engine) -> bool:
         """A request may join if its engine has a free slot for it or fewer than ``queue_limit``

@@ -32,12 +32,16 @@ class RoutingSettings:
     apply_k: bool = field(default=True, metadata=doc(
         "draft the router's K for each request (up to engine.request_k_max); false: every request drafts engine.k"))
     load_aware: bool = field(default=True, metadata=doc(
-        "choose drafter and K for the batch occupancy at admission (a full batch makes verification dearer); "
+        "choose drafter and K for the batch occupancy at admission (a full batch makes verification and a draft "
+        "model's work dearer); "
         "false: as if each request ran alone"))
     fallback_ratio: float | None = field(default=0.75, metadata=doc(
-        "switch a routed request to the target alone once its running acceptance falls below the lower of its "
-        "drafter's break-even acceptance and this fraction of the router's prediction; null: never"))
+        "switch a routed request to the target alone once its acceptance so far shows it (fallback_confidence) below "
+        "the lower of its drafter's break-even acceptance and this fraction of the router's prediction; null: never"))
     fallback_after: int = field(default=16, metadata=doc("draft tokens a request drafts before the fallback judges it"))
+    fallback_confidence: float = field(default=0.95, metadata=doc(
+        "how sure the fallback must be that the acceptance is below the floor (the Clopper-Pearson upper bound "
+        "from accepted / drafted so far): higher waits for more evidence"))
     explore: float = field(default=0.0, metadata=doc(
         "fraction of routed requests that draft with another of the router's drafters (never none), drawn "
         "uniformly (an epsilon-greedy contextual bandit): with log_requests, the log then measures every drafter "
@@ -56,6 +60,9 @@ class RoutingSettings:
                              "sent to another drafter (0: none)")
         if self.fallback_after < 1:
             raise ValueError(f"routing.fallback_after={self.fallback_after} must be >= 1")
+        if not 0.5 <= self.fallback_confidence < 1.0:
+            raise ValueError(f"routing.fallback_confidence={self.fallback_confidence} must be in [0.5, 1) (0.95: one "
+                             "chance in 20 that a drafter paying its way is dropped)")
         if self.log_requests is not None and not self.log_requests.endswith(".jsonl"):
             raise ValueError(f"routing.log_requests={self.log_requests!r} must be a .jsonl file")
 
