@@ -26,8 +26,9 @@ almost every slot (fill near 1); on the six-family workload (q4 target) ``suffix
 half (0.54). Without a measured fill (routers trained before it) fill is 1, the plain model. Such a
 drafter also widens the verify only on the calls where it proposes, so the extra width of a K
 longer than the collected one (the load shift below) is weighed by its fill too: on the int8 target
-at batch one, where a verify of 9 tokens costs 1.19x one of 1, ``ngram`` at K = 8 ran at 2.03x the
-target alone over the 30 test prompts, against 1.87x at K = 4.
+at batch one, whose verify is nearly flat in width, ``ngram`` at a fixed K = 8 ran at 2.02x the
+target alone over the 30 test prompts, against 1.85x at K = 4 (``scripts/report.py
+--workload-extra-k 8``, Intel VM, 2026-11-27).
 
 Load (the goodput view of SmartSpec and TurboSpec): a verify of 8 rows costs more than of 1, so a
 draft is worth less in a full batch. With a step model (``info["step_model"]``: a target forward
@@ -117,9 +118,10 @@ class Choice:
     expected_rate: float = 0.0  # the chosen draft's predicted acceptance rate at K (accepted / drafted)
 
     def fallback_floor(self, ratio: float) -> float:
-        """The running acceptance below which the request should leave its drafter mid-request:
-        the lower of the break-even rate and ``ratio`` of the prediction (so a drafter predicted
-        near break-even is not dropped on the first unlucky tokens). 0 for "none"."""
+        """The acceptance below which the request should leave its drafter mid-request (once its
+        acceptance so far shows it there: ``serving.engine.core.Fallback``): the lower of the
+        break-even rate and ``ratio`` of the prediction (so a drafter predicted near break-even is
+        not dropped on the first unlucky tokens). 0 for "none"."""
         if self.draft == NONE:
             return 0.0
         return min(self.break_even, ratio * self.expected_rate)

@@ -330,6 +330,37 @@ def test_exploration_sends_a_share_of_routed_requests_to_the_other_drafters():
         RoutingSettings(explore=1.0)
 
 
+@pytest.mark.unit
+def test_a_seeded_sampled_request_is_routed_as_if_alone():
+    """Admission routes greedy and unseeded requests for the batch they join, a seeded sampled one
+    for a batch of one: its drafter and K shape its draws, which must not depend on the batch."""
+    import asyncio
+    import itertools
+    from types import SimpleNamespace
+
+    from serving.engine import Request
+    from serving.engine.sampling import SamplingParams
+    from serving.server.scheduler import Scheduler, Ticket
+
+    asked: list[tuple[int, int]] = []  # (occupancy, prompts) of each call to the router
+    choice = SimpleNamespace(draft="a", k=2, occupancy=1, fallback_floor=lambda ratio: 0.0)
+    router = SimpleNamespace(draft_names=["a", NONE],
+                             choose_batch=lambda texts, occ, lengths=None: asked.append((occ, len(texts))) or [choice] * len(texts))  # fmt: skip
+    ids = itertools.count()
+    engine = SimpleNamespace(config=SimpleNamespace(k_max=8), drafter_names=("a", NONE), num_running=3, num_waiting=0,
+                             add_request=lambda request: next(ids))  # fmt: skip
+    sched = Scheduler({"a": engine, NONE: engine}, router, max_batch_size=8, queue_limit=8)
+    loop = asyncio.new_event_loop()
+    try:
+        params = [SamplingParams(), SamplingParams(temperature=1.0, seed=7), SamplingParams(temperature=1.0)]
+        tickets = [Ticket(Request([1, 2, 3], params=p), "text", loop) for p in params]
+        sched._admit(tickets)
+    finally:
+        loop.close()
+    assert sorted(asked) == [(1, 1), (6, 2)]  # 3 running + 3 arriving; the seeded one alone
+    assert [t.occupancy for t in tickets] == [6, 1, 6]
+
+
 @pytest.mark.integration
 def test_served_requests_draft_the_routers_k_and_land_in_the_request_log(model_dirs, tmp_path):
     from routing.rows import read_rows, row_key

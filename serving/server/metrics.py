@@ -70,7 +70,7 @@ class ServerMetrics:
                                       "requests, by draft: a moving average over the last ~20 requests; far from 0 "
                                       "means the traffic drifted from the router's training data", ["draft"], registry=r)  # fmt: skip
         self.fallbacks = Counter("choral_drafter_fallbacks", "requests switched to the target alone mid-request because "
-                                 "their drafter's running acceptance fell below what pays, by the drafter they left",
+                                 "their drafter's acceptance so far showed it below what pays, by the drafter they left",
                                  ["draft"], registry=r)  # fmt: skip
         self.chosen_k = Histogram("choral_chosen_k", "the K (num_speculative_tokens) routed requests drafted with, by draft",
                                   ["draft"], buckets=(1, 2, 3, 4, 5, 6, 7, 8, 12, 16), registry=r)  # fmt: skip

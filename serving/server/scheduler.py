@@ -225,12 +225,18 @@ class Scheduler:
         if self.routing.load_aware:  # the batch these requests join: what runs and waits, and themselves
             load = sum(e.num_running + e.num_waiting for _, e in self._distinct.values())
             occupancy = max(1, min(self.max_batch_size, load + len(routed)))
+        # A seeded sampled request is routed as if alone: its drafter and K shape its draws, which must
+        # not depend on what else is in the batch (the engine never caps its K for the same reason).
+        # Greedy output is the target's whatever the drafter, so those follow the load.
+        at = {i: 1 if tickets[i].request.params.seeded_sampling else occupancy for i in routed}
         if self.router is not None and routed:
             try:
-                texts = [tickets[i].route_text for i in routed]
-                lengths = [len(tickets[i].request.prompt_ids) for i in routed]  # to price the prefills
-                for i, c in zip(routed, self.router.choose_batch(texts, occupancy, lengths)):
-                    choices[i] = c
+                for b in sorted(set(at.values())):
+                    group = [i for i in routed if at[i] == b]
+                    texts = [tickets[i].route_text for i in group]
+                    lengths = [len(tickets[i].request.prompt_ids) for i in group]  # to price the prefills
+                    for i, c in zip(group, self.router.choose_batch(texts, b, lengths)):
+                        choices[i] = c
             except Exception as e:  # a broken router must not take the server down
                 log.exception("routing failed")
                 for i in routed:
@@ -255,7 +261,7 @@ class Scheduler:
                 ticket.request.drafter = draft  # the row drafts with it inside the shared batch
             if choice is not None and ticket.forced_draft is None and draft == choice.draft != NONE:
                 self._apply_choice(ticket.request, engine, choice)  # an explored drafter drafts the engine's K
-            ticket.choice, ticket.occupancy = choice, occupancy
+            ticket.choice, ticket.occupancy = choice, 1 if ticket.request.params.seeded_sampling else occupancy
             try:
                 ticket.request_id = engine.add_request(ticket.request)
             except ValueError as e:

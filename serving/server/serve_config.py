@@ -33,8 +33,8 @@ class RoutingSettings:
         "draft the router's K for each request (up to engine.request_k_max); false: every request drafts engine.k"))
     load_aware: bool = field(default=True, metadata=doc(
         "choose drafter and K for the batch occupancy at admission (a full batch makes verification and a draft "
-        "model's work dearer); "
-        "false: as if each request ran alone"))
+        "model's work dearer; a seeded sampled request is routed as if alone, so that its draws never depend on "
+        "the batch); false: as if each request ran alone"))
     fallback_ratio: float | None = field(default=0.75, metadata=doc(
         "switch a routed request to the target alone once its acceptance so far shows it (fallback_confidence) below "
         "the lower of its drafter's break-even acceptance and this fraction of the router's prediction; null: never"))
