@@ -478,14 +478,22 @@ class Router:
             grows = 1.0  # nothing says how the target's step grows with the batch
         return occupancy / grows
 
+    def call_cost(self, ks: torch.Tensor, occupancy: int, fill: torch.Tensor) -> torch.Tensor:
+        """Each drafter's cost of a call [N, D, Kb] in target steps at each K of ``ks`` [Kb], for a
+        batch of ``occupancy`` rows, from the fills [N, D, 1]: K c weighed by its share of the batch,
+        v, and the verify shift, which a drafter that proposes only where it finds a match pays only
+        then (its fill)."""
+        c = torch.tensor([self.costs[n]["draft_cost"] for n in self.drafts])[:, None]  # [D, 1]
+        v = torch.tensor([self.costs[n]["verify_cost"] for n in self.drafts])[:, None]  # [D, 1]
+        widens = torch.where(self._copies()[None, :, None], fill, torch.ones_like(fill))  # [N, D, 1]
+        return ks * c * self.draft_share(occupancy) + v + widens * self.verify_shift(ks, occupancy)
+
     def speedups(self, acceptance: torch.Tensor, occupancy: int = 1,
                  prompt_tokens: torch.Tensor | Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Best predicted speedup [N, D] of each draft over ``k_buckets`` and the K [N, D] at it,
         from acceptance rates [N, D], for a batch of ``occupancy`` rows; with the prompts' lengths
         [N] and a prefill model (``info["prefill"]``), whole-request speedups, prefills included."""
         ks = torch.tensor(self.k_buckets, dtype=torch.float32)  # [Kb]
-        c = torch.tensor([self.costs[n]["draft_cost"] for n in self.drafts])[:, None]  # [D, 1]
-        v = torch.tensor([self.costs[n]["verify_cost"] for n in self.drafts])[:, None]  # [D, 1]
         lengths = None if prompt_tokens is None else torch.as_tensor(prompt_tokens, dtype=torch.float32).reshape(-1)  # [N]
         if lengths is not None and lengths.shape[0] != acceptance.shape[0]:
             raise ValueError(f"{lengths.shape[0]} prompt lengths for {acceptance.shape[0]} prompts: pass one length per prompt")
@@ -494,13 +502,10 @@ class Router:
                             for n in self.drafts], 1)[:, :, None]  # [N, D, 1]  # fmt: skip
         a = per_token_acceptance(acceptance.float(), self.collected_k)  # [N, D]
         tokens = committed_tokens(a[:, :, None], ks, fill)  # [N, D, Kb]
-        share = self.draft_share(occupancy)
-        # A drafter that proposes only where it finds a match widens the verify only then (its fill).
-        widens = torch.where(self._copies()[None, :, None], fill, torch.ones_like(fill))  # [N, D, 1]
-        cost = ks * c * share + v + widens * self.verify_shift(ks, occupancy)  # [N, D, Kb]
+        cost = self.call_cost(ks, occupancy, fill)  # [N, D, Kb]
         prefill = self.info.get("prefill")
         if prefill and lengths is not None:
-            s = with_prefill(tokens, cost, lengths, prefill, self.drafts, share)  # [N, D, Kb]
+            s = with_prefill(tokens, cost, lengths, prefill, self.drafts, self.draft_share(occupancy))  # [N, D, Kb]
         else:
             s = tokens / cost  # [N, D, Kb]
         best, idx = s.max(dim=2)  # [N, D]
@@ -519,10 +524,10 @@ class Router:
         """The acceptance rate (accepted / drafted at K = ``k``) at which ``draft`` is predicted
         to be exactly as fast as the target alone: below it, drafting loses."""
         kt = torch.tensor([float(k)])
-        fill = self.costs[draft].get("fill", 1.0)
-        widens = fill if self.draft_refs[draft] in HOST_DRAFTERS else 1.0
-        cost = float(k * self.costs[draft]["draft_cost"] * self.draft_share(occupancy) + self.costs[draft]["verify_cost"]
-                     + widens * self.verify_shift(kt, occupancy))  # fmt: skip
+        fills = torch.tensor([float(fill_of(self.costs[n], None)) for n in self.drafts])[None, :, None]  # [1, D, 1]
+        j = self.drafts.index(draft)
+        fill = float(fills[0, j, 0])
+        cost = float(self.call_cost(kt, occupancy, fills)[0, j, 0])
         lo, hi = 0.0, 1.0  # per-token acceptance a; E(a, K) grows with a
         for _ in range(40):
             mid = (lo + hi) / 2

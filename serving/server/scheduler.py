@@ -228,7 +228,10 @@ class Scheduler:
         # A seeded sampled request is routed as if alone: its drafter and K shape its draws, which must
         # not depend on what else is in the batch (the engine never caps its K for the same reason).
         # Greedy output is the target's whatever the drafter, so those follow the load.
-        at = {i: 1 if tickets[i].request.params.seeded_sampling else occupancy for i in routed}
+        def routed_at(ticket: Ticket) -> int:
+            return 1 if ticket.request.params.seeded_sampling else occupancy
+
+        at = {i: routed_at(tickets[i]) for i in routed}
         if self.router is not None and routed:
             try:
                 for b in sorted(set(at.values())):
@@ -261,7 +264,7 @@ class Scheduler:
                 ticket.request.drafter = draft  # the row drafts with it inside the shared batch
             if choice is not None and ticket.forced_draft is None and draft == choice.draft != NONE:
                 self._apply_choice(ticket.request, engine, choice)  # an explored drafter drafts the engine's K
-            ticket.choice, ticket.occupancy = choice, 1 if ticket.request.params.seeded_sampling else occupancy
+            ticket.choice, ticket.occupancy = choice, routed_at(ticket)
             try:
                 ticket.request_id = engine.add_request(ticket.request)
             except ValueError as e:
