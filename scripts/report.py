@@ -167,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload-k", type=int, default=4, help="the single drafters' fixed K (engine.k)")
     ap.add_argument("--workload-extra-k", default="", help="comma-separated: every single drafter also at these "
                     "fixed K (e.g. 8: the routed policy's longest K), counted as single drafters")
+    ap.add_argument("--workload-repeats", type=int, default=1, help="runs of every policy per prompt (tokens/s: "
+                    "their median; 2 or more also give the held-out oracle)")
     ap.add_argument("--target-weights", choices=["fp32", "int8", "q4"], default=None,
                     help="the workload section's target precision (default: the one the router's rows were collected at)")
     ap.add_argument("--workload-draft-weights", choices=["auto", "fp32", "int8", "q4"], default=None,
@@ -199,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         prompts = load_workload(args.workload_split, args.per_family)
         workload = workload_eval.measure({"routed": Router.load(args.workload_router)}, prompts,
                                          max_new_tokens=args.workload_max_new_tokens, settings=settings,
-                                         extra_k=[int(k) for k in args.workload_extra_k.split(",") if k.strip()])  # fmt: skip
+                                         extra_k=[int(k) for k in args.workload_extra_k.split(",") if k.strip()],
+                                         repeats=args.workload_repeats)  # fmt: skip
         workload["config"] |= {"router": args.workload_router, "split": args.workload_split, "per_family": args.per_family}
         workload_eval.save(workload, out / "workload.json")
     if workload:

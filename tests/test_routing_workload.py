@@ -410,8 +410,13 @@ def test_the_workload_measurement_runs_every_policy_and_checks_identity(model_di
     settings = EngineSettings(device="cpu", max_len=128, k=2, request_k_max=6)
     with pytest.raises(ValueError, match=r"extra_k=\[7\]: \[7\] outside 1..6"):
         workload_eval.measure(routers, prompts, max_new_tokens=10, settings=settings, extra_k=[7])
-    report = workload_eval.measure(routers, prompts, max_new_tokens=10, settings=settings, extra_k=[6])
+    with pytest.raises(ValueError, match=r"repeats=0"):
+        workload_eval.measure(routers, prompts, max_new_tokens=10, settings=settings, repeats=0)
+    report = workload_eval.measure(routers, prompts, max_new_tokens=10, settings=settings, extra_k=[6], repeats=2)
     assert report["policies"] == ["small", "ngram", "suffix", "small@6", "ngram@6", "suffix@6", NONE, "r"]
+    for row in report["rows"]:  # two runs per policy, tokens/s their median
+        assert all(len(row["runs"][n]) == 2 for n in report["policies"])
+        assert all(row["tokens_per_s"][n] == pytest.approx(sum(row["runs"][n]) / 2) for n in report["policies"])
     # suffix@6 drafts with a suffix cache of its own, never the one suffix (K = 2) filled on the same prompt
     at_k, own = workload_eval.own_drafters({"small": draft, "ngram": "ngram", "suffix": "suffix"}, ["r"], [2, 6], 2)
     assert at_k == {"small@6": ("small", 6), "ngram@6": ("ngram@6", 6), "suffix@6": ("suffix@6", 6)}
@@ -422,8 +427,11 @@ def test_the_workload_measurement_runs_every_policy_and_checks_identity(model_di
     assert set(s) == {"code", "chat", "all"} and s["all"]["prompts"] == 2 and s["all"]["identical"] == 2
     assert s["all"]["oracle"] >= max(s["all"]["speedup"][n] for n in report["policies"][:-1]) - 1e-9
     assert s["all"]["best_single"] in report["policies"][:-1]  # a drafter at K = 6 counts as a single drafter
+    assert s["all"]["oracle_held_out"] is not None and s["all"]["family_ceiling"] <= s["all"]["oracle"] + 1e-9
+    assert set(s["all"]["family_best"]) == {"code", "chat"} and s["code"]["family_best"] == {"code": s["all"]["family_best"]["code"]}
     md = workload_eval.markdown(report)
-    assert "| all | 2 |" in md and "r / best single" in md and "K = 2 and 6" in md
+    assert "| all | 2 |" in md and "r / best single" in md and "K = 2 and 6" in md and "r / held-out oracle" in md
+    assert all(line.count("|") == md.splitlines()[2].count("|") for line in md.splitlines()[2:])  # every row fills every column
     workload_eval.plot(report, tmp_path / "w.png")
     assert (tmp_path / "w.png").stat().st_size > 0
 
@@ -545,4 +553,22 @@ def test_the_load_bench_pairs_routed_with_the_best_fixed_policy_round_by_round()
     assert s["routed_vs_best_fixed"] == pytest.approx(220 / 220)
     assert s["routed_vs_best_fixed_per_round"] == pytest.approx([1.1, 0.9])
     assert s["routed_choices"] == {"ngram": 2} and s["identical_to_none"]["suffix@1"] == 1
+
+
+
+@pytest.mark.unit
+def test_the_held_out_oracle_times_each_rounds_pick_on_that_round_alone():
+    """The in-sample oracle takes each prompt's fastest median, noise included; the held-out oracle
+    picks on the other rounds and times the pick on the round left out. Here policy a is truly
+    faster, but one lucky run of b makes b's median the highest: the in-sample oracle takes b's
+    lucky median, the held-out one does not."""
+    from routing import workload_eval
+
+    row = {"tokens_per_s": {"a": 12.0, "b": 13.0, NONE: 10.0},
+           "runs": {"a": [12.0, 12.0, 12.0], "b": [8.0, 13.0, 14.0], NONE: [10.0, 10.0, 10.0]}}  # fmt: skip
+    # round 0: others say b (13.5 > 12) -> b's run 8; round 1: a (12 > 11) -> 12; round 2: a (12 > 10.5) -> 12
+    assert workload_eval.held_out_oracle(row, ["a", "b"]) == pytest.approx(1.2)
+    assert workload_eval.held_out_oracle({"tokens_per_s": {NONE: 1.0}, "runs": {"a": [1.0]}}, ["a"]) is None
+    assert workload_eval.round_name("suffix", 0) == "suffix" and workload_eval.round_name("r/suffix", 2) == "r/suffix#2"
+    assert workload_eval.round_name("base", 1, {"suffix": "suffix"}) == "base"
 
