@@ -275,6 +275,39 @@ def _costs(rows: list[dict], drafts: list[str], has_none: bool) -> dict[str, dic
     return costs
 
 
+def second_k(paths: list[str], curve_paths: list[str], prompts: set[str], k: int, mode: str = "greedy") -> dict[str, dict]:
+    """Each drafter's rows at one K other than the collected ``k`` (``curve_paths``) beside its rows
+    at ``k`` (``paths``), on the prompts of ``prompts`` that both measured with a speedup:
+    {drafter: {"k": K2, "prompts": [ids], "rates": acceptance at k [P], "speedups": measured at K2
+    [P], "prompt_tokens": [P] or None}}."""
+    def usable(path_list: list[str]) -> dict[tuple[str, str], dict]:
+        out = {}
+        for path in path_list:
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"collected data {path} does not exist; run collect-router-data first")
+            for r in read_rows(path):
+                if (mode == "all" or r["mode"] == mode) and r["draft"] != NONE and r["prompt_id"] in prompts:
+                    out[(r["prompt_id"], r["draft"])] = r
+        return out
+
+    at_k, curve = usable(paths), usable(curve_paths)
+    other = {int(r["k"]) for r in curve.values()}
+    if k in other or len(other) > 1:
+        raise ValueError(f"curve_data holds rows at K {sorted(other)}: give rows at one K other than the collected K = {k}")
+    found = {}
+    for d in sorted({d for _, d in curve}):
+        both = sorted(p for (p, name) in curve if name == d and (p, d) in at_k and int(at_k[(p, d)]["k"]) == k
+                      and curve[(p, d)].get("speedup") is not None)  # fmt: skip
+        if not both:
+            continue
+        found[d] = {"k": int(curve[(both[0], d)]["k"]), "prompts": both,
+                    "rates": torch.tensor([float(at_k[(p, d)]["acceptance_rate"]) for p in both]),
+                    "speedups": torch.tensor([float(curve[(p, d)]["speedup"]) for p in both]),
+                    "prompt_tokens": (torch.tensor([float(curve[(p, d)]["prompt_tokens"]) for p in both])
+                                      if all(curve[(p, d)].get("prompt_tokens") for p in both) else None)}  # fmt: skip
+    return found
+
+
 def join_tables(first: Table, second: Table) -> Table:
     """``second``'s prompts appended after ``first``'s (whose indices stay as they were), for a test
     set collected apart from the training rows. Both must hold the same target, drafts (by name and

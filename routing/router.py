@@ -46,6 +46,22 @@ target's forward at rows x tokens per row, ``profile_step.py --batch-rows``) the
 T(b, n) for b rows of n tokens off that table (linear between its points, the nearest segment's
 slope outside them) and g(b, K) = T(b, K + 1) / T(b, 1).
 
+The wider verify of a longer K is priced from a step table measured with full rows, every slot a
+real token. Where a drafter was also collected at a second K (train-router's ``curve_data``), its
+shift is scaled (``costs[d]["verify_shift_scale"]``, ``fit_shift_scale``) so that the model's mean
+speedup at that K over the training prompts equals the measured one; the rows are collected at
+batch one, so the scale applies there only. On the six-family workload (int8 target, Intel VM) the
+unscaled model predicted ``ngram`` at K = 8 at 1.63x where the 60 training prompts measured 1.84x
+(1.68x at K = 4), while the geometric curve over-predicted its draft tokens accepted per call at
+K = 8 (1.82 against 1.64 measured): the error was the width's cost. The step table has a 9-token
+verify at 1.32 one-token steps; the rows' own verify steps at K = 8 (median 103 ms for ``ngram``)
+cost no more than the target's one-token steps in the same run (106 ms). Fitted scales: ``ngram``
+0.02, ``suffix`` 0.05 (``scripts/experiments/second_k_check.py``, tenth session). On the test split
+that router ran ``ngram`` and ``suffix`` at K = 8, as their fixed-K runs favoured, but also chose them
+over the 0.5B on code, where the training prompts had measured ``suffix`` at K = 8 ahead (1.73x
+against 1.61x) and the test prompts did not (1.29x against 1.70x): 2.01x against 2.04x for the
+router without the scale (docs/experiments/router-workload.md, tenth session).
+
 A drafter's own work does not share that way. The verify width is the batch's (and step_k goodput
 widens it only where the batch gains), but a draft model's forwards run for its own rows while every
 row of the batch waits, and in a mixed batch its rows are few. So at occupancy b a drafter's cost c
@@ -148,6 +164,36 @@ def speedup_model(a: torch.Tensor, k: torch.Tensor, draft_cost: float, verify_co
                   fill: float = 1.0) -> torch.Tensor:  # fmt: skip
     """Predicted speedup over the target alone (see the module docstring)."""
     return committed_tokens(a, k, fill) / (k * draft_cost + verify_cost)
+
+
+def fit_shift_scale(router: "Router", draft: str, rates: torch.Tensor, speedups: torch.Tensor, k: int,
+                    prompt_tokens: torch.Tensor | None = None, limit: float = 4.0) -> float:  # fmt: skip
+    """The scale w in [0, ``limit``] of ``draft``'s verify shift at which ``router`` predicts, from
+    acceptance rates [P] at the collected K, the mean of the speedups [P] measured at K = ``k``
+    (batch one; prompts' lengths [P] where the router prices prefills). The prediction falls as w
+    grows; a measurement outside its range gives 0 or ``limit``."""
+    measured = float(speedups.float().mean())
+    saved = router.costs[draft].get("verify_shift_scale")
+
+    def predicted(w: float) -> float:
+        router.costs[draft]["verify_shift_scale"] = w
+        return router.mean_speedup_at(draft, rates, k, prompt_tokens)
+
+    lo, hi = 0.0, limit
+    try:
+        if predicted(lo) <= measured:
+            return lo
+        if predicted(hi) >= measured:
+            return hi
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if predicted(mid) > measured else (lo, mid)
+    finally:
+        if saved is None:
+            router.costs[draft].pop("verify_shift_scale", None)
+        else:
+            router.costs[draft]["verify_shift_scale"] = saved
+    return (lo + hi) / 2
 
 
 def measured_fill(rates: list[float], accepted_per_call: list[float], k: int) -> float:
@@ -485,8 +531,11 @@ class Router:
         then (its fill)."""
         c = torch.tensor([self.costs[n]["draft_cost"] for n in self.drafts])[:, None]  # [D, 1]
         v = torch.tensor([self.costs[n]["verify_cost"] for n in self.drafts])[:, None]  # [D, 1]
+        # the shift's scale was fitted to rows collected at batch one; a fuller batch's verify is the step table's
+        scale = torch.tensor([float(self.costs[n].get("verify_shift_scale", 1.0)) if occupancy == 1 else 1.0
+                              for n in self.drafts])[:, None]  # [D, 1]  # fmt: skip
         widens = torch.where(self._copies()[None, :, None], fill, torch.ones_like(fill))  # [N, D, 1]
-        return ks * c * self.draft_share(occupancy) + v + widens * self.verify_shift(ks, occupancy)
+        return ks * c * self.draft_share(occupancy) + v + widens * scale * self.verify_shift(ks, occupancy)
 
     def speedups(self, acceptance: torch.Tensor, occupancy: int = 1,
                  prompt_tokens: torch.Tensor | Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -494,6 +543,23 @@ class Router:
         from acceptance rates [N, D], for a batch of ``occupancy`` rows; with the prompts' lengths
         [N] and a prefill model (``info["prefill"]``), whole-request speedups, prefills included."""
         ks = torch.tensor(self.k_buckets, dtype=torch.float32)  # [Kb]
+        s = self.speed_table(acceptance, ks, occupancy, prompt_tokens)  # [N, D, Kb]
+        best, idx = s.max(dim=2)  # [N, D]
+        return best, ks[idx].long()
+
+    def mean_speedup_at(self, draft: str, rates: torch.Tensor, k: int, prompt_tokens: torch.Tensor | None = None) -> float:
+        """``draft``'s predicted speedup at K = ``k`` (batch one), averaged over prompts of
+        acceptance rates [P] and lengths [P]."""
+        acceptance = torch.zeros(len(rates), len(self.drafts))  # [P, D]: only the draft's column is read
+        j = self.drafts.index(draft)
+        acceptance[:, j] = rates.float()
+        return float(self.speed_table(acceptance, torch.tensor([float(k)]), 1, prompt_tokens)[:, j, 0].mean())
+
+    def speed_table(self, acceptance: torch.Tensor, ks: torch.Tensor, occupancy: int = 1,
+                    prompt_tokens: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:  # fmt: skip
+        """Predicted speedup [N, D, Kb] of each draft at each K of ``ks`` [Kb] (``speedups`` takes
+        the best over the router's K buckets)."""
+        ks = torch.as_tensor(ks, dtype=torch.float32)
         lengths = None if prompt_tokens is None else torch.as_tensor(prompt_tokens, dtype=torch.float32).reshape(-1)  # [N]
         if lengths is not None and lengths.shape[0] != acceptance.shape[0]:
             raise ValueError(f"{lengths.shape[0]} prompt lengths for {acceptance.shape[0]} prompts: pass one length per prompt")
@@ -505,11 +571,8 @@ class Router:
         cost = self.call_cost(ks, occupancy, fill)  # [N, D, Kb]
         prefill = self.info.get("prefill")
         if prefill and lengths is not None:
-            s = with_prefill(tokens, cost, lengths, prefill, self.drafts, self.draft_share(occupancy))  # [N, D, Kb]
-        else:
-            s = tokens / cost  # [N, D, Kb]
-        best, idx = s.max(dim=2)  # [N, D]
-        return best, ks[idx].long()
+            return with_prefill(tokens, cost, lengths, prefill, self.drafts, self.draft_share(occupancy))  # [N, D, Kb]
+        return tokens / cost  # [N, D, Kb]
 
     @property
     def collected_k(self) -> int:

@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from routing.config import MLPConfig, RouterTrainConfig
-from routing.dataset import Table, join_tables, load_served, load_table, split_prompts, step_table
+from routing.dataset import Table, join_tables, load_served, load_table, second_k, split_prompts, step_table
 from routing.evaluate import evaluate, metric_values, objective_metric, options, write_report
 from routing.features import Featurizer
-from routing.router import DEFAULT_K_BUCKETS, NONE, Router, RouterMLP, calibrated_verify_cost, fill_of
+from routing.router import DEFAULT_K_BUCKETS, NONE, Router, RouterMLP, calibrated_verify_cost, fill_of, fit_shift_scale
 from routing.select import cross_validate, folds, grid
 
 
@@ -244,9 +244,21 @@ def train(cfg: RouterTrainConfig) -> dict:
             k_buckets=list(cfg.k_buckets or DEFAULT_K_BUCKETS),
             info={"trained": True, "data": list(cfg.data), "served": list(cfg.served), "test_data": list(cfg.test_data), "mode": cfg.mode, "collected_k": table.k,
                   "target_weights": table.target_weights, "draft_weights": table.draft_weights,
-                  "step_model": table.step_model, "step_table": steps, "step_profile": cfg.step_profile,
+                  "step_model": table.step_model, "step_table": steps, "step_profile": cfg.step_profile, "curve_data": list(cfg.curve_data),
                   "prefill": prefill},
         )
+
+    if cfg.curve_data:  # the wider verify's cost, from the training prompts' speedups at a second K
+        probe = make_router(cfg.mlp, None)
+        for d, got in second_k(cfg.data, cfg.curve_data, {table.prompt_ids[i] for i in fit_idx}, table.k, cfg.mode).items():
+            if d not in costs:
+                continue
+            lengths = got["prompt_tokens"] if prefill else None
+            before = probe.mean_speedup_at(d, got["rates"], got["k"], lengths)
+            costs[d]["verify_shift_scale"] = fit_shift_scale(probe, d, got["rates"], got["speedups"], got["k"], lengths)
+            print(f"train-router: {d}'s wider verify weighed x{costs[d]['verify_shift_scale']:.2f} from its speedups at K = "
+                  f"{got['k']} on {len(got['prompts'])} training prompts: measured {float(got['speedups'].mean()):.3f}, "
+                  f"predicted {before:.3f} unscaled")  # fmt: skip
 
     # The decision rule (objective, costs) does not depend on the MLP: the selection and the
     # baselines use it before the MLP is fit.

@@ -373,3 +373,32 @@ def test_the_fill_line_and_the_prefill_calibration_recover_what_produced_the_row
                                   draft="d") == pytest.approx(1.3, rel=1e-4)  # fmt: skip
     # Without the prefill model the same rows read as a larger per-call cost: the prefills land in v.
     assert calibrated_verify_cost(torch.tensor(rates), measured, 4, 0.2) > 1.3
+
+
+@pytest.mark.unit
+def test_the_wider_verify_is_scaled_to_speedups_measured_at_a_second_k():
+    """Speedups 'measured' at K = 8 by a router whose ngram verify shift is half the step model's
+    give that half back; past the model's range the scale is clamped; the scale prices batch one
+    only (the rows are collected there), and a cheaper width sends ngram to a longer K."""
+    from routing.router import fit_shift_scale
+
+    costs = {"ngram": {"draft_cost": 0.01, "verify_cost": 1.1}, "base": {"draft_cost": 0.3, "verify_cost": 1.1}}
+    r = Router.create({"ngram": "ngram", "base": "draft", "none": None}, "target", objective="speedup", costs=costs)
+    r.info |= {"collected_k": 4, "step_model": {"base_ms": 60.0, "per_token_ms": 6.0}}
+    rates = torch.tensor([0.2, 0.5, 0.8])
+    full = r.mean_speedup_at("ngram", rates, 8)
+    r.costs["ngram"]["verify_shift_scale"] = 0.5
+    half = r.mean_speedup_at("ngram", rates, 8)
+    del r.costs["ngram"]["verify_shift_scale"]
+    assert half > full
+    assert fit_shift_scale(r, "ngram", rates, torch.full((3,), half), 8) == pytest.approx(0.5, abs=1e-4)
+    assert "verify_shift_scale" not in r.costs["ngram"]  # the probe's costs are left as they were
+    assert fit_shift_scale(r, "ngram", rates, torch.full((3,), 10.0), 8) == 0.0
+    assert fit_shift_scale(r, "ngram", rates, torch.full((3,), 0.1), 8) == 4.0
+    acc = torch.tensor([[0.6, 0.3]])  # columns in r.drafts order
+    _, k_before = r.speedups(acc)
+    at_8_before = r.speed_table(acc, torch.tensor([8.0]), 8)
+    r.costs["ngram"]["verify_shift_scale"] = 0.0
+    _, k_after = r.speedups(acc)
+    assert int(k_after[0, r.drafts.index("ngram")]) == 8 > int(k_before[0, r.drafts.index("ngram")])
+    torch.testing.assert_close(r.speed_table(acc, torch.tensor([8.0]), 8), at_8_before)  # a full batch: the step model

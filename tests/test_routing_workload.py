@@ -572,3 +572,36 @@ def test_the_held_out_oracle_times_each_rounds_pick_on_that_round_alone():
     assert workload_eval.round_name("suffix", 0) == "suffix" and workload_eval.round_name("r/suffix", 2) == "r/suffix#2"
     assert workload_eval.round_name("base", 1, {"suffix": "suffix"}) == "base"
 
+
+
+@pytest.mark.unit
+def test_train_router_scales_each_drafters_wider_verify_from_rows_at_a_second_k(tmp_path, capsys):
+    """Rows of `ngram` at K = 8 that measured more speedup than the step model predicts give it a
+    verify-shift scale below 1 (not `model`, collected at K = 4 only); curve rows at the collected
+    K or at two other K are refused; only the training prompts' rows count."""
+    from routing.dataset import second_k
+
+    acc = {"code": {"ngram": 0.6, "model": 0.5}, "chat": {"ngram": 0.2, "model": 0.6}}
+    data = _collected(tmp_path / "rows.jsonl", {"code": CODE[:8], "chat": CHAT[:8]}, acc)
+    test = _collected(tmp_path / "test.jsonl", {"code": CODE[8:], "chat": CHAT[8:]}, acc, start=8)
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    curve = [r | {"k": 8, "speedup": 3.0} for r in rows if r["draft"] == "ngram"]
+    k8 = tmp_path / "k8.jsonl"
+    k8.write_text("".join(json.dumps(r) + "\n" for r in curve))
+    prompts = {r["prompt_id"] for r in rows}
+    got = second_k([str(data)], [str(k8)], prompts, 4)
+    assert set(got) == {"ngram"} and got["ngram"]["k"] == 8 and len(got["ngram"]["prompts"]) == 16
+    assert len(second_k([str(data)], [str(k8)], {"code/0"}, 4)["ngram"]["prompts"]) == 1
+    with pytest.raises(ValueError, match=r"K \[4\]"):
+        second_k([str(data)], [str(data)], prompts, 4)
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text(k8.read_text() + json.dumps(curve[0] | {"k": 6, "prompt_id": "x"}) + "\n")
+    with pytest.raises(ValueError, match=r"K \[6, 8\]"):
+        second_k([str(data)], [str(mixed)], prompts | {"x"}, 4)
+    cfg = RouterTrainConfig(data=[str(data)], test_data=[str(test)], curve_data=[str(k8)], objective="speedup",
+                            output=str(tmp_path / "r"))  # fmt: skip
+    cfg.mlp.epochs = 20
+    train(cfg)
+    router = Router.load(tmp_path / "r" / "router.pt")
+    assert router.costs["ngram"]["verify_shift_scale"] < 1 and "verify_shift_scale" not in router.costs["model"]
+    assert router.info["curve_data"] == [str(k8)] and "ngram's wider verify weighed x" in capsys.readouterr().out
