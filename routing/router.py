@@ -55,8 +55,9 @@ unscaled model predicted ``ngram`` at K = 8 at 1.63x where the 60 training promp
 (1.68x at K = 4), while the geometric curve over-predicted its draft tokens accepted per call at
 K = 8 (1.82 against 1.64 measured): the error was the width's cost. The step table has a 9-token
 verify at 1.32 one-token steps; the rows' own verify steps at K = 8 (median 103 ms for ``ngram``)
-cost no more than the target's one-token steps in the same run (106 ms). Fitted scales: ``ngram``
-0.02, ``suffix`` 0.05 (``scripts/experiments/second_k_check.py``, tenth session). On the test split
+cost no more than the target's one-token steps in the same run (106 ms)
+(``scripts/experiments/second_k_check.py``, tenth session). train-router fitted the scales ``ngram``
+0.02 and ``suffix`` 0.05. On the test split
 that router ran ``ngram`` and ``suffix`` at K = 8, as their fixed-K runs favoured, but also chose them
 over the 0.5B on code, where the training prompts had measured ``suffix`` at K = 8 ahead (1.73x
 against 1.61x) and the test prompts did not (1.29x against 1.70x): 2.01x against 2.04x for the

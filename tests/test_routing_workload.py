@@ -552,7 +552,13 @@ def test_the_load_bench_pairs_routed_with_the_best_fixed_policy_round_by_round()
     assert s["tokens_per_s"]["routed+goodput"] == pytest.approx(220 / 30)
     assert s["routed_vs_best_fixed"] == pytest.approx(220 / 220)
     assert s["routed_vs_best_fixed_per_round"] == pytest.approx([1.1, 0.9])
-    assert s["routed_choices"] == {"ngram": 2} and s["identical_to_none"]["suffix@1"] == 1
+    assert s["routed_choices"] == {"ngram": 2} and s["identical_to_reference"]["suffix@1"] == 1 and s["identity_reference"] == NONE
+    # without the target alone, answers are checked against the first policy's (not counted as all differing)
+    del results["none"]
+    s = bench.summarize(results, list(results))
+    assert s["identity_reference"] == "suffix@1" and s["identical_to_reference"] == {"ngram+goodput": 1, "routed+goodput": 1}
+    md = bench.markdown({"command": "c", "summary": s | {"fallbacks_total": 0}})
+    assert "identical to suffix@1" in md and "| suffix@1 | 7.33 | - | 0 |" in md
 
 
 

@@ -132,8 +132,10 @@ def summarize(results: dict[str, list[dict]], policies: list[str]) -> dict:
     best = max(fixed, key=lambda p: tps[p]) if fixed else None
     routed = max((p for p in policies if parse_policy(p)[0] == "routed"), key=lambda p: tps[p], default=None)
     texts = {p: {row["prompt_id"]: row["text"] for r in rs for row in r["rows"]} for p, rs in results.items()}
-    ref = texts.get("none", {})
-    identical = {p: sum(ref.get(i) == t for i, t in ts.items()) for p, ts in texts.items() if p != "none"}
+    # Greedy answers must equal the target alone's; without a `none` run, the first policy's.
+    reference = "none" if "none" in texts else next(iter(texts), None)
+    ref = texts.get(reference, {})
+    identical = {p: sum(ref.get(i) == t for i, t in ts.items()) for p, ts in texts.items() if p != reference}
     choices: dict[str, int] = {}
     for r in results.get(routed, []):
         for row in r["rows"]:
@@ -145,15 +147,17 @@ def summarize(results: dict[str, list[dict]], policies: list[str]) -> dict:
     return {"tokens_per_s": tps, "best_fixed": best, "best_routed": routed,
             "routed_vs_best_fixed": tps[routed] / tps[best] if best and routed else None,
             "routed_vs_best_fixed_per_round": per_round,
-            "identical_to_none": identical, "answers": {p: len(ts) for p, ts in texts.items()}, "routed_choices": choices,
+            "identity_reference": reference, "identical_to_reference": identical, "answers": {p: len(ts) for p, ts in texts.items()}, "routed_choices": choices,
             "errors": {p: sum(r["errors"] for r in rs) for p, rs in results.items()}}  # fmt: skip
 
 
 def markdown(report: dict) -> str:
     s = report["summary"]
-    lines = [f"`{report['command']}`", "", "| policy | tok/s | identical to none | errors |", "|---|---|---|---|"]
+    reference = s.get("identity_reference", "none")
+    identical = s.get("identical_to_reference", s.get("identical_to_none", {}))  # the key before the reference could vary
+    lines = [f"`{report['command']}`", "", f"| policy | tok/s | identical to {reference} | errors |", "|---|---|---|---|"]
     for p, v in s["tokens_per_s"].items():
-        ident = "-" if p == "none" else f"{s['identical_to_none'][p]}/{s['answers'][p]}"
+        ident = "-" if p == reference else f"{identical[p]}/{s['answers'][p]}"
         lines.append(f"| {p} | {v:.2f} | {ident} | {s['errors'][p]} |")
     if s["routed_vs_best_fixed"] is not None:
         lines += ["", f"Best routed ({s['best_routed']}) / best fixed ({s['best_fixed']}): {s['routed_vs_best_fixed']:.3f}. Router's choices: "
