@@ -409,6 +409,7 @@ def test_full_queue_429_disconnect_frees_slot_and_timeout(router_file):
     srv = LiveServer([f"router={router_file}", "engine.max_len=512", "engine.max_batch_size=1", "queue_limit=0", "warmup=false"])
     try:
         srv.wait_ready()
+        # Greedy throughout: sampled, the random tiny model ends "hi" at EOS after one token now and then.
         long = dict(model=srv.model, prompt="hi", max_tokens=480, temperature=0, extra_body={"draft": "none"})  # no EOS
         stream = srv.client.completions.create(stream=True, **long)
         next(iter(stream))  # it holds the slot now
@@ -421,7 +422,7 @@ def test_full_queue_429_disconnect_frees_slot_and_timeout(router_file):
             assert time.time() < deadline, "the disconnected request kept its slot"
             time.sleep(0.05)
         assert srv.metrics()[("choral_finished_requests_total", (("reason", "cancelled"),))] == 1
-        assert srv.client.completions.create(model=srv.model, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+        assert srv.client.completions.create(model=srv.model, prompt="hi", max_tokens=2, temperature=0).usage.completion_tokens == 2
 
         # A non-streaming client that gives up is noticed too: its request is cancelled.
         impatient = srv.client.with_options(timeout=0.3)  # the 480 steps take far longer
@@ -441,7 +442,7 @@ def test_full_queue_429_disconnect_frees_slot_and_timeout(router_file):
             # The same no-EOS request, streamed: a chat answer may end at EOS within the 50 ms.
             list(srv.client.completions.create(**long, stream=True))
         srv.app.state.server.cfg.request_timeout_s = 60
-        assert srv.client.completions.create(model=srv.model, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+        assert srv.client.completions.create(model=srv.model, prompt="hi", max_tokens=2, temperature=0).usage.completion_tokens == 2
     finally:
         srv.stop()
 
