@@ -50,14 +50,19 @@ class Table:
         return None if self.prompt_tokens is None else self.prompt_tokens[idx]
 
 
-def load_table(paths: list[str], mode: str = "greedy") -> Table:
+def read_collected(paths: list[str], mode: str = "greedy") -> list[dict]:
+    """The rows of the collected files ``paths`` of one decoding ``mode`` ("all": every mode);
+    a missing file is an error naming it."""
     rows = []
     for path in paths:
         if not Path(path).is_file():
             raise FileNotFoundError(f"collected data {path} does not exist; run collect-router-data first")
         rows += read_rows(path)
-    if mode != "all":
-        rows = [r for r in rows if r["mode"] == mode]
+    return rows if mode == "all" else [r for r in rows if r["mode"] == mode]
+
+
+def load_table(paths: list[str], mode: str = "greedy") -> Table:
+    rows = read_collected(paths, mode)
     if not rows:
         raise ValueError(f"no rows with mode={mode!r} in {paths}; set mode to one that was collected (or all)")
     targets = {r["target"] for r in rows}
@@ -281,14 +286,8 @@ def second_k(paths: list[str], curve_paths: list[str], prompts: set[str], k: int
     {drafter: {"k": K2, "prompts": [ids], "rates": acceptance at k [P], "speedups": measured at K2
     [P], "prompt_tokens": [P] or None}}."""
     def usable(path_list: list[str]) -> dict[tuple[str, str], dict]:
-        out = {}
-        for path in path_list:
-            if not Path(path).is_file():
-                raise FileNotFoundError(f"collected data {path} does not exist; run collect-router-data first")
-            for r in read_rows(path):
-                if (mode == "all" or r["mode"] == mode) and r["draft"] != NONE and r["prompt_id"] in prompts:
-                    out[(r["prompt_id"], r["draft"])] = r
-        return out
+        return {(r["prompt_id"], r["draft"]): r for r in read_collected(path_list, mode)
+                if r["draft"] != NONE and r["prompt_id"] in prompts}  # fmt: skip
 
     at_k, curve = usable(paths), usable(curve_paths)
     other = {int(r["k"]) for r in curve.values()}

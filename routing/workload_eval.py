@@ -85,7 +85,7 @@ def measure(routers: dict[str, Router], prompts: list[Prompt], *, max_new_tokens
     at_k, own = own_drafters(drafts, list(routers), extra_k, settings.k)
     # Model-free instances, shared ones included, as each round names them (round 0: their own names).
     instances = {**{d: ref for d, ref in drafts.items() if ref in HOST_DRAFTERS}, **own}
-    rounds = {round_name(n, r): kind for r in range(1, repeats) for n, kind in instances.items()}
+    rounds = {round_name(n, r, instances): kind for r in range(1, repeats) for n, kind in instances.items()}
     single = [*drafts, *at_k, NONE] if singles else [NONE]
     loaded = load_engine(settings, targets.pop(), drafts | own | rounds | {NONE: None})
     engine, tokenizer = loaded.engine, loaded.tokenizer
@@ -150,11 +150,11 @@ def own_drafters(drafts: dict[str, str], routed: list[str], extra_k: Sequence[in
     return at_k, own
 
 
-def round_name(drafter: str, r: int, instances: dict[str, str] | None = None) -> str:
+def round_name(drafter: str, r: int, instances: dict[str, str]) -> str:
     """The engine drafter a policy drafting with ``drafter`` uses in round ``r``: a model-free
-    instance (a name of ``instances``; all names when None) is fresh each round, ``NAME#r``; a draft
-    model and the target alone are the same every round."""
-    if r == 0 or (instances is not None and drafter not in instances):
+    instance (a name of ``instances``) is fresh each round, ``NAME#r``; a draft model and the
+    target alone are the same every round."""
+    if r == 0 or drafter not in instances:
         return drafter
     return f"{drafter}#{r}"
 

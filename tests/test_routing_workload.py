@@ -575,7 +575,8 @@ def test_the_held_out_oracle_times_each_rounds_pick_on_that_round_alone():
     # round 0: others say b (13.5 > 12) -> b's run 8; round 1: a (12 > 11) -> 12; round 2: a (12 > 10.5) -> 12
     assert workload_eval.held_out_oracle(row, ["a", "b"]) == pytest.approx(1.2)
     assert workload_eval.held_out_oracle({"tokens_per_s": {NONE: 1.0}, "runs": {"a": [1.0]}}, ["a"]) is None
-    assert workload_eval.round_name("suffix", 0) == "suffix" and workload_eval.round_name("r/suffix", 2) == "r/suffix#2"
+    own = {"suffix": "suffix", "r/suffix": "suffix"}
+    assert workload_eval.round_name("suffix", 0, own) == "suffix" and workload_eval.round_name("r/suffix", 2, own) == "r/suffix#2"
     assert workload_eval.round_name("base", 1, {"suffix": "suffix"}) == "base"
 
 

@@ -16,18 +16,17 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 from collections import defaultdict
 
 import torch
 
+from routing.dataset import read_collected
 from routing.router import Router, expected_tokens, per_token_acceptance, step_ms
 
 
 def rows_of(path: str) -> dict[tuple[str, str], dict]:
-    with open(path) as f:
-        return {(r["prompt_id"], r["draft"]): r for r in map(json.loads, f) if r["mode"] == "greedy"}
+    return {(r["prompt_id"], r["draft"]): r for r in read_collected([path], "greedy")}
 
 
 def main(argv: list[str] | None = None) -> None:
