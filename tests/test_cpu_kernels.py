@@ -228,8 +228,9 @@ def test_grad_enabled_input_falls_back():
 def test_bad_arguments():
     with pytest.raises(ValueError):
         prepare_for_cpu(_tiny(), kernel="int8")
-    with pytest.raises(ValueError):
-        prepare_for_cpu(_tiny(), token_counts=(1, 33), max_rows=16)
+    # k_buckets=[16] asks for a 17-token verify: the error names the largest K that fits and the fix.
+    with pytest.raises(ValueError, match=r"\[1, 17\] exceed max_rows=16.*K can be at most 15.*k_buckets"):
+        prepare_for_cpu(_tiny(), token_counts=(1, 17), max_rows=16)
 
 
 # ---- int8 drafts (W8A8) ------------------------------------------------------------------------

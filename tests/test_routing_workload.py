@@ -482,12 +482,18 @@ def test_pool_oracle_learns_the_family_rule_on_training_rows_and_scores_it_on_te
     # single drafter overall; per prompt, "a" wins c/1 and "b" the rest.
     test = (rows("c/1", "code", {NONE: 1.0, "a": 1.6, "b": 1.4}) + rows("c/2", "code", {NONE: 1.0, "a": 1.0, "b": 1.5})
             + rows("e/1", "edit", {NONE: 1.0, "a": 1.0, "b": 2.0}, differ=("a",)))  # fmt: skip
-    for name, data in (("train", train), ("test", test)):
+    # The training rows come in two files, as the pool at a second K does (each with its own none row):
+    # the rule needs both drafters to take "a" for code and "b" for edits.
+    files = {"train-a": [r for r in train if r["draft"] != "b"], "train-b": [r for r in train if r["draft"] != "a"],
+             "test": test}  # fmt: skip
+    for name, data in files.items():
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
-    assert pool_oracle.main(["--train", str(tmp_path / "train.jsonl"), "--test", str(tmp_path / "test.jsonl")]) == 0
+    argv = ["--train", str(tmp_path / "train-a.jsonl"), str(tmp_path / "train-b.jsonl"), "--test", str(tmp_path / "test.jsonl")]
+    assert pool_oracle.main(argv) == 0
     out = capsys.readouterr().out
     best, oracle, rule = (1.4 + 1.5 + 2.0) / 3, (1.6 + 1.5 + 2.0) / 3, (1.6 + 1.0 + 2.0) / 3
     assert "| code | 2 | 1.30 | 1.45 | 1.55 | 1.30 | a |" in out  # the rule took "a" for code from the training row
+    assert "| edit | 1 | 1.00 | 2.00 | 2.00 | 2.00 | b |" in out  # and "b" for edits, from the other file
     assert f"best single drafter: b ({best:.3f}); oracle / best single {oracle / best:.3f}" in out
     assert f"family rule / best single {rule / best:.3f}, {100 * rule / oracle:.1f}% of the oracle" in out
     assert "outputs differing from the target alone: 1 of 6" in out

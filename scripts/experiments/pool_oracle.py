@@ -5,6 +5,9 @@ prompts, applied to the held-out ones: what a router that only recognises the fa
     python scripts/experiments/pool_oracle.py --train runs/workload-int8/rows-trainval.jsonl \\
         --test runs/workload-int8/rows-test.jsonl
 
+Several files per side combine the same prompts' rows: the pool at several K (eleventh session,
+docs/experiments/router-workload.md).
+
 Reads the rows ``collect-router-data`` wrote (greedy rows, one per prompt and drafter, with the
 target alone as ``none``); speedups are the rows' own (tokens/s over the target alone on the same
 prompt, prefill included). Prints a markdown table and the pool's headline ratios: the oracle and the
@@ -26,25 +29,29 @@ from routing.router import NONE  # noqa: E402
 from routing.rows import read_rows  # noqa: E402
 
 
-def by_prompt(path: str, mode: str = "greedy") -> dict[tuple[str, str], dict[str, dict]]:
-    """(family, prompt id) -> drafter -> row."""
+def by_prompt(paths: list[str], mode: str = "greedy") -> dict[tuple[str, str], dict[str, dict]]:
+    """(family, prompt id) -> drafter -> row, over every file (drafters named apart, as in
+    ``'drafts={ngram8: ngram}'`` collected at ``engine.k=8``; each file's own ``none`` row is its
+    baseline, already divided into its rows' speedups)."""
     out: dict[tuple[str, str], dict[str, dict]] = collections.defaultdict(dict)
-    for row in read_rows(path):
-        if row.get("mode", "greedy") == mode:
-            out[(row["domain"], row["prompt_id"])][row["draft"]] = row
+    for path in paths:
+        for row in read_rows(path):
+            if row.get("mode", "greedy") == mode:
+                out[(row["domain"], row["prompt_id"])][row["draft"]] = row
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--train", required=True, help="rows of the training prompts (the family rule learns here)")
-    ap.add_argument("--test", required=True, help="rows of the held-out prompts (scored here)")
+    ap.add_argument("--train", required=True, nargs="+", help="rows of the training prompts (the family rule learns "
+                    "here); several files: the same prompts with other drafters, or at another K")
+    ap.add_argument("--test", required=True, nargs="+", help="rows of the held-out prompts (scored here)")
     args = ap.parse_args(argv)
     train, test = by_prompt(args.train), by_prompt(args.test)
     drafts = sorted({d for rows in test.values() for d in rows} - {NONE})
     complete = {key: rows for key, rows in test.items() if all(d in rows for d in (*drafts, NONE))}
     if not complete:
-        raise SystemExit(f"{args.test}: no prompt has a row for every drafter ({', '.join(drafts)}) and for none")
+        raise SystemExit(f"{' '.join(args.test)}: no prompt has a row for every drafter ({', '.join(drafts)}) and for none")
 
     fam_train: dict[str, dict[str, list[float]]] = collections.defaultdict(lambda: collections.defaultdict(list))
     for (family, _), rows in train.items():

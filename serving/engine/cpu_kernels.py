@@ -634,7 +634,11 @@ def prepare_for_cpu(
         kernel = "rowdot"
     counts = sorted({1, *token_counts})
     if max(counts) > max_rows:
-        raise ValueError(f"token_counts {counts} exceed max_rows={max_rows}")
+        # A step of K drafts verifies K + 1 tokens: name the setting that asked for the width.
+        raise ValueError(f"step widths {counts} exceed max_rows={max_rows}: the CPU kernels take steps of at most "
+                         f"{max_rows} tokens a sequence, so K can be at most {max_rows - 1} (engine.k, k_buckets, "
+                         f"request_k_max; a K of {max(counts) - 1} asked for {max(counts)}): lower the largest of "
+                         "k_buckets or set engine.cpu_kernels=false")  # fmt: skip
     model.eval().requires_grad_(False)
     targets = [(f"{prefix}.{name}" if prefix else name, parent, name, child)
                for prefix, parent in list(model.named_modules()) for name, child in list(parent.named_children())
