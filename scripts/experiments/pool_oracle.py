@@ -25,19 +25,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from routing.dataset import read_collected  # noqa: E402
 from routing.router import NONE  # noqa: E402
-from routing.rows import read_rows  # noqa: E402
 
 
 def by_prompt(paths: list[str], mode: str = "greedy") -> dict[tuple[str, str], dict[str, dict]]:
-    """(family, prompt id) -> drafter -> row, over every file (drafters named apart, as in
-    ``'drafts={ngram8: ngram}'`` collected at ``engine.k=8``; each file's own ``none`` row is its
-    baseline, already divided into its rows' speedups)."""
+    """(family, prompt id) -> drafter -> row, over every file (a missing one is an error; drafters
+    named apart, as in ``'drafts={ngram8: ngram}'`` collected at ``engine.k=8``; each file's own
+    ``none`` row is its baseline, already divided into its rows' speedups)."""
     out: dict[tuple[str, str], dict[str, dict]] = collections.defaultdict(dict)
-    for path in paths:
-        for row in read_rows(path):
-            if row.get("mode", "greedy") == mode:
-                out[(row["domain"], row["prompt_id"])][row["draft"]] = row
+    for row in read_collected(paths, mode):
+        out[(row["domain"], row["prompt_id"])][row["draft"]] = row
     return out
 
 

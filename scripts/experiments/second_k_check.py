@@ -22,7 +22,7 @@ from collections import defaultdict
 import torch
 
 from routing.dataset import read_collected
-from routing.router import Router, expected_tokens, per_token_acceptance, step_ms
+from routing.router import NONE, Router, expected_tokens, per_token_acceptance, step_ms
 
 
 def rows_of(path: str) -> dict[tuple[str, str], dict]:
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     router = Router.load(args.router)
     at_k, curve = rows_of(args.rows), rows_of(args.curve)
-    k2 = {int(r["k"]) for r in curve.values() if r["draft"] != "none"}.pop()
+    k2 = {int(r["k"]) for r in curve.values() if r["draft"] != NONE}.pop()
     kc = router.collected_k
     unscaled = copy.deepcopy(router)
     for c in unscaled.costs.values():
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"| drafter | family | prompts | measured K={kc} | measured K={k2} | predicted K={kc} | predicted K={k2} unscaled "
           f"| predicted K={k2} scaled | accepted/call K={k2} measured | geometric |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for d in sorted({d for _, d in curve} - {"none"}):
+    for d in sorted({d for _, d in curve} - {NONE}):
         ids = sorted(p for (p, name) in curve if name == d and (p, d) in at_k)
         fam = defaultdict(list)
         for i, p in enumerate(ids):

@@ -16,7 +16,7 @@ import argparse
 import json
 import statistics
 
-HOST = ("ngram", "suffix")
+from serving.engine.engine_settings import HOST_DRAFTERS
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -41,9 +41,9 @@ def main(argv: list[str] | None = None) -> None:
     best = summary["speedup"][summary["best_single"]]
     print(f"{name}: {summary['speedup'][name]:.3f}x; best single `{summary['best_single']}` {best:.3f}x; oracle {summary['oracle']:.3f}x")
     for kk in extra:
-        alt = [speed(row, f"{row['choice'][name]}@{kk}") if row["choice"][name] in HOST else speed(row, name) for row in rows]
+        alt = [speed(row, f"{row['choice'][name]}@{kk}") if row["choice"][name] in HOST_DRAFTERS else speed(row, name) for row in rows]
         mean = statistics.fmean(alt)
-        print(f"{name} with its {'/'.join(HOST)} choices at K = {kk}: {mean:.3f}x, {mean / best:.3f} of the best single, "
+        print(f"{name} with its {'/'.join(HOST_DRAFTERS)} choices at K = {kk}: {mean:.3f}x, {mean / best:.3f} of the best single, "
               f"{mean / summary['oracle']:.3f} of the oracle")  # fmt: skip
 
 
