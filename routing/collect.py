@@ -146,6 +146,8 @@ def collect(
     file, skipping rows already there. ``on_row`` is called after each row is durably written.
     Returns the file's path."""
     shard = shard or env_shard()
+    # The precisions that run, not "auto": each row records them.
+    cfg = dataclasses.replace(cfg, engine=cfg.engine.resolved(cfg.target))
     splits: dict[str, str] = {}
     prompts = load_sources(cfg, splits)
     if shard is not None:

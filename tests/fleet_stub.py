@@ -1,9 +1,11 @@
 """A stand-in for one vLLM replica, for the fleet front's tests where vLLM is not installed: the
 endpoints and metric names the front reads (``/health``, ``/v1/models``, ``/metrics`` with
 ``vllm:num_requests_running``/``waiting`` and, when it "drafts", ``vllm:spec_decode_num_drafts``),
-and completions whose text names the replica, one token per ``--delay`` seconds.
+and completions whose text names the replica, one token per ``--delay`` seconds. With ``--hold
+FILE`` every completion waits, once it is running, until FILE exists: a test decides when answers
+may finish instead of betting on how long they take.
 
-    python -m tests.fleet_stub --port 8101 --model /models/target --name plain [--spec] [--delay 0.01]
+    python -m tests.fleet_stub --port 8101 --model /models/target --name plain [--spec] [--delay 0.01] [--hold FILE]
 
 The real thing runs in the ``vllm`` test tier (tests/test_vllm_fleet.py).
 """
@@ -14,15 +16,20 @@ import argparse
 import asyncio
 import json
 import time
+from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 
-def create_app(model: str, name: str, spec: bool, delay: float) -> FastAPI:
+def create_app(model: str, name: str, spec: bool, delay: float, hold: str | None = None) -> FastAPI:
     app = FastAPI()
     state = {"running": 0, "served": 0}
+
+    async def held() -> None:
+        while hold is not None and not Path(hold).exists():
+            await asyncio.sleep(0.01)
 
     @app.get("/health")
     async def health():
@@ -63,6 +70,7 @@ def create_app(model: str, name: str, spec: bool, delay: float) -> FastAPI:
 
         if not body.get("stream"):
             try:
+                await held()
                 await asyncio.sleep(delay * n)
             finally:
                 state["running"] -= 1
@@ -72,6 +80,7 @@ def create_app(model: str, name: str, spec: bool, delay: float) -> FastAPI:
 
         async def events():
             try:
+                await held()
                 for i, w in enumerate(words):
                     await asyncio.sleep(delay)
                     chunk = {"id": "x", "object": f"{kind}.chunk", "created": 0, "model": model,
@@ -104,8 +113,9 @@ def main() -> None:
     ap.add_argument("--name", required=True)
     ap.add_argument("--spec", action="store_true")
     ap.add_argument("--delay", type=float, default=0.005)
+    ap.add_argument("--hold", default=None, help="completions wait until this file exists")
     a = ap.parse_args()
-    uvicorn.run(create_app(a.model, a.name, a.spec, a.delay), host="127.0.0.1", port=a.port, log_level="warning")
+    uvicorn.run(create_app(a.model, a.name, a.spec, a.delay, a.hold), host="127.0.0.1", port=a.port, log_level="warning")
 
 
 if __name__ == "__main__":

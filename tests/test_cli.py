@@ -14,7 +14,11 @@ def test_spec_generate_json_matches_target_greedy(model_dirs, tiny_target, token
     args = ["--target", str(model_dirs["target"]), "--draft", str(model_dirs["draft"]), "--prompt", "def add(a, b):",
             "--max-new-tokens", "12", "--k", "3", "--device", "cpu", "--json"]  # fmt: skip
     assert cli_generate.main(args) == 0
-    out = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    # A folder target keeps its weights; the line says so, and what "identical" is measured against.
+    assert f"target {model_dirs['target']}: fp32 on cpu with Choral's CPU kernels" in captured.err
+    assert "identical to the fp32 target decoding alone" in captured.err
     ids = tokenizer.encode("def add(a, b):")
     ref = tiny_target.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=2, pad_token_id=0)
     assert out["token_ids"] == ref[0, len(ids) :].tolist()
@@ -147,3 +151,31 @@ def test_spec_bench_with_ngram_compares_with_transformers_prompt_lookup(model_di
     report = json.loads((out / "bench.json").read_text())
     s = report["summary"]["all"]
     assert s["choral_identical"] == 1 and s["hf_identical"] == 1 and report["config"]["draft"] == "ngram"
+
+
+@pytest.mark.unit
+def test_auto_precision_is_q4_for_a_bundled_target_on_the_cpu_kernels_only():
+    """engine.target_weights=auto: the bundled GGUF target runs its own 4-bit groups where the CPU
+    kernels run, and every other target (a folder, another device or dtype) fp32; drafts follow
+    (q4 beside q4, int8 beside another target on the kernels, fp32 off them). Nothing loads."""
+    from serving.engine.cpu_kernels import rowdot_available
+    from serving.engine.engine_settings import EngineSettings
+
+    bundled, folder = "qwen2.5-coder-1.5b-instruct", "/models/my-target"
+    kernels = rowdot_available()  # the C++ kernel builds wherever the tests run with a compiler
+    s = EngineSettings().resolved(bundled, device="cpu")
+    assert (s.target_weights, s.draft_weights) == (("q4", "q4") if kernels else ("fp32", "fp32"))
+    s = EngineSettings().resolved(folder, device="cpu")
+    assert (s.target_weights, s.draft_weights) == ("fp32", "int8" if kernels else "fp32")
+    for off in (dict(cpu_kernels=False), dict(dtype="bfloat16"), dict(compile_backend="inductor")):
+        s = EngineSettings(**off).resolved(bundled, device="cpu")
+        assert (s.target_weights, s.draft_weights) == ("fp32", "fp32"), off
+    s = EngineSettings().resolved(bundled, device="cuda")  # CUDA keeps dtype: no GPU needed to decide
+    assert (s.target_weights, s.draft_weights) == ("fp32", "fp32")
+    assert EngineSettings(target_weights="fp32").resolved(bundled, device="cpu").target_weights == "fp32"  # asked for
+    assert EngineSettings(draft_weights="int8").resolved(bundled, device="cpu").draft_weights == "int8"
+    line = EngineSettings().precision_line(bundled, device="cpu")
+    if kernels:
+        assert line.startswith(f"target {bundled}: q4 (the GGUF's 4-bit groups, W4A8) on cpu") and "identical to the q4 target" in line
+    line = EngineSettings(dtype="bfloat16").precision_line(bundled, device="cuda")
+    assert line.startswith(f"target {bundled}: bfloat16 on cuda") and "identical to the bfloat16 target decoding alone" in line

@@ -16,7 +16,7 @@ import pytest
 from routing.router import Router
 from serving.engine import EngineConfig, Request, SpeculativeEngine
 from serving.server.launch import free_port
-from tests.test_server import LiveServer
+from tests.test_server import LiveServer, StepGate
 
 pytestmark = pytest.mark.e2e
 
@@ -74,16 +74,20 @@ def test_serve_target_and_draft_roles_end_to_end(model_dirs, router_file):
         assert out.model_extra["choral"]["draft"] == "code" and out.model_extra["choral"]["target_calls"] >= 1
 
         # Mid-stream: the target dies after the first tokens; the stream ends with an error event.
+        # The draft node steps only when the gate lets it, so the stream cannot finish before the kill.
         reserve = draft.app.state.server.backend.reserve["none"]  # K + 1 of the largest K a request may draft
         budget = MAX_LEN - len(ids) - reserve - 1
+        gate = StepGate(draft.app.state.server.scheduler)
         stream = draft.client.completions.create(model=draft.model, prompt=prompt, max_tokens=budget, temperature=0,
                                                  stream=True, extra_body={"draft": "none"})  # fmt: skip
-        received = []
+        gate.allow(1)
+        chunks = iter(stream)
+        received = [next(chunks).choices[0].text]
+        target.kill()
+        gate.open()
         with pytest.raises(openai.APIError, match="(?i)target.*unavailable"):
-            for chunk in stream:
+            for chunk in chunks:
                 received.append(chunk.choices[0].text)
-                if len(received) == 1:
-                    target.kill()
         assert 0 < len(received) < budget
         with pytest.raises(openai.APIStatusError) as e:  # while it is down: 503, naming the address
             draft.client.completions.create(model=draft.model, prompt=prompt, max_tokens=8, temperature=0)

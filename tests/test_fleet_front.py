@@ -36,11 +36,11 @@ def free_port() -> int:
 class Stub:
     """One stand-in replica in its own process (so a test can kill it)."""
 
-    def __init__(self, model: str, name: str, spec: bool, delay: float = 0.002) -> None:
+    def __init__(self, model: str, name: str, spec: bool, delay: float = 0.002, hold: Path | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [sys.executable, "-m", "tests.fleet_stub", "--port", str(self.port), "--model", model, "--name", name,
-                "--delay", str(delay)] + (["--spec"] if spec else [])  # fmt: skip
+                "--delay", str(delay)] + (["--spec"] if spec else []) + (["--hold", str(hold)] if hold else [])  # fmt: skip
         self.proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 60
         while True:
@@ -54,6 +54,18 @@ class Stub:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait(10)
+
+    def running(self) -> int:
+        """Completions the replica has running now (its vllm:num_requests_running)."""
+        text = urllib.request.urlopen(f"{self.url}/metrics", timeout=10).read().decode()
+        return int(float(next(line.split()[-1] for line in text.splitlines() if line.startswith("vllm:num_requests_running"))))
+
+    def wait_running(self, n: int, timeout: float = 60.0) -> None:
+        """Wait for the event (n completions running here), not for a guess at how long it takes."""
+        deadline = time.time() + timeout
+        while self.running() < n:
+            assert self.proc.poll() is None and time.time() < deadline, f"{n} requests never ran on {self.url}"
+            time.sleep(0.02)
 
 
 def write_fleet(path: Path, model: str, pools: list[dict], **extra) -> Path:
@@ -265,10 +277,12 @@ def test_the_front_routes_streams_forces_and_counts_per_pool(model_dirs, fleet_r
 @pytest.mark.e2e
 def test_a_killed_replica_fails_only_its_requests_and_traffic_moves_on(model_dirs, fleet_router, tmp_path):
     model = str(model_dirs["target"])
-    plain, spec = Stub(model, "plain", spec=False, delay=0.02), Stub(model, "spec", spec=True, delay=0.02)
+    # The spec replica's answers never finish (its hold file is never made): it dies mid-request
+    # whatever the machine's speed.
+    plain, spec = Stub(model, "plain", spec=False, delay=0.02), Stub(model, "spec", spec=True, hold=tmp_path / "never")
     fleet = write_fleet(tmp_path / "fleet.yaml", model, [{"name": "plain", "replicas": [plain.url]},
                                                         spec_pool("spec", [spec.url], max_inflight=16)])  # fmt: skip
-    srv = front(fleet, fleet_router, "request_timeout_s=30")
+    srv = front(fleet, fleet_router, "request_timeout_s=120")
     try:
         c = srv.client
 
@@ -287,9 +301,9 @@ def test_a_killed_replica_fails_only_its_requests_and_traffic_moves_on(model_dir
         jobs = [("spec", i % 2 == 0) for i in range(6)] + [("plain", i % 2 == 0) for i in range(4)]
         with ThreadPoolExecutor(len(jobs)) as pool:
             futures = [pool.submit(run, j) for j in jobs]
-            time.sleep(1.0)  # every request is generating (150 tokens x 20 ms = 3 s)
+            spec.wait_running(6)  # every spec request is on its replica
             spec.kill()
-            results = [f.result(timeout=30) for f in futures]  # none hangs
+            results = [f.result(timeout=120) for f in futures]  # none hangs
         assert results[6:] == ["ok"] * 4, results  # the plain pool's requests are untouched
         assert all(r.startswith("error:") for r in results[:6]), results
         assert any("failed mid-request" in r for r in results[:6]), results
@@ -311,7 +325,8 @@ def test_a_killed_replica_fails_only_its_requests_and_traffic_moves_on(model_dir
 @pytest.mark.e2e
 def test_a_saturated_pool_sends_the_request_to_the_next(model_dirs, fleet_router, tmp_path):
     model = str(model_dirs["target"])
-    plain, spec = Stub(model, "plain", spec=False), Stub(model, "spec", spec=True, delay=0.02)
+    release = tmp_path / "release"  # the spec replica's one request runs until the test makes this file
+    plain, spec = Stub(model, "plain", spec=False), Stub(model, "spec", spec=True, hold=release)
     fleet = write_fleet(tmp_path / "fleet.yaml", model, [{"name": "plain", "replicas": [plain.url]},
                                                         spec_pool("spec", [spec.url], max_inflight=1)])  # fmt: skip
     srv = front(fleet, fleet_router)
@@ -321,8 +336,11 @@ def test_a_saturated_pool_sends_the_request_to_the_next(model_dirs, fleet_router
 
         with ThreadPoolExecutor(2) as pool:
             first = pool.submit(run, 0)
-            time.sleep(0.3)
-            second = run(1)
+            try:
+                spec.wait_running(1)  # the spec pool is at its max_inflight
+                second = run(1)
+            finally:
+                release.touch()
         assert first.result()["pool"] == "spec"
         assert second["pool"] == "plain" and second["fallback"] == [{"pool": "spec", "reason": "saturated"}]
     finally:

@@ -74,6 +74,59 @@ class LiveServer:
         self.thread.join(30)
 
 
+class StepGate:
+    """Holds a live server's scheduler thread before each engine step until the test lets steps
+    through: what a test asserts about a running request (it holds its slot, it outlives a
+    client's timeout) then does not depend on how fast this machine makes tokens. It also counts
+    the requests and client aborts that reached the scheduler, so a test waits for those events
+    instead of sleeping."""
+
+    def __init__(self, scheduler) -> None:
+        self._cond = threading.Condition()
+        self._permits, self._free = 0, False
+        self.held = self.submits = self.aborts = 0
+        step, submit, abort = scheduler._step, scheduler.submit, scheduler.abort
+
+        def gated_step(key):
+            with self._cond:
+                self.held += 1
+                self._cond.notify_all()
+                self._cond.wait_for(lambda: self._free or self._permits > 0)
+                if not self._free:
+                    self._permits -= 1
+            step(key)
+
+        def counting(call, name):
+            def counted(ticket):
+                call(ticket)
+                with self._cond:
+                    setattr(self, name, getattr(self, name) + 1)
+                    self._cond.notify_all()
+            return counted
+
+        scheduler._step = gated_step
+        scheduler.submit, scheduler.abort = counting(submit, "submits"), counting(abort, "aborts")
+
+    def allow(self, steps: int = 1) -> None:
+        with self._cond:
+            self._permits += steps
+            self._cond.notify_all()
+
+    def open(self) -> None:
+        with self._cond:
+            self._free = True
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._free = False
+
+    def wait(self, condition, what: str, timeout: float = 60.0) -> None:
+        """Wait for ``condition(gate)``; the timeout only guards against a hang."""
+        with self._cond:
+            assert self._cond.wait_for(lambda: condition(self), timeout), f"waited {timeout:g} s for {what}"
+
+
 @pytest.fixture(scope="module")
 def router_file(model_dirs, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("router") / "router.pt"
@@ -405,44 +458,72 @@ def test_load_test_script_has_no_lost_or_malformed_responses(live, tmp_path):
 @pytest.mark.e2e
 def test_full_queue_429_disconnect_frees_slot_and_timeout(router_file):
     """One slot, no queue: a second request while the first runs gets 429; closing the first
-    stream cancels it and frees the slot; a request past its timeout gets a clean error."""
+    stream cancels it and frees the slot; a request past its timeout gets a clean error. The
+    engine steps only when the test lets it (StepGate), so none of this races the machine."""
     srv = LiveServer([f"router={router_file}", "engine.max_len=512", "engine.max_batch_size=1", "queue_limit=0", "warmup=false"])
     try:
         srv.wait_ready()
+        gate = StepGate(srv.app.state.server.scheduler)
         # Greedy throughout: sampled, the random tiny model ends "hi" at EOS after one token now and then.
         long = dict(model=srv.model, prompt="hi", max_tokens=480, temperature=0, extra_body={"draft": "none"})  # no EOS
-        stream = srv.client.completions.create(stream=True, **long)
-        next(iter(stream))  # it holds the slot now
-        with pytest.raises(openai.RateLimitError) as info:
-            srv.client.completions.create(model=srv.model, prompt="hi", max_tokens=2, extra_body={"draft": "none"})
+        short = dict(model=srv.model, prompt="hi", max_tokens=2, temperature=0)
+        stream = srv.client.completions.create(stream=True, **long)  # admitted: the answer's headers are out
+        gate.allow(1)  # one step: the first token
+        next(iter(stream))  # it holds the slot now, and cannot finish: no step runs until the gate lets it
+        with ThreadPoolExecutor(1) as pool:
+            submits = gate.submits
+            second = pool.submit(srv.client.completions.create, **short, extra_body={"draft": "none"})
+            gate.wait(lambda g: g.submits > submits, "the second request to reach the scheduler")
+            gate.allow(1)  # one more step of the first; the scheduler then takes up the second
+            with pytest.raises(openai.RateLimitError) as info:
+                second.result()
         assert info.value.body["code"] == "queue_full" and "queue_limit" in info.value.body["message"]
         stream.close()
+        gate.wait(lambda g: g.aborts == 1, "the closed stream's abort")
+        gate.open()
         deadline = time.time() + 20
         while srv.metrics()[("choral_running_requests", ())] != 0:
             assert time.time() < deadline, "the disconnected request kept its slot"
             time.sleep(0.05)
         assert srv.metrics()[("choral_finished_requests_total", (("reason", "cancelled"),))] == 1
-        assert srv.client.completions.create(model=srv.model, prompt="hi", max_tokens=2, temperature=0).usage.completion_tokens == 2
+        assert srv.client.completions.create(**short).usage.completion_tokens == 2
 
-        # A non-streaming client that gives up is noticed too: its request is cancelled.
-        impatient = srv.client.with_options(timeout=0.3)  # the 480 steps take far longer
+        # A non-streaming client that gives up is noticed too: its request is cancelled. With the
+        # gate closed no step runs, so the request is certain to outlive the client's timeout.
+        gate.close()
+        impatient = srv.client.with_options(timeout=0.3)
         with pytest.raises(openai.APITimeoutError):
             impatient.completions.create(**long)
+        gate.wait(lambda g: g.aborts == 2, "the abandoned request's abort")
+        gate.open()
         deadline = time.time() + 20
         while srv.metrics()[("choral_finished_requests_total", (("reason", "cancelled"),))] != 2:
             assert time.time() < deadline, "the abandoned non-streaming request was not cancelled"
             time.sleep(0.05)
         assert srv.metrics()[("choral_running_requests", ())] == 0
 
+        # Past request_timeout_s: each request is held at its first step until its time is up.
         srv.app.state.server.cfg.request_timeout_s = 0.05
-        with pytest.raises(openai.APIStatusError) as info:
-            srv.client.completions.create(**long)
-        assert info.value.status_code == 504 and "request_timeout_s" in info.value.body["message"]
-        with pytest.raises(openai.APIError, match="request_timeout_s"):
-            # The same no-EOS request, streamed: a chat answer may end at EOS within the 50 ms.
-            list(srv.client.completions.create(**long, stream=True))
+        for streamed in (False, True):
+            gate.close()
+            held = gate.held
+            with ThreadPoolExecutor(1) as pool:
+                if streamed:  # the same no-EOS request, streamed: the error comes as an event
+                    answer = pool.submit(lambda: list(srv.client.completions.create(**long, stream=True)))
+                else:
+                    answer = pool.submit(srv.client.completions.create, **long)
+                gate.wait(lambda g: g.held > held, "the request's first step")
+                time.sleep(0.1)  # past its 0.05 s (time only moves forward: no race)
+                gate.open()
+                if streamed:
+                    with pytest.raises(openai.APIError, match="request_timeout_s"):
+                        answer.result()
+                else:
+                    with pytest.raises(openai.APIStatusError) as info:
+                        answer.result()
+                    assert info.value.status_code == 504 and "request_timeout_s" in info.value.body["message"]
         srv.app.state.server.cfg.request_timeout_s = 60
-        assert srv.client.completions.create(model=srv.model, prompt="hi", max_tokens=2, temperature=0).usage.completion_tokens == 2
+        assert srv.client.completions.create(**short).usage.completion_tokens == 2
     finally:
         srv.stop()
 
@@ -475,16 +556,24 @@ def test_serve_names_a_missing_draft_with_the_router_file(model_dirs, tmp_path, 
     gone = tmp_path / "runs" / "code-draft" / "best"
     router = tmp_path / "router.pt"
     Router.create({"code": str(gone)}, str(model_dirs["target"])).save(router)
+    capsys.readouterr()  # the embedder's loading bar, when this test is the first to load it
     assert cli_serve.main(["--router", str(router)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(router) in err and "draft 'code'" in err and str(gone) in err and "does not exist" in err
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    # The minute of retries came from connections to the hub: offline, none may be attempted at all.
+    connections = []
+
+    def connect(sock, address):
+        connections.append(address)
+        raise OSError(f"this test allows no connection (to {address})")
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
     Router.create({"chat": "choral-tests/no-such-draft"}, str(model_dirs["target"])).save(router)
-    started = time.perf_counter()
     assert cli_serve.main(["--router", str(router)]) == 2
     err = capsys.readouterr().err
     assert "draft 'chat'" in err and "choral-tests/no-such-draft" in err and "HF_HUB_OFFLINE" in err
-    assert time.perf_counter() - started < 5
+    assert connections == []
 
 
 @pytest.mark.e2e

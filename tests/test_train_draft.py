@@ -120,7 +120,9 @@ def run_cli(config: Path, *extra, wait=True):
 @pytest.mark.e2e
 def test_kill_and_resume_continues_step_count_and_optimizer(model_dirs, tmp_path):
     out = tmp_path / "killed"
-    config = tiny_config(model_dirs, out, train={"max_steps": 400, "batch_size": 4, "device": "cpu", "log_every": 1},
+    # max_steps far beyond what the run can reach before the kill, on any machine: the run is
+    # killed mid-way (at 400 steps a fast machine once could finish before the test saw step 6).
+    config = tiny_config(model_dirs, out, train={"max_steps": 10**6, "batch_size": 4, "device": "cpu", "log_every": 1},
                          eval={"every": 1000, "prompts": 2, "max_new_tokens": 4, "engine": {"k": 2}},
                          output={"dir": str(out), "save_every": 3})  # fmt: skip
     proc = run_cli(config, wait=False)

@@ -30,6 +30,7 @@ import time
 import uuid
 from concurrent import futures
 from dataclasses import dataclass, field
+from typing import Callable
 
 import grpc
 import torch
@@ -112,7 +113,9 @@ class VerifyService(verify_pb2_grpc.VerifierServicer):
         k_max: int = 8,
         session_timeout_s: float = 300.0,
         batch_window_ms: float = 2.0,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        """``clock``: what a session's idle time is measured on (a test passes a clock it moves)."""
         max_pos = getattr(target.config, "max_position_embeddings", None) or 2048
         max_len = max_len or min(2048, max_pos)
         if max_len > max_pos:
@@ -120,7 +123,7 @@ class VerifyService(verify_pb2_grpc.VerifierServicer):
         if max_batch_size < 1 or k_max < 1:
             raise ValueError(f"max_batch_size={max_batch_size} and k_max={k_max} must be >= 1")
         self.name, self.max_len, self.k_max, self.max_pos = name, max_len, k_max, max_pos
-        self.session_timeout_s, self.batch_window_s = session_timeout_s, batch_window_ms / 1e3
+        self.session_timeout_s, self.batch_window_s, self.clock = session_timeout_s, batch_window_ms / 1e3, clock
         self.B = max_batch_size
         self.runner = ModelRunner(target, batch_size=max_batch_size, max_len=max_len)
         self.vocab_size = self.runner.vocab_size
@@ -247,7 +250,7 @@ class VerifyService(verify_pb2_grpc.VerifierServicer):
                 rows += len(job.request.items)
 
     def _evict_idle(self) -> None:
-        now = time.perf_counter()
+        now = self.clock()
         for sid in [s for s, sess in self.sessions.items() if now - sess.last_used > self.session_timeout_s]:
             log.info("evicting session %s after %.0f s idle", sid, self.session_timeout_s)
             self._free_session(sid)
@@ -284,7 +287,7 @@ class VerifyService(verify_pb2_grpc.VerifierServicer):
         prompt = torch.tensor([list(r.prompt_ids)], dtype=torch.long, device=self.device)  # [1, L]
         first = prefill_first_token(self.runner, prompt, b, params, torch.tensor([r.u_first]))
         done = start_row(self.state, b, prompt[0], first, r.max_new_tokens)
-        self.sessions[r.session_id] = _Session(b, params, r.k_max, time.perf_counter())
+        self.sessions[r.session_id] = _Session(b, params, r.k_max, self.clock())
         return verify_pb2.OpenReply(
             first_token=first, done=done, instance_id=self.instance_id,
             target_ms=1e3 * (time.perf_counter() - started),
@@ -369,7 +372,7 @@ class VerifyService(verify_pb2_grpc.VerifierServicer):
         live = torch.zeros(B, dtype=torch.bool)
         params = [SamplingParams()] * B
         answer = []
-        now = time.perf_counter()
+        now = self.clock()
         for item, out, i in entries:
             error = self._check(item, k)
             if error:

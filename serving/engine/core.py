@@ -167,12 +167,15 @@ DRAFT_WEIGHTS = ("auto", "fp32", "int8", "q4")
 TARGET_WEIGHTS = ("fp32", "int8", "q4")
 
 
-def drafts_precision(draft_weights: str, *, applies: bool) -> str:
-    """The precision drafts run at: ``auto`` is int8 where the CPU kernels apply (CPU, fp32, no
-    quantize) and the C++ kernel builds, else fp32; another choice stands where they apply (where
-    they do not, ``use_cpu_kernels`` refuses int8 and q4) and is fp32 otherwise."""
+def drafts_precision(draft_weights: str, *, applies: bool, target_weights: str = "fp32") -> str:
+    """The precision drafts run at: ``auto`` is q4 beside a q4 target and int8 beside any other
+    where the CPU kernels apply (CPU, fp32, no quantize) and the C++ kernel builds, else fp32
+    (``scripts/experiments/profile_step.py --as-draft`` times the two); another choice stands
+    where they apply (where they do not, ``use_cpu_kernels`` refuses int8 and q4) and is fp32 otherwise."""
     if draft_weights == "auto":
-        return "int8" if applies and rowdot_available() else "fp32"
+        if not (applies and rowdot_available()):
+            return "fp32"
+        return "q4" if target_weights == "q4" else "int8"
     return draft_weights if applies else "fp32"
 
 
@@ -195,7 +198,7 @@ def use_cpu_kernels(
     them as W8A8 int8 (~2.5x cheaper steps; a draft's numerics never change the output, only how
     much of it is accepted), "q4" stores them in 4-bit groups: a GGUF draft's own Q4_K groups
     as ``target_weights`` q4 does, every other Linear rounded into groups (``q4_requantize``),
-    "auto" is int8 wherever the kernels apply and the C++ kernel builds, "fp32" keeps them as
+    "auto" is ``drafts_precision``'s choice beside ``target_weights``, "fp32" keeps them as
     they are (``own_draft_tensors``: see ``prepare_for_cpu``'s ``own_tensors``). ``target_weights``
     "int8" stores the ``models`` as W8A8 int8 too, "q4" keeps their 4-bit GGUF tensors in 4-bit
     groups (W4A8) and the rest in int8: their numerics change
@@ -206,7 +209,7 @@ def use_cpu_kernels(
         raise ValueError(f"draft_weights={draft_weights!r} must be one of {DRAFT_WEIGHTS}")
     applies = torch.device(device).type == "cpu" and resolve_dtype(dtype) == torch.float32 and quantize is None
     if draft_weights == "auto":
-        draft_weights = drafts_precision("auto", applies=applies)
+        draft_weights = drafts_precision("auto", applies=applies, target_weights=target_weights)
     if target_weights not in TARGET_WEIGHTS:
         raise ValueError(f"target_weights={target_weights!r} must be one of {TARGET_WEIGHTS}")
     if target_weights != "fp32" and not (applies and rowdot_available()):

@@ -21,6 +21,7 @@ Importing this module is cheap (no torch): a command parses and checks its setti
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Literal, Mapping
 
@@ -115,16 +116,19 @@ class EngineSettings:
     cpu_kernels: bool = field(default=True, metadata=doc(
         "on a CPU in fp32, Choral's batch-invariant kernels: verifying K+1 tokens costs about one, rows "
         "are bitwise identical (eager only: off while compile_backend is set)"))
-    target_weights: Literal["fp32", "int8", "q4"] = field(default="fp32", metadata=doc(
-        "the target's precision on Choral's CPU kernels: fp32 as loaded; int8 (W8A8 like int8 drafts: a "
-        "step reads about a quarter of the bytes); q4 (the GGUF's 4-bit tensors kept in their 4-bit groups, "
-        "W4A8, the rest int8). Integer sums keep every row batch-invariant, so greedy speculative output "
-        "equals that precision's target decoding alone (not the fp32 target's)"))
+    target_weights: Literal["auto", "fp32", "int8", "q4"] = field(default="auto", metadata=doc(
+        "the target's precision on Choral's CPU kernels. auto: q4 for a bundled GGUF target where the kernels "
+        "run (a CPU, float32), fp32 for any other target (a folder or hub model keeps its weights; CUDA and "
+        "Neuron run dtype); fp32: as loaded; int8: W8A8 like int8 drafts (a step reads about a quarter of "
+        "the bytes); q4: the GGUF's 4-bit tensors kept in their 4-bit groups, W4A8, the rest int8. Integer "
+        "sums keep every row batch-invariant, so greedy speculative output equals that precision's target "
+        "decoding alone (not the fp32 target's)"))
     draft_weights: Literal["auto", "fp32", "int8", "q4"] = field(default="auto", metadata=doc(
         "int8: drafts run as W8A8 int8 on the CPU kernels (~2.5x cheaper draft steps; the target keeps "
         "target_weights, so outputs are unchanged, only acceptance may move); q4: every Linear (whose inputs "
         "are whole groups of 32) in 4-bit groups (W4A8), a GGUF's own Q4_K groups kept, the other tensors rounded into groups as "
-        "llama.cpp's Q4_1 (a cheaper step again, acceptance may move); auto: int8 wherever the CPU kernels run"))
+        "llama.cpp's Q4_1 (a cheaper step again, acceptance may move); auto: q4 beside a q4 target, int8 "
+        "beside any other target where the CPU kernels run, fp32 elsewhere"))
     weights_cache: bool = field(default=True, metadata=doc(
         "keep each loaded model's int8/q4 conversion under CHORAL_HOME/prepared (keyed by the weights' "
         "content) and load it next time instead of converting again (the q4 1.5B target: about a minute)"))
@@ -196,7 +200,7 @@ class EngineSettings:
             raise ValueError(f"draft_confidence={self.draft_confidence} must be in [0, 1] (or null)")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads={self.threads} must be >= 1 (or null for torch's default)")
-        if self.target_weights != "fp32" and (not self.uses_cpu_kernels or self.dtype != "float32" or self.quantize):
+        if self.target_weights in ("int8", "q4") and (not self.uses_cpu_kernels or self.dtype != "float32" or self.quantize):
             raise ValueError(f"target_weights={self.target_weights} runs on Choral's CPU kernels from an fp32 model: set "
                              "cpu_kernels=true, compile_backend=null, dtype=float32 and quantize=null, or "
                              "target_weights=fp32")  # fmt: skip
@@ -210,19 +214,59 @@ class EngineSettings:
         still apply only on a CPU in fp32 without quantize)."""
         return self.cpu_kernels and self.compile_backend is None
 
-    def drafts_weights(self, device: torch.device | None = None) -> str:
-        """The precision drafts run at: ``draft_weights`` with ``auto`` resolved as ``load_engine``
-        resolves it (int8 where the CPU kernels apply and build, else fp32). What collected rows and
-        served logs record beside ``target_weights``: a draft's step cost and acceptance depend on it."""
+    def cpu_kernels_apply(self, device: torch.device | None = None) -> bool:
+        """Whether Choral's CPU kernels run under these settings on ``device``: asked for (eager), a
+        CPU, float32, no quantize."""
         import torch
 
-        from serving.engine.core import drafts_precision
         from serving.engine.devices import resolve_device, resolve_dtype
 
         device = device if device is not None else resolve_device(self.device)
-        applies = (self.uses_cpu_kernels and torch.device(device).type == "cpu" and self.quantize is None
-                   and resolve_dtype(self.dtype) == torch.float32)  # fmt: skip
-        return drafts_precision(self.draft_weights, applies=applies)
+        return (self.uses_cpu_kernels and torch.device(device).type == "cpu" and self.quantize is None
+                and resolve_dtype(self.dtype) == torch.float32)  # fmt: skip
+
+    def resolved(self, target: str, device: torch.device | None = None) -> EngineSettings:
+        """These settings with ``target_weights`` and ``draft_weights`` saying what runs for
+        ``target``, never ``auto``: what every command runs, prints and records. A bundled GGUF target
+        runs q4 where the CPU kernels run (its own 4-bit groups: several times faster than fp32 on
+        these CPUs, and exact against itself); any other target fp32."""
+        if "auto" not in (self.target_weights, self.draft_weights):
+            return self
+        from serving.engine.bundled import is_bundled_name
+        from serving.engine.core import drafts_precision
+        from serving.engine.cpu_kernels import rowdot_available
+
+        applies = self.cpu_kernels_apply(device)
+        target_weights = self.target_weights
+        if target_weights == "auto":  # q4 needs the C++ kernel (use_cpu_kernels refuses it without)
+            target_weights = "q4" if applies and rowdot_available() and is_bundled_name(str(target)) else "fp32"
+        draft_weights = drafts_precision(self.draft_weights, applies=applies, target_weights=target_weights)
+        return dataclasses.replace(self, target_weights=target_weights, draft_weights=draft_weights)
+
+    def drafts_weights(self, device: torch.device | None = None) -> str:
+        """The precision drafts run at: ``draft_weights`` with ``auto`` resolved as ``load_engine``
+        resolves it (beside the target at ``target_weights``, ``auto`` there read as fp32: models
+        handed over already loaded keep their weights). What collected rows and served logs
+        record beside ``target_weights``: a draft's step cost and acceptance depend on it."""
+        from serving.engine.core import drafts_precision
+
+        target_weights = "fp32" if self.target_weights == "auto" else self.target_weights
+        return drafts_precision(self.draft_weights, applies=self.cpu_kernels_apply(device), target_weights=target_weights)
+
+    def precision_line(self, target: str, device: torch.device | None = None) -> str:
+        """One line saying what precision runs and what "identical" is measured against."""
+        from serving.engine.devices import resolve_device
+
+        device = device if device is not None else resolve_device(self.device)
+        s = self.resolved(target, device)
+        if s.cpu_kernels_apply(device):
+            what = {"q4": "q4 (the GGUF's 4-bit groups, W4A8)", "int8": "int8 (W8A8)", "fp32": "fp32"}[s.target_weights]
+            where, precision = f"{torch_device_type(device)} with Choral's CPU kernels", s.target_weights
+        else:
+            what = precision = s.quantize or s.dtype
+            where = torch_device_type(device)
+        return (f"target {target}: {what} on {where}, drafts {s.draft_weights}; greedy output is identical to the "
+                f"{precision} target decoding alone (set engine.target_weights to change)")
 
     def engine_config(self, *, draft: bool, device: torch.device | None = None, **changes) -> EngineConfig:
         """The ``EngineConfig`` of one engine; ``draft=False`` is the target alone (k=0).
@@ -280,6 +324,12 @@ class LoadedEngine:
     cpu_kernels: bool  # whether Choral's CPU kernels were installed
 
 
+def torch_device_type(device) -> str:
+    import torch
+
+    return torch.device(device).type
+
+
 def is_model_ref(ref: str | None) -> bool:
     return ref is not None and ref != NONE and ref not in HOST_DRAFTERS
 
@@ -302,6 +352,8 @@ def load_engine(
     from serving.engine.devices import resolve_device
 
     device = resolve_device(settings.device)
+    settings = settings.resolved(target, device)
+    print(settings.precision_line(target, device), file=sys.stderr, flush=True)
     drafting = any(ref is not None and ref != NONE for ref in drafters.values())
     config = settings.engine_config(draft=drafting, device=device)
     widths = config.step_widths if drafting else (1,)
@@ -378,8 +430,11 @@ def prepare_kernels(
 
     if not settings.uses_cpu_kernels:
         return False
+    # auto, unresolved here, is fp32: models handed over already loaded keep their weights
+    # (load_engine resolves auto for a target it loads by name first: EngineSettings.resolved).
+    target_weights = "fp32" if settings.target_weights == "auto" else settings.target_weights
     return use_cpu_kernels(
-        list(targets), drafts=list(drafts), draft_weights=settings.draft_weights, target_weights=settings.target_weights,
+        list(targets), drafts=list(drafts), draft_weights=settings.draft_weights, target_weights=target_weights,
         device=device if device is not None else resolve_device(settings.device),
         dtype=dtype if dtype is not None else settings.dtype, widths=tuple(sorted(set(widths))), quantize=settings.quantize,
         own_draft_tensors=own_draft_tensors, weights_cache=settings.weights_cache,

@@ -62,7 +62,8 @@ def _serve_target(cfg: ServeConfig) -> int:
         from routing.router import read_router_file
 
         target_ref = read_router_file(cfg.router)["target_ref"]
-    e = cfg.engine
+    e = cfg.engine.resolved(target_ref)
+    print(e.precision_line(target_ref), file=sys.stderr, flush=True)
     serve_target(
         target_ref, host=cfg.host, port=cfg.port, device=e.device, dtype=e.dtype,
         max_batch_size=e.max_batch_size, max_len=e.max_len, k_buckets=e.k_buckets,

@@ -107,6 +107,8 @@ def load_backend(cfg: ServeConfig) -> Backend:
     if cfg.router is None:
         raise ValueError(f"role={cfg.role} needs a router: pass --router router.pt (or router=... in the config)")
     router = Router.load(cfg.router, device="cpu")
+    # What runs, not "auto": the warnings below, the request log and /metrics name the same precision.
+    cfg.engine = cfg.engine.resolved(cfg.target_model or router.target_ref)
     trained_at = router.info.get("target_weights")
     if trained_at is not None and trained_at != cfg.engine.target_weights:
         log.warning("router %s was trained on rows collected with target_weights=%s, and this server runs the target "

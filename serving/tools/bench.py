@@ -34,7 +34,7 @@ from tqdm import tqdm
 from serving.cli import Command, Flag
 from serving.config import ConfigError
 from serving.engine import Request, SpeculativeEngine
-from serving.engine.cpu_kernels import rowdot_available, set_enabled
+from serving.engine.cpu_kernels import set_enabled
 from serving.engine.engine_settings import HOST_DRAFTERS, EngineSettings, load_models, prepare_kernels
 from serving.engine.models import load_model
 from serving.prompts import DOMAINS, encode_prompt, load_prompts, resolve_domains
@@ -312,7 +312,8 @@ def run(cfg: BenchConfig, args: argparse.Namespace, argv: list[str] | None = Non
         report["summary"] = {d: summarize(rows) for d, rows in report["rows"].items()}
         report["summary"]["all"] = summarize([r for rows in report["rows"].values() for r in rows])
         return write_report(report, out_dir)
-    e = cfg.engine
+    e = cfg.engine.resolved(cfg.target)  # what runs (auto: q4 for a bundled target on the CPU kernels)
+    print(e.precision_line(cfg.target), file=sys.stderr, flush=True)
     host = cfg.draft in HOST_DRAFTERS  # ngram or suffix: no draft model; HF's peer is prompt lookup
     tokenizer, target, drafts = load_models(e, cfg.target, [] if host else [cfg.draft])
     draft = e.k if host else drafts[cfg.draft]
@@ -338,7 +339,7 @@ def run(cfg: BenchConfig, args: argparse.Namespace, argv: list[str] | None = Non
         cpu_kernels = prepare_kernels(e, [target], [] if host else [choral_draft], every_k.step_widths)
     except ValueError as error:  # int8 drafts where the kernels do not apply
         raise ConfigError(f"engine.{error}") from None
-    draft_weights = e.draft_weights if e.draft_weights != "auto" else ("int8" if cpu_kernels and rowdot_available() else "fp32")
+    draft_weights = e.draft_weights if cpu_kernels else "fp32"
     hf_stock = cfg.hf_kernels == "stock"
 
     def engine(k: int) -> SpeculativeEngine:
