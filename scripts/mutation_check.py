@@ -166,7 +166,7 @@ def run_mutant(m: Mutant, tree: Path, timeout_s: float) -> tuple[str, float, str
     path.write_text(original.replace(m.old, m.new))
     started = time.perf_counter()
     try:
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *m.tests],
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", *m.tests],
                               cwd=tree, env=tree_env(tree), capture_output=True, text=True, timeout=timeout_s)  # fmt: skip
     except subprocess.TimeoutExpired:
         return "timeout", time.perf_counter() - started, ""
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="choral-mutants-") as tmp:
         tree = Path(tmp)
         copy_tree(tree)
-        baseline = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--co",
+        baseline = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "--co",
                                    "tests/test_distribution.py"], cwd=tree, env=tree_env(tree), capture_output=True)  # fmt: skip
         if baseline.returncode != 0:
             print("the copied tree does not collect its tests:\n" + baseline.stdout.decode()[-2000:])

@@ -22,6 +22,17 @@ CORPUS = [
 VOCAB = 384
 
 
+def pytest_configure(config):
+    """Under pytest-xdist each worker is one of ``-n`` processes on the same cores: one torch thread
+    each (and in the processes they start), or their thread pools spin against each other (a 4 s
+    test took 57 s at two workers of two threads on two cores)."""
+    import os
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _prepared_cache_in_a_temp_dir(tmp_path_factory):
     """Converted low-bit layers (serving.engine.weights_cache) go to a folder of this run, not to the

@@ -1,21 +1,29 @@
-"""Smoke test on the real bundled pair (Qwen2.5-Coder-1.5B target, 0.5B draft): fp32, greedy,
-2 prompts x 16 tokens, speculative output identical to the target alone. CI runs it and it must
-not skip: a missing ``choral[bundled]`` install fails here with the install hint."""
+"""Smoke test on the real bundled pair (Qwen2.5-Coder-1.5B target, 0.5B draft) at the defaults a
+new user gets on a CPU: the q4 target (the GGUF's own 4-bit groups) and the q4 draft, greedy,
+2 prompts x 16 tokens, speculative output identical to the same q4 target decoding alone, and
+``spec-generate`` with no precision flag saying so. CI runs it and it must not skip: a missing
+``choral[bundled]`` install fails here with the install hint."""
 
 import pytest
 
-from serving.engine import EngineConfig, Request, SpeculativeEngine
-from serving.engine.models import load_model, load_tokenizer
+from serving.engine import Request
+from serving.engine.cpu_kernels import rowdot_available
+from serving.engine.engine_settings import EngineSettings, load_engine
+from serving.tools import cli_generate
 
 pytestmark = pytest.mark.bundled
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 
 
-def test_bundled_pair_speculative_equals_target_alone():
-    tokenizer = load_tokenizer(TARGET)
-    target = load_model(TARGET)
-    draft = load_model(DRAFT)
+def test_bundled_pair_at_the_default_precision_equals_its_target_alone(capsys):
+    settings = EngineSettings(device="cpu", max_len=256, k=4)  # precisions left at auto
+    expected = "q4" if rowdot_available() else "fp32"
+    assert settings.resolved(TARGET).target_weights == expected
+    loaded = load_engine(settings, TARGET, {"draft": DRAFT, "none": None})
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"target {TARGET}: {expected}") and f"identical to the {expected} target decoding alone" in line
+    tokenizer, engine = loaded.tokenizer, loaded.engine
     prompts = [
         tokenizer.encode("def is_prime(n: int) -> bool:\n"),
         tokenizer.encode(
@@ -24,10 +32,16 @@ def test_bundled_pair_speculative_equals_target_alone():
             )
         ),
     ]
-    requests = [Request(p, max_new_tokens=16) for p in prompts]
-    alone = SpeculativeEngine(target, tokenizer, None, EngineConfig(max_len=256)).generate(requests)
-    spec = SpeculativeEngine(target, tokenizer, draft, EngineConfig(max_len=256, k=4)).generate(requests)
+    alone = engine.generate([Request(p, max_new_tokens=16, drafter="none") for p in prompts])
+    spec = engine.generate([Request(p, max_new_tokens=16, drafter="draft") for p in prompts])
     for a, s in zip(alone, spec):
         assert s.token_ids == a.token_ids, (a.text, s.text)
         assert len(a.token_ids) == 16 or a.finish_reason == "stop"
     assert sum(s.stats["accepted"] for s in spec) > 0  # the real draft is accepted at least sometimes
+
+    # The command a new user types: no precision flag, the same precision, and the same text.
+    args = ["--target", TARGET, "--prompt", "def is_prime(n: int) -> bool:\n", "--max-new-tokens", "16", "--device", "cpu"]
+    assert cli_generate.main(args) == 0
+    out = capsys.readouterr()
+    assert f"target {TARGET}: {expected}" in out.err
+    assert out.out.rstrip("\n") == alone[0].text.rstrip("\n")

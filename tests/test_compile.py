@@ -64,6 +64,7 @@ def test_decode_step_compiles_once_and_never_recompiles(tiny_target):
     assert int(state.lengths.min()) > 9
 
 
+@pytest.mark.slow  # each drafting path's warm-up traced anew: ~30 s a case; the mixed test below stays fast
 @pytest.mark.parametrize(
     "k, draft_confidence",
     [(3, None), (3, 0.0), (3, 1.0), ("auto", None)],
@@ -87,6 +88,7 @@ def test_warmup_compiles_every_shape_the_engine_uses(tiny_target, tokenizer, k, 
     assert all(o.token_ids for o in outs), "nothing was decoded, so nothing was checked"
 
 
+@pytest.mark.slow  # ~40 s of tracing; test_decode_step_compiles_once_... guards the fast tier
 def test_mixed_drafters_and_batch_buckets_compile_nothing_after_warmup(tiny_target, tokenizer):
     """Rows of a draft model, ``ngram``, ``prediction`` and ``none`` share steps at batch buckets 1,
     2 and 4 (a lone request, then four, then the last ones): after the warm-up, nothing compiles."""

@@ -358,6 +358,7 @@ def test_rows_on_amx_are_the_vector_rows_bit_for_bit(weights):
         ext.rowdot_amx(1)
 
 
+@pytest.mark.slow  # builds the AMX kernel
 @pytest.mark.integration
 def test_the_amx_path_compiles_on_any_machine():
     """The kernel's AMX code is compiled only where -march=native has AMX: this checks it (syntax and
@@ -521,6 +522,7 @@ def test_q4_linear_recovers_the_groups_and_is_the_w4a8_arithmetic(in_f, out_f, b
     assert cpu_kernels.q4_lattice(nn.Linear(in_f, out_f).weight) is None
 
 
+@pytest.mark.slow  # builds the kernel twice more (about two minutes)
 @pytest.mark.integration
 @needs_rowdot
 def test_q4_kernel_paths_agree_bit_for_bit():

@@ -98,7 +98,13 @@ SETTINGS = [
 ]
 
 
-@pytest.mark.parametrize("K, params", SETTINGS)
+def fast_one(cases, keep: int, ids=None):
+    """All cases for CI; only ``cases[keep]`` (the most general) in the developers' fast tier."""
+    return [pytest.param(*(c if isinstance(c, tuple) else (c,)), marks=() if i == keep else pytest.mark.slow,
+                         id=ids[i] if ids else None) for i, c in enumerate(cases)]  # fmt: skip
+
+
+@pytest.mark.parametrize("K, params", fast_one(SETTINGS, keep=3))
 def test_sampled_output_follows_target_distribution(K, params):
     p_table, q_table = tables(K)
     samples = speculative_samples(p_table, q_table, params, K, seed=100 + K)
@@ -114,7 +120,7 @@ STOPS = [
 ]
 
 
-@pytest.mark.parametrize("stop", STOPS, ids=["token-stop", "cumulative-stop", "mixed-k", "mixed-k-token-stop"])
+@pytest.mark.parametrize("stop", fast_one(STOPS, keep=3, ids=["token-stop", "cumulative-stop", "mixed-k", "mixed-k-token-stop"]))
 def test_early_stops_and_per_row_k_keep_the_target_distribution(stop):
     p_table, _ = tables(3)
     params = SamplingParams(temperature=1.0)
@@ -141,7 +147,7 @@ def point_mass_samples(p_table, params, K, seed, device="cpu"):
     return state.tokens[:, 2 : 2 + M].cpu()
 
 
-@pytest.mark.parametrize("K, params", SETTINGS[:3])
+@pytest.mark.parametrize("K, params", fast_one(SETTINGS[:3], keep=2))
 def test_point_mass_proposals_keep_the_target_distribution(K, params):
     p_table, _ = tables(10 + K)
     samples = point_mass_samples(p_table, params, K, seed=500 + K)
@@ -164,6 +170,7 @@ def reused_uniforms(generators, k_rows, k, device):
     return StepRandom(draft=rand.draft, accept=rand.draft.clone(), next=rand.next)
 
 
+@pytest.mark.slow  # the test's power against a known-bad acceptor: rarely changes
 def test_chi_square_catches_a_wrong_acceptor(monkeypatch):
     monkeypatch.setattr(speculative, "accept_reject", wrong_acceptor)
     K, params = 2, SamplingParams(temperature=1.0)
@@ -172,6 +179,7 @@ def test_chi_square_catches_a_wrong_acceptor(monkeypatch):
     assert p_value(samples, exact_distribution(p_table, 1, params)) < 1e-6
 
 
+@pytest.mark.slow  # the test's power against a known-bad acceptor: rarely changes
 def test_chi_square_catches_accept_tests_that_reuse_the_draft_uniforms(monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "step_uniforms", reused_uniforms)
     K, params = 3, SamplingParams(temperature=1.0)
@@ -180,6 +188,7 @@ def test_chi_square_catches_accept_tests_that_reuse_the_draft_uniforms(monkeypat
     assert p_value(samples, exact_distribution(p_table, 1, params)) < 1e-6
 
 
+@pytest.mark.slow  # the test's power against a known-bad acceptor: rarely changes
 def test_chi_square_catches_a_stop_that_drops_an_unlikely_draft_token(monkeypatch):
     """A drafting stop that looks at the drawn token (drop it, and stop, when the draft gave it
     less than 0.3) makes the proposal a truncated q while the accept rule still divides by q."""
@@ -208,6 +217,7 @@ def test_chi_square_catches_a_stop_that_drops_an_unlikely_draft_token(monkeypatc
     assert p_value(samples, exact_distribution(p_table, 1, params)) < 1e-6
 
 
+@pytest.mark.slow  # the test's power against a known-bad acceptor: rarely changes
 def test_chi_square_catches_a_wrong_acceptor_of_point_masses(monkeypatch):
     """With a model-free drafter, resampling a rejected point mass from p (not p without it)."""
     monkeypatch.setattr(speculative, "accept_reject", wrong_acceptor)

@@ -148,6 +148,7 @@ def test_kill_and_resume_continues_step_count_and_optimizer(model_dirs, tmp_path
     assert {float(s["step"]) for s in state["state"].values()} == {float(killed_at + 6)}
 
 
+@pytest.mark.slow  # two processes under accelerate's launcher
 @pytest.mark.e2e
 def test_two_processes_under_accelerate(model_dirs, tmp_path):
     out = tmp_path / "ddp"
@@ -280,6 +281,7 @@ def test_answers_only_trains_on_the_targets_answers(tmp_path, tokenizer):
     assert torch.load(tmp_path / "on_policy.pt") == rows
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_lora_trains_only_adapters_saves_plain_models_and_resumes(tmp_path, tokenizer):
     from transformers import AutoModelForCausalLM
