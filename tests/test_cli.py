@@ -179,3 +179,22 @@ def test_auto_precision_is_q4_for_a_bundled_target_on_the_cpu_kernels_only():
         assert line.startswith(f"target {bundled}: q4 (the GGUF's 4-bit groups, W4A8) on cpu") and "identical to the q4 target" in line
     line = EngineSettings(dtype="bfloat16").precision_line(bundled, device="cuda")
     assert line.startswith(f"target {bundled}: bfloat16 on cuda") and "identical to the bfloat16 target decoding alone" in line
+
+
+@pytest.mark.unit
+def test_eagle3_break_even_script_parses_its_arguments(capsys):
+    """scripts/experiments/eagle3_break_even.py (it times the real bundled models): its help, and a
+    run that names no tokens per call for the 0.5B is refused before anything loads."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "experiments" / "eagle3_break_even.py"
+    spec = importlib.util.spec_from_file_location("eagle3_break_even", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit) as e:
+        module.main(["--help"])
+    assert e.value.code == 0 and "tau" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        module.main(["--rounds", "1"])
+    assert e.value.code == 2 and "give --draft-tau TAU or --measure-tau N" in capsys.readouterr().err

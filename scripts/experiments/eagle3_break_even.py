@@ -6,7 +6,7 @@ Measured here, interleaved over ``--rounds`` (medians), each forward after a ``-
 prompt in a static cache, on Choral's CPU kernels:
 
 - the q4 target's one-token step (t1) and its (K+1)-token verify (tv);
-- the 0.5B draft's one-token step at its default precision beside a q4 target (d);
+- the 0.5B draft's one-token step at q4 (its default beside a q4 target: d) and at int8;
 - an EAGLE-3 head's step (h): one decoder layer of the target's shape with a ``--draft-vocab``
   LM head (random weights of the real shapes, prepared as a draft at int8 and at q4), plus the
   3H -> H projection of the three target features timed as a Linear of the same precision.
@@ -127,8 +127,11 @@ def main(argv: list[str] | None = None) -> dict:
     q4 = EngineSettings(device="cpu", target_weights="q4", draft_weights="q4").resolved(TARGET)
     _, target, _ = load_models(q4, TARGET)
     prepare_kernels(q4, [target], [], widths)
-    _, draft, _ = load_models(q4, DRAFT)
-    prepare_kernels(q4, [], [draft], widths)
+    drafts = {}
+    for weights in ("q4", "int8"):  # the draft's default beside a q4 target, and the other choice
+        s = EngineSettings(device="cpu", draft_weights=weights)
+        _, drafts[weights], _ = load_models(s, DRAFT)
+        prepare_kernels(s, [], [drafts[weights]], widths)
     heads = {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = head_proxy(target.config, args.draft_vocab, Path(tmp) / "head")
@@ -139,20 +142,21 @@ def main(argv: list[str] | None = None) -> dict:
             heads[weights] = head
     hidden = target.config.hidden_size
     runners = {"target": ModelRunner(target, batch_size=1, max_len=args.prefill + 16),
-               "draft": ModelRunner(draft, batch_size=1, max_len=args.prefill + 16)}
+               **{f"draft-{w}": ModelRunner(m, batch_size=1, max_len=args.prefill + 16) for w, m in drafts.items()}}
     runners |= {f"head-{w}": ModelRunner(m, batch_size=1, max_len=args.prefill + 16) for w, m in heads.items()}
     samples: dict[str, list[float]] = {}
     for r in range(args.rounds):  # interleaved: each round measures everything once
         print(f"round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
         samples.setdefault("t1", []).append(step_ms(runners["target"], 1, args.prefill, args.steps))
         samples.setdefault("tv", []).append(step_ms(runners["target"], k + 1, args.prefill, args.steps))
-        samples.setdefault("d", []).append(step_ms(runners["draft"], 1, args.prefill, args.steps))
+        for w in drafts:
+            samples.setdefault(f"d-{w}", []).append(step_ms(runners[f"draft-{w}"], 1, args.prefill, args.steps))
         for w in heads:
             layer = step_ms(runners[f"head-{w}"], 1, args.prefill, args.steps)
             samples.setdefault(f"h-{w}", []).append(layer + fc_ms(hidden, w, args.steps))
     ms = {name: statistics.median(v) for name, v in samples.items()}
     tau = args.draft_tau if args.draft_tau is not None else measure_tau(args.measure_tau, k, args.max_new_tokens)
-    t1, tv, d = ms["t1"], ms["tv"], ms["d"]
+    t1, tv, d = ms["t1"], ms["tv"], ms[f"d-{q4.draft_weights}"]
     draft_speedup = tau * t1 / (k * d + tv)
     rows = []
     for w in heads:
@@ -174,7 +178,8 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     (out / "break_even.json").write_text(json.dumps(record, indent=2))
     print(f"q4 target: one-token step {t1:.1f} ms, {k + 1}-token verify {tv:.1f} ms ({tv / t1:.2f}x)")
-    print(f"0.5B draft ({q4.draft_weights}): step {d:.1f} ms ({d / t1:.3f} of a target step), {tau:.2f} tokens per call, "
+    print(f"0.5B draft step: q4 {ms['d-q4']:.1f} ms, int8 {ms['d-int8']:.1f} ms")
+    print(f"0.5B draft ({q4.draft_weights}, the default beside the q4 target): step {d:.1f} ms ({d / t1:.3f} of a target step), {tau:.2f} tokens per call, "
           f"{draft_speedup:.2f}x the target alone at K = {k}")
     print("| head | step ms | / target step | tau to beat the 0.5B | tau for 1.15x the 0.5B | tau for 1.4x | speedup at tau 2 |")
     print("|---|---|---|---|---|---|---|")
