@@ -216,6 +216,7 @@ def test_shipped_configs_load():
         load_config(TrainDraftConfig, REPO / "configs" / f"{name}.yaml")
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_training_step_compiles_with_static_shapes():
     torch._dynamo.reset()
@@ -316,6 +317,7 @@ def test_lora_trains_only_adapters_saves_plain_models_and_resumes(tmp_path, toke
     assert len(state["state"]) == 2 * 2 and {float(s["step"]) for s in state["state"].values()} == {15.0}
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_head_only_training_changes_only_the_head_over_the_draft_vocab(tmp_path, tokenizer):
     from transformers import AutoModelForCausalLM
