@@ -67,6 +67,9 @@ def head_proxy(target_config, vocab: int, folder: Path) -> Path:
 
     config = target_config.__class__.from_dict(target_config.to_dict())
     config.num_hidden_layers, config.vocab_size, config.tie_word_embeddings = 1, vocab, False
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):  # the target's ids lie past a 32k vocabulary
+        if isinstance(getattr(config, name, None), int) and getattr(config, name) >= vocab:
+            setattr(config, name, 0)
     config.layer_types = config.layer_types[:1] if getattr(config, "layer_types", None) else None
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).save_pretrained(folder)
