@@ -54,6 +54,7 @@ def router_file(model_dirs, tmp_path_factory):
     return path
 
 
+@pytest.mark.slow  # a real serve --role target process, killed and restarted (~27 s); tests/test_distributed.py covers the protocol in-process
 def test_serve_target_and_draft_roles_end_to_end(model_dirs, router_file):
     port = free_port()
     target = TargetProcess(model_dirs["target"], port)

@@ -117,6 +117,7 @@ def run_cli(config: Path, *extra, wait=True):
     return proc
 
 
+@pytest.mark.slow  # two train-draft processes (~30 s)
 @pytest.mark.e2e
 def test_kill_and_resume_continues_step_count_and_optimizer(model_dirs, tmp_path):
     out = tmp_path / "killed"
