@@ -353,7 +353,11 @@ def load_engine(
 
     device = resolve_device(settings.device)
     settings = settings.resolved(target, device)
-    print(settings.precision_line(target, device), file=sys.stderr, flush=True)
+    if verifier is None:
+        print(settings.precision_line(target, device), file=sys.stderr, flush=True)
+    else:  # the target runs in its own service, at the precision that service prints
+        print(f"target {target}: verified by a remote target service; drafts {settings.draft_weights}; greedy output "
+              "is identical to that service's target decoding alone", file=sys.stderr, flush=True)  # fmt: skip
     drafting = any(ref is not None and ref != NONE for ref in drafters.values())
     config = settings.engine_config(draft=drafting, device=device)
     widths = config.step_widths if drafting else (1,)
