@@ -71,7 +71,8 @@ class BenchConfig:
     out: str = field(default="runs/bench", metadata=doc("bench.json, bench.md and bench.png go here"))
     profile: str | None = field(default=None, metadata=doc(
         "also write a simulator profile (YAML/JSON) of this run: see serving/fleet/profile.py"))
-    # Choral's engine. The target stays fp32 with draft_weights=int8 (HF keeps an fp32 draft unless hf_kernels=choral).
+    # Choral's engine: the target at target_weights (auto: q4 for a bundled GGUF target on the CPU kernels), the
+    # draft fp32 unless draft_weights says otherwise (HF keeps an fp32 draft unless hf_kernels=choral).
     engine: EngineSettings = field(default_factory=lambda: EngineSettings(device="cpu", draft_weights="fp32"))
 
     def __post_init__(self) -> None:
