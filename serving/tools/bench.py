@@ -71,8 +71,9 @@ class BenchConfig:
     out: str = field(default="runs/bench", metadata=doc("bench.json, bench.md and bench.png go here"))
     profile: str | None = field(default=None, metadata=doc(
         "also write a simulator profile (YAML/JSON) of this run: see serving/fleet/profile.py"))
-    # Choral's engine: the target at target_weights (auto: q4 for a bundled GGUF target on the CPU kernels), the
-    # draft fp32 unless draft_weights says otherwise (HF keeps an fp32 draft unless hf_kernels=choral).
+    # Choral's engine: the target at target_weights (auto: fp32 beside the HF comparison, else q4 for a bundled
+    # GGUF target on the CPU kernels), the draft fp32 unless draft_weights says otherwise (HF keeps an fp32
+    # draft unless hf_kernels=choral).
     engine: EngineSettings = field(default_factory=lambda: EngineSettings(device="cpu", draft_weights="fp32"))
 
     def __post_init__(self) -> None:
@@ -313,7 +314,12 @@ def run(cfg: BenchConfig, args: argparse.Namespace, argv: list[str] | None = Non
         report["summary"] = {d: summarize(rows) for d, rows in report["rows"].items()}
         report["summary"]["all"] = summarize([r for rows in report["rows"].values() for r in rows])
         return write_report(report, out_dir)
-    e = cfg.engine.resolved(cfg.target)  # what runs (auto: q4 for a bundled target on the CPU kernels)
+    e = cfg.engine
+    if e.target_weights == "auto" and cfg.hf:
+        # The comparison, transformers' assisted generation, runs the fp32 weights its users load;
+        # beside it the target runs fp32 too. --no-hf runs auto's choice (q4 for a bundled target).
+        e = dataclasses.replace(e, target_weights="fp32")
+    e = e.resolved(cfg.target)  # what runs, never auto
     print(e.precision_line(cfg.target), file=sys.stderr, flush=True)
     host = cfg.draft in HOST_DRAFTERS  # ngram or suffix: no draft model; HF's peer is prompt lookup
     tokenizer, target, drafts = load_models(e, cfg.target, [] if host else [cfg.draft])
