@@ -65,6 +65,8 @@ def head_proxy(target_config, vocab: int, folder: Path) -> Path:
     """One decoder layer of the target's shape and a ``vocab``-token LM head, random weights."""
     from transformers import AutoTokenizer, Qwen2ForCausalLM
 
+    from serving.engine.models import resolve_model_ref
+
     config = target_config.__class__.from_dict(target_config.to_dict())
     config.num_hidden_layers, config.vocab_size, config.tie_word_embeddings = 1, vocab, False
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):  # the target's ids lie past a 32k vocabulary
@@ -73,14 +75,8 @@ def head_proxy(target_config, vocab: int, folder: Path) -> Path:
     config.layer_types = config.layer_types[:1] if getattr(config, "layer_types", None) else None
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(model_folder(TARGET)).save_pretrained(folder)  # the loaders want one
+    AutoTokenizer.from_pretrained(resolve_model_ref(TARGET)).save_pretrained(folder)  # the loaders want one
     return folder
-
-
-def model_folder(ref: str) -> Path:
-    from serving.engine.models import resolve_model_ref
-
-    return Path(resolve_model_ref(ref))
 
 
 def fc_ms(hidden: int, weights: str, steps: int) -> float:

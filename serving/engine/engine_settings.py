@@ -255,16 +255,18 @@ class EngineSettings:
 
     def precision_line(self, target: str, device: torch.device | None = None) -> str:
         """One line saying what precision runs and what "identical" is measured against."""
+        import torch
+
         from serving.engine.devices import resolve_device
 
-        device = device if device is not None else resolve_device(self.device)
+        device = torch.device(device if device is not None else resolve_device(self.device))
         s = self.resolved(target, device)
         if s.cpu_kernels_apply(device):
             what = {"q4": "q4 (the GGUF's 4-bit groups, W4A8)", "int8": "int8 (W8A8)", "fp32": "fp32"}[s.target_weights]
-            where, precision = f"{torch_device_type(device)} with Choral's CPU kernels", s.target_weights
+            where, precision = f"{device.type} with Choral's CPU kernels", s.target_weights
         else:
             what = precision = s.quantize or s.dtype
-            where = torch_device_type(device)
+            where = device.type
         return (f"target {target}: {what} on {where}, drafts {s.draft_weights}; greedy output is identical to the "
                 f"{precision} target decoding alone (set engine.target_weights to change)")
 
@@ -322,12 +324,6 @@ class LoadedEngine:
     drafts: dict[str, PreTrainedModel]  # drafter name -> its draft model (model drafters only)
     engine: SpeculativeEngine
     cpu_kernels: bool  # whether Choral's CPU kernels were installed
-
-
-def torch_device_type(device) -> str:
-    import torch
-
-    return torch.device(device).type
 
 
 def is_model_ref(ref: str | None) -> bool:
