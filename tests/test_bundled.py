@@ -160,3 +160,34 @@ def test_bundled_gguf_joins_once_and_refuses_a_bad_join(fake, monkeypatch):
     with pytest.raises(BundledModelError, match="sha256"):
         bundled.bundled_gguf(spec.name, home=home)
     assert list((home / "gguf").iterdir()) == []
+
+
+def test_gguf_parsed_once_reads_the_same_file(tmp_path):
+    """The read-once reader sees the fields and tensors the library's own reader sees, parses a
+    file once per block, and puts the library's reader back afterwards."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_array("tokenizer.ggml.tokens", ["a", "bc", "<|im_end|>"] * 50)
+    writer.add_uint32("qwen2.block_count", 2)
+    weights = np.arange(96, dtype=np.float32).reshape(3, 32)
+    writer.add_tensor("blk.0.attn_q.weight", weights)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    plain = gguf.GGUFReader(path)
+    with bundled.gguf_parsed_once():
+        once = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is once  # the second call reuses the first parse
+    assert gguf.GGUFReader is not None and gguf.GGUFReader(path) is not once  # the library's reader is back
+    assert list(once.fields) == list(plain.fields)
+    for name, field in plain.fields.items():
+        assert [p.tobytes() for p in once.fields[name].parts] == [p.tobytes() for p in field.parts], name
+    [t_plain], [t_once] = plain.tensors, once.tensors
+    assert t_once.name == t_plain.name
+    np.testing.assert_array_equal(t_once.data, t_plain.data)
+    np.testing.assert_array_equal(t_once.data, weights)

