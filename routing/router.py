@@ -103,6 +103,7 @@ from torch import nn
 from routing.features import BUNDLED_EMBEDDER, Featurizer
 from serving.engine.engine_settings import HOST_DRAFTERS
 from serving.engine.goodput import committed_tokens, expected_tokens, per_token_acceptance, step_ms  # noqa: F401 (re-exported)
+from serving.files import atomic_path
 
 FORMAT = "choral-router"
 FORMAT_VERSION = 1
@@ -429,18 +430,14 @@ class Router:
 
     def save(self, path: str | Path) -> None:
         """Write router.pt atomically (a temporary file renamed over ``path``)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
         buffer = io.BytesIO()
         torch.save(self.to_dict(), buffer)
         payload = buffer.getvalue()
-        with open(tmp, "wb") as f:
+        with atomic_path(path) as tmp, open(tmp, "wb") as f:
             f.write(MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n")
             f.write(payload)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
 
     @classmethod
     def load(cls, path: str | Path, device: str = "cpu") -> "Router":

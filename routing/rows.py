@@ -9,10 +9,13 @@ Shards are separate files that ``merge`` joins (deduplicated by key, sorted by k
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
 from typing import Iterable
+
+from serving.files import atomic_path, disk_full
 
 KEY_FIELDS = ("prompt_id", "draft", "mode", "repeat")
 # Fields that come from clocks, or from how a run was cut (a resumed prompt's first row prefills
@@ -86,8 +89,14 @@ class RowStore:
         # interleaved; fsync makes "written" mean "survives a power cut" before we count it.
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, line)
-            os.fsync(fd)
+            end = os.fstat(fd).st_size
+            try:
+                if os.write(fd, line) != len(line):  # a short write: the disk filled mid-line
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                os.fsync(fd)
+            except OSError as e:
+                os.ftruncate(fd, end)  # no partial line: the file ends at the last whole row
+                raise disk_full(self.path, e) from e
         finally:
             os.close(fd)
         self.rows[key] = row
@@ -110,15 +119,11 @@ def merge(output: str | Path, inputs: Iterable[str | Path]) -> int:
 
 def write_rows(path: str | Path, rows: list[dict]) -> None:
     """Write a whole JSONL file atomically (temporary file + rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row, sort_keys=True) + "\n")
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def without_timing(row: dict) -> dict:

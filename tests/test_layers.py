@@ -21,7 +21,7 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parent.parent
 PROJECT = ("serving", "training", "routing")
-SHARED = ("serving.config", "serving.cli", "serving.prompts", "serving.workload")
+SHARED = ("serving.config", "serving.cli", "serving.files", "serving.prompts", "serving.workload")
 ABOVE_ENGINE = ("serving.server", "serving.distributed", "serving.fleet", "serving.tools", "training", "routing")
 
 

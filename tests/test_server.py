@@ -4,6 +4,7 @@ official ``openai`` client, on tiny model folders and an untrained router."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -268,6 +269,28 @@ BAD = [
     ("completions", b'{"model": "MODEL", "prompt": "x", "max_tokens": 4, "stream": "yes"}', 400, "stream"),
     ("completions", {"logprobs": 2}, 400, "logprobs"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tools"),
+    # The second round of probes (issue 61): an integer of 4,301+ digits was a 500 from int();
+    # booleans and strings were read as numbers; OpenAI fields that change the answer were dropped.
+    ("completions", b'{"model": "MODEL", "prompt": "x", "max_tokens": 4, "seed": ' + b"9" * 5000 + b"}", 400, "seed"),
+    ("completions", b'{"model": "MODEL", "prompt": [5, ' + b"7" * 4400 + b'], "max_tokens": 4}', 400, "prompt"),
+    ("completions", b'{"model": "MODEL", "prompt": [true, 5], "max_tokens": 4}', 400, "prompt"),
+    ("completions", b'{"model": "MODEL", "prompt": "x", "max_tokens": 4, "temperature": true}', 400, "temperature"),
+    ("chat", b'{"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "top_p": "0.5"}', 400, "top_p"),
+    ("completions", {"stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("completions", {"logit_bias": {"15": 100}}, 400, "logit_bias"),
+    ("chat", {"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("chat", {"frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ("completions", {"presence_penalty": 1}, 400, "presence_penalty"),
+    ("completions", {"suffix": "return x"}, 400, "suffix"),
+    ("chat", b'{"model": "MODEL", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}', 400, "messages"),
+    ("completions", {"stop": ["ok", "y" * 1_500_000]}, 400, "stop"),  # refused by its length before any step
+]
+
+# The no-op values of the fields above ask for nothing and are accepted, as OpenAI's SDKs send some.
+NO_OPS = [
+    ("chat", {"frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "response_format": {"type": "text"},
+              "temperature": 0, "user": "someone", "metadata": {"k": "v"}}),
+    ("completions", {"logprobs": None, "suffix": "", "top_p": 1, "extra_body": {"top_k": 0}}),
 ]
 
 
@@ -294,6 +317,36 @@ def test_bad_input_gets_openai_error_naming_the_field(live, endpoint, body, stat
         assert param.split("[")[0] in error["message"] or param == "model"
     # ... and the server keeps serving everyone else.
     assert live.client.completions.create(model=live.model, prompt="hi", max_tokens=2).choices[0].finish_reason
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("endpoint,body", NO_OPS)
+def test_no_op_values_of_unimplemented_fields_are_accepted(live, endpoint, body):
+    assert _send(live, endpoint, body)[0] == 200
+
+
+@pytest.mark.e2e
+def test_a_client_gone_mid_upload_is_counted_499_not_500(live, caplog):
+    """A client that sends half a body and closes: counted under 499 (nginx's label; no client
+    reads it), one INFO line, no 500 and no traceback."""
+    import socket
+
+    key = ("choral_requests_total", (("endpoint", "completions"), ("status", "499")))
+    before = live.metrics().get(key, 0.0)
+    host, port = live.url.removeprefix("http://").split(":")
+    with caplog.at_level("INFO", logger="choral.server"):
+        for _ in range(3):
+            with socket.create_connection((host, int(port)), timeout=10) as sock:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: 1000\r\n\r\n{\"model\": ")  # fmt: skip
+        deadline = time.monotonic() + 60  # only guards a hang: each close is seen within milliseconds
+        while live.metrics().get(key, 0.0) < before + 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    after = live.metrics()
+    assert after.get(key, 0.0) == before + 3
+    assert after.get(("choral_requests_total", (("endpoint", "completions"), ("status", "500"))), 0.0) == 0.0
+    lines = [r for r in caplog.records if "closed the connection" in r.getMessage()]
+    assert len(lines) == 3 and all(r.levelname == "INFO" and r.exc_info is None for r in lines)
 
 
 def _send(live, endpoint: str, body) -> tuple[int, str | None]:
@@ -361,6 +414,97 @@ def test_two_hundred_mixed_requests_from_sixteen_clients(live):
         else:
             assert status == BAD[i][2], f"bad request {BAD[i][:2]!r} got {status}"
     assert not any(status.startswith("5") for _, status in tally)
+    delta = {key: after.get(key, 0) - before.get(key, 0) for key in after if after.get(key, 0) != before.get(key, 0)}
+    assert delta == tally
+
+
+def _fuzz_value(rng, depth: int = 0):
+    """A JSON value of random type and size: what a broken or hostile client might put anywhere."""
+    kinds = ["int", "bigint", "float", "special", "bool", "null", "str", "longstr", "unicode"] + (["list", "dict"] if depth < 3 else [])
+    kind = rng.choice(kinds)
+    if kind == "int":
+        return rng.choice([0, 1, -1, 2, 7, 2**31, 2**63, -(2**63), 2**64])
+    if kind == "bigint":  # written into the JSON text by _fuzz_body: Python cannot str() 4,301 digits
+        return f"__DIGITS_{rng.choice([20, 400, 4301, 6000])}__"
+    if kind == "float":
+        return rng.choice([0.0, 0.5, 1.0, -0.5, 1e-300, 1e300, 2.5])
+    if kind == "special":
+        return rng.choice([float("nan"), float("inf"), float("-inf")])  # Python's json writes and reads these
+    if kind == "bool":
+        return rng.random() < 0.5
+    if kind == "null":
+        return None
+    if kind == "str":
+        return rng.choice(["", "hi", "MODEL", "text", "none", "ngram", "content", "user", "0.5", "true"])
+    if kind == "longstr":
+        return "word " * rng.choice([10, 1000, 60_000])
+    if kind == "unicode":
+        return rng.choice(["é" * 50, "\u2028", "漢字", "\x00"])
+    if kind == "list":
+        return [_fuzz_value(rng, depth + 1) for _ in range(rng.randint(0, 4))]
+    return {rng.choice(FUZZ_KEYS): _fuzz_value(rng, depth + 1) for _ in range(rng.randint(0, 4))}
+
+
+FUZZ_KEYS = ["model", "prompt", "messages", "role", "content", "type", "text", "max_tokens", "temperature", "top_p",
+             "top_k", "seed", "stop", "stream", "stream_options", "include_usage", "n", "draft", "prediction", "logprobs",
+             "echo", "best_of", "tools", "logit_bias", "response_format", "suffix", "user", "x"]
+
+
+def _fuzz_body(rng, model: str, chat: bool) -> bytes:
+    """A valid body with some fields replaced, dropped or added at random; sometimes not JSON."""
+    body = {"model": model, "max_tokens": 3, "temperature": 0}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hello"})
+    for _ in range(rng.randint(1, 4)):
+        key = rng.choice(FUZZ_KEYS)
+        action = rng.random()
+        if action < 0.15:
+            body.pop(key, None)
+        elif action < 0.3 and chat:
+            body["messages"] = [{rng.choice(FUZZ_KEYS): _fuzz_value(rng, 1) for _ in range(2)}]
+        else:
+            body[key] = _fuzz_value(rng)
+    raw = re.sub(rb'"__DIGITS_(\d+)__"', lambda m: b"9" * int(m.group(1)), json.dumps(body).encode())
+    if rng.random() < 0.05:
+        raw = raw[: rng.randint(0, len(raw))]  # cut short
+    return raw
+
+
+@pytest.mark.e2e
+def test_two_hundred_fuzzed_bodies_beside_valid_neighbours(live):
+    """Seeded random bodies (random fields, types, sizes; a few cut short) beside valid greedy
+    neighbours: no 5xx, every neighbour's answer as it is alone, the counters equal the tally."""
+    import random
+
+    rng = random.Random(61)
+    fuzz = [(chat, _fuzz_body(rng, live.model, chat)) for chat in (rng.random() < 0.5 for _ in range(200))]
+    good = [("completions", {"prompt": "def f(x):", "max_tokens": 6, "temperature": 0}),
+            ("chat", {"messages": CHAT, "max_tokens": 6, "temperature": 0})]  # fmt: skip
+    solo = [_send(live, endpoint, body) for endpoint, body in good]
+
+    def counts() -> dict[tuple[str, str], float]:
+        return {(dict(labels)["endpoint"], dict(labels)["status"]): v for (name, labels), v in live.metrics().items()
+                if name == "choral_requests_total"}  # fmt: skip
+
+    def run(job):
+        if job[0] == "good":
+            endpoint, body = good[job[1]]
+            return endpoint, *_send(live, endpoint, body)
+        chat, raw = fuzz[job[1]]
+        status, text = live.request("POST", "/v1/chat/completions" if chat else "/v1/completions", raw)
+        return ("chat" if chat else "completions"), status, text
+
+    jobs = [("fuzz", i) for i in range(len(fuzz))] + [("good", i % 2) for i in range(40)]
+    random.Random(7).shuffle(jobs)
+    before = counts()
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(run, jobs))
+    after = counts()
+    tally: dict[tuple[str, str], int] = {}
+    for job, (endpoint, status, text) in zip(jobs, results):
+        assert status < 500, f"a fuzzed body got {status}: {fuzz[job[1]][1][:300]!r} -> {text[:300]}"
+        tally[endpoint, str(status)] = tally.get((endpoint, str(status)), 0) + 1
+        if job[0] == "good":
+            assert (status, text) == solo[job[1]], "a valid neighbour's answer changed beside fuzzed bodies"
     delta = {key: after.get(key, 0) - before.get(key, 0) for key in after if after.get(key, 0) != before.get(key, 0)}
     assert delta == tally
 
@@ -597,6 +741,28 @@ def test_predicted_outputs_and_model_free_drafters_give_the_same_answer(live, re
     assert after[drafts] - before.get(drafts, 0.0) >= 1
     accepted = ("choral_accepted_tokens_total", (("draft", "prediction"),))
     assert after[accepted] - before.get(accepted, 0.0) >= choral["acceptance_rate"] * 1
+
+
+@pytest.mark.e2e
+def test_a_huge_prediction_is_cut_to_the_context_before_it_is_tokenized(live, reference, monkeypatch):
+    """A prediction of 1.5 MB (under the body limit): only what max_len tokens can hold is
+    tokenized, and the answer is still the target's."""
+    server = live.app.state.server
+    tok = server.backend.tokenizer
+    encoded, original = [], tok.encode
+
+    def spy(text, *args, **kwargs):
+        encoded.append(len(text))
+        return original(text, *args, **kwargs)
+
+    monkeypatch.setattr(tok, "encode", spy)
+    [ref] = reference.generate([Request(_chat_ids(reference, CHAT), max_new_tokens=8)])
+    big = ref.text + "x = 1\n" * 250_000  # 1.5 MB
+    out = live.client.chat.completions.create(model=live.model, messages=CHAT, max_tokens=8, temperature=0,
+                                              prediction={"type": "content", "content": big})  # fmt: skip
+    assert out.choices[0].message.content == ref.text
+    cap = MAX_LEN * server._longest_token()
+    assert encoded and max(encoded) <= cap < len(big)
 
 
 def test_forced_requests_skip_the_router(live, monkeypatch):

@@ -117,6 +117,38 @@ def run_cli(config: Path, *extra, wait=True):
     return proc
 
 
+@pytest.mark.e2e
+def test_a_damaged_checkpoint_falls_back_to_previous_or_is_refused_by_name(tmp_path, tokenizer, capsys):
+    """A flipped byte in last/'s model: --resume passes over it to previous/ (saved 3 steps
+    earlier) and says why; with previous/ damaged too, train-draft refuses in one line naming the file."""
+    from training.train import train
+
+    peaked_teacher(tmp_path, tokenizer)
+    out = tmp_path / "run"
+    config = tiny_config({"target": tmp_path / "teacher"}, out, data={"domain": "code", "n_docs": 20, "seq_len": 32, "max_rows": 64},
+                         train={"max_steps": 6, "batch_size": 4, "device": "cpu", "log_every": 1},
+                         eval={"every": 1000, "prompts": 2, "max_new_tokens": 4, "engine": {"k": 2}},
+                         output={"dir": str(out), "save_every": 3})  # fmt: skip
+    train(load_config(TrainDraftConfig, config, []))
+    assert json.loads((out / "previous" / "progress.json").read_text())["step"] == 3
+    model = out / "last" / "state" / "model.safetensors"
+    data = bytearray(model.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    model.write_bytes(bytes(data))
+    capsys.readouterr()
+    resumed = train(load_config(TrainDraftConfig, config, ["train.max_steps=7"]), resume=True)
+    said = capsys.readouterr().out
+    assert str(model) in said and "resuming from" in said and str(out / "previous") in said
+    assert resumed["step"] == 7 and [h["step"] for h in resumed["history"] if "loss" in h][-4:] == [4, 5, 6, 7]
+
+    for name in ("last", "previous"):  # now both: damage the optimizer state of each
+        optimizer = out / name / "state" / "optimizer.bin"
+        optimizer.write_bytes(optimizer.read_bytes()[:-10])
+    assert cli.main(["--config", str(config), "--resume", "train.max_steps=9"]) != 0
+    err = capsys.readouterr().err
+    assert str(out / "last" / "state" / "optimizer.bin") in err and "Traceback" not in err
+
+
 @pytest.mark.slow  # two train-draft processes (~30 s)
 @pytest.mark.e2e
 def test_kill_and_resume_continues_step_count_and_optimizer(model_dirs, tmp_path):

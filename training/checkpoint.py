@@ -8,10 +8,18 @@ Two kinds live under the output folder:
 - ``final/``: the same format, the student at the end of the run (written once, when it ends).
 A folder only exists under its final name once it is complete, so ``--resume`` after a kill
 loads the previous complete checkpoint, never a partial one.
+
+Every checkpoint folder carries ``manifest.json``: the size and sha256 of each of its files,
+written last. ``verify`` checks a folder against it and raises ``CheckpointError`` naming the first
+missing, resized or changed file, so a damaged checkpoint (a flipped byte, a truncated optimizer
+state, an emptied file) is refused in one line instead of loading or ending in a traceback that
+names no file. ``last/`` keeps its predecessor as ``previous/`` (``output.keep_previous``), which
+``--resume`` falls back to when ``last/`` is damaged.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -19,6 +27,8 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+
+from serving.files import atomic_path, disk_full
 
 
 @contextmanager
@@ -39,18 +49,17 @@ def atomic_dir(final: Path, tmp: Path | None = None) -> Iterator[Path]:
         os.replace(tmp, final)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise disk_full(final, e) from e
         raise
 
 
-@contextmanager
-def atomic_file(path: Path) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; once written, it replaces ``path`` in one rename."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    yield tmp
-    os.replace(tmp, path)
+def atomic_file(path: Path):
+    """Yield a temporary path beside ``path``; once written, it replaces ``path`` in one rename
+    (removed on any error; a full disk named: ``serving.files.atomic_path``)."""
+    return atomic_path(path)
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
@@ -66,8 +75,108 @@ def recover(final: Path) -> None:
         os.replace(old, final)
 
 
-def read_progress(run_dir: Path) -> dict | None:
-    last = Path(run_dir) / "last"
-    recover(last)
-    path = last / "progress.json"
-    return json.loads(path.read_text()) if path.exists() else None
+MANIFEST = "manifest.json"
+_CHUNK = 8 << 20
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used, naming the file and the fix."""
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def write_manifest(folder: Path) -> None:
+    """``folder/manifest.json``: every file's size and sha256, written last and atomically."""
+    folder = Path(folder)
+    files = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in _files(folder)}
+    write_json_atomic(folder / MANIFEST, {"format": 1, "files": files})
+
+
+def verify(folder: Path) -> bool:
+    """Check ``folder`` against its manifest. True when it matches, False when it has none (written
+    before checkpoints carried one: nothing to check); ``CheckpointError`` naming the first file
+    that is missing, of another size or another content, or a manifest that does not parse."""
+    folder = Path(folder)
+    path = folder / MANIFEST
+    if not path.is_file():
+        return False
+    try:
+        listed = json.loads(path.read_text())["files"]
+        if not isinstance(listed, dict):
+            raise TypeError(type(listed).__name__)
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is damaged ({type(e).__name__}: {e}); the checkpoint in {folder} cannot be "
+                              "checked: delete it to start over, or resume from another") from None  # fmt: skip
+    for name, entry in listed.items():
+        file = folder / name
+        if not file.is_file():
+            why = "is missing"
+        elif file.stat().st_size != entry.get("bytes"):
+            why = f"has {file.stat().st_size:,} bytes, the manifest says {entry.get('bytes'):,}"
+        elif sha256_file(file) != entry.get("sha256"):
+            why = "does not match its sha256 in the manifest (the file changed after it was written)"
+        else:
+            continue
+        raise CheckpointError(f"{file} {why}: the checkpoint in {folder} is damaged; delete it (or restore the file) "
+                              "and resume from an earlier one, or start over")  # fmt: skip
+    extra = [str(p.relative_to(folder)) for p in _files(folder) if str(p.relative_to(folder)) not in listed]
+    if extra:
+        raise CheckpointError(f"{folder / extra[0]} is not in the checkpoint's manifest: the folder was changed after it "
+                              "was written; remove the file or resume from another checkpoint")  # fmt: skip
+    return True
+
+
+def keep_previous(final: Path) -> None:
+    """Before ``final`` is replaced: move it to ``previous/`` beside it (replacing an older one)."""
+    final = Path(final)
+    if final.exists():
+        previous = final.with_name("previous")
+        shutil.rmtree(previous, ignore_errors=True)
+        os.replace(final, previous)
+
+
+def resumable(run_dir: Path, log=print) -> Path | None:
+    """The checkpoint folder ``--resume`` loads: ``last/`` when it verifies, else ``previous/``
+    when that does (``log`` says why last/ was passed over), else None when neither exists. A
+    damaged checkpoint with no good one to fall back to raises ``CheckpointError``."""
+    run_dir = Path(run_dir)
+    recover(run_dir / "last")
+    damaged = None
+    for name in ("last", "previous"):
+        folder = run_dir / name
+        if not (folder / "progress.json").is_file() and not (folder / MANIFEST).is_file():
+            continue
+        try:
+            verify(folder)
+        except CheckpointError as e:
+            damaged = damaged or e
+            continue
+        if damaged is not None:
+            log(f"{damaged}; resuming from {folder} instead")
+        return folder
+    if damaged is not None:
+        raise damaged
+    return None
+
+
+def read_progress_file(folder: Path) -> dict:
+    """``folder/progress.json``, or ``CheckpointError`` naming it."""
+    path = Path(folder) / "progress.json"
+    try:
+        progress = json.loads(path.read_text())
+        if not isinstance(progress, dict) or "step" not in progress:
+            raise ValueError("no step in it")
+        return progress
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}); delete the checkpoint in {folder} "
+                              "and resume from an earlier one, or start over") from None  # fmt: skip

@@ -11,9 +11,10 @@ import argparse
 import sys
 
 from serving.cli import Command
+from training.checkpoint import CheckpointError
 from training.config import TrainDraftConfig
 
-CLI = Command("train-draft", TrainDraftConfig, __doc__)
+CLI = Command("train-draft", TrainDraftConfig, __doc__, errors=(CheckpointError,))
 CLI.parser.add_argument("--resume", action="store_true", help="continue from <output.dir>/last if it exists")
 
 

@@ -40,10 +40,14 @@ from serving.engine.models import (
 from serving.prompts import EVAL_ROWS, encode_prompt, load_prompts
 from training import data as data_mod
 from training.checkpoint import (
+    CheckpointError,
     atomic_dir,
     atomic_file,
-    read_progress,
+    keep_previous,
+    read_progress_file,
+    resumable,
     write_json_atomic,
+    write_manifest,
 )
 from training.config import TrainDraftConfig
 from training.evaluate import held_out_prompts, measure
@@ -271,12 +275,18 @@ class TrainDraftRecipe:
         )
 
     def _load_checkpoint(self) -> None:
-        """``--resume``: the last complete last/ (model, optimizer, schedule, RNG, progress), if any."""
-        if (saved := read_progress(self.out_dir)) is None:
+        """``--resume``: the last complete last/ (model, optimizer, schedule, RNG, progress), if any,
+        checked against its manifest first; a damaged last/ falls back to previous/."""
+        if (folder := resumable(self.out_dir, log=self.accelerator.print)) is None:
             return
-        self.accelerator.load_state(str(self.out_dir / "last" / "state"))
+        saved = read_progress_file(folder)
+        try:
+            self.accelerator.load_state(str(folder / "state"))
+        except Exception as e:  # a checkpoint from before manifests, damaged: name it
+            raise CheckpointError(f"{folder / 'state'} could not be loaded ({type(e).__name__}: {e}); delete {folder} "
+                                  "and resume from an earlier checkpoint, or start over") from e  # fmt: skip
         self.progress = saved
-        self.accelerator.print(f"resumed from step {self.progress['step']} ({self.out_dir / 'last'})")
+        self.accelerator.print(f"resumed from step {self.progress['step']} ({folder})")
 
     def _setup_loss_columns(self) -> None:
         """The columns the loss sees: every token, or (loss.draft_vocab_only) the draft's own, which
@@ -380,6 +390,9 @@ class TrainDraftRecipe:
         acc.wait_for_everyone()
         if main:
             write_json_atomic(tmp / "progress.json", self.progress)
+            write_manifest(tmp)  # last: it covers every file above
+            if self.cfg.output.keep_previous:
+                keep_previous(self.out_dir / "last")
             with atomic_dir(self.out_dir / "last", tmp=tmp):
                 pass
         acc.wait_for_everyone()
@@ -389,6 +402,7 @@ class TrainDraftRecipe:
         with atomic_dir(self.out_dir / name) as tmp:
             plain_model(self.accelerator.unwrap_model(self.student)).save_pretrained(tmp, safe_serialization=True)
             self.tokenizer.save_pretrained(tmp)
+            write_manifest(tmp)
         release_host_memory()  # serialization buffers: the size of the student
 
     # ---- the loop ------------------------------------------------------------------------------

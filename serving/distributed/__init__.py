@@ -6,3 +6,7 @@ regenerate them from the repository root with
 
     python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. serving/distributed/verify.proto
 """
+
+SESSION_TIMEOUT_S = 60.0
+"""How long the target keeps an idle session's KV cache: the one default of ``serve``'s
+``session_timeout_s`` and of ``VerifyServer``/``VerifyService``."""

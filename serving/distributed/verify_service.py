@@ -30,17 +30,20 @@ import time
 import uuid
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import grpc
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from serving.distributed import verify_pb2, verify_pb2_grpc
+from serving.distributed import SESSION_TIMEOUT_S, verify_pb2, verify_pb2_grpc
 from serving.engine.models import eos_token_ids
 from serving.engine.runner import ModelRunner
 from serving.engine.sampling import SamplingParams, SamplingTensors
 from serving.engine.speculative import DecodeState, StepRandom, prefill_first_token, start_row, verify_half
+
+if TYPE_CHECKING:
+    from serving.engine.engine_settings import EngineSettings
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +114,7 @@ class VerifyService(verify_pb2_grpc.VerifierServicer):
         max_batch_size: int = 8,
         max_len: int | None = None,
         k_max: int = 8,
-        session_timeout_s: float = 300.0,
+        session_timeout_s: float = SESSION_TIMEOUT_S,
         batch_window_ms: float = 2.0,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
@@ -429,7 +432,7 @@ class VerifyServer:
         max_batch_size: int = 8,
         max_len: int | None = None,
         k_buckets: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8),
-        session_timeout_s: float = 300.0,
+        session_timeout_s: float = SESSION_TIMEOUT_S,
         batch_window_ms: float = 2.0,
         workers: int = 32,
         token: str | None = None,
@@ -489,38 +492,34 @@ class VerifyServer:
 
 def serve_target(
     target_ref: str,
+    settings: EngineSettings,
     *,
     host: str = "0.0.0.0",
     port: int = 50051,
-    device: str = "auto",
-    dtype: str = "float32",
-    max_batch_size: int = 8,
-    max_len: int | None = None,
-    k_buckets: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8),
-    session_timeout_s: float = 300.0,
+    session_timeout_s: float = SESSION_TIMEOUT_S,
     batch_window_ms: float = 2.0,
-    cpu_kernels: bool = True,
     token: str | None = None,
     tls: tuple[bytes, bytes] | None = None,
-    target_weights: str = "fp32",
 ) -> None:
-    """Load the target and serve verification until interrupted (``serve --role target``)."""
-    from serving.engine.core import use_cpu_kernels
-    from serving.engine.devices import resolve_device
-    from serving.engine.models import load_model, load_tokenizer
+    """Load the target and serve verification until interrupted (``serve --role target``).
+    ``settings``: the engine settings, resolved for this target; the target loads and is prepared
+    by the same code as in fused mode (``load_models``, ``prepare_kernels``), so every setting that
+    applies to a target (precision, threads, weights cache, quantization) applies here too."""
+    from serving.engine.engine_settings import load_models, prepare_kernels
 
-    dev = resolve_device(device)
-    tokenizer = load_tokenizer(target_ref)
-    model = load_model(target_ref, dtype=dtype, device=dev)
-    if cpu_kernels:  # a draft node may verify any K up to the largest (draft-confidence stops)
-        use_cpu_kernels([model], device=dev, dtype=dtype, widths=tuple(range(2, max(k_buckets) + 2)),
-                        target_weights=target_weights)
+    if settings.compile_backend is not None or settings.cuda_graphs:
+        raise ValueError("the target role runs its forward eagerly: engine.compile_backend and engine.cuda_graphs are not "
+                         "supported there yet; drop them for --role target")  # fmt: skip
+    tokenizer, model, _ = load_models(settings, target_ref)
+    # a draft node may verify any K up to the largest (draft-confidence stops)
+    prepare_kernels(settings, [model], [], tuple(range(2, max(settings.k_buckets) + 2)))
     server = VerifyServer(
-        model, tokenizer, host=host, port=port, name=target_ref, max_batch_size=max_batch_size, max_len=max_len,
-        k_buckets=k_buckets, session_timeout_s=session_timeout_s, batch_window_ms=batch_window_ms, token=token, tls=tls,
+        model, tokenizer, host=host, port=port, name=target_ref, max_batch_size=settings.max_batch_size,
+        max_len=settings.max_len, k_buckets=settings.k_buckets, session_timeout_s=session_timeout_s,
+        batch_window_ms=batch_window_ms, token=token, tls=tls,
     )  # fmt: skip
     server.start()
-    print(f"target {target_ref} verifying on {host}:{server.port} ({max_batch_size} slots, K <= {max(k_buckets)}; "
+    print(f"target {target_ref} verifying on {host}:{server.port} ({settings.max_batch_size} slots, K <= {max(settings.k_buckets)}; "
           f"{'TLS' if tls else 'plaintext'}, {'token required' if token else 'no token'})", flush=True)
     try:
         server.wait()

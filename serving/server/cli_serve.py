@@ -65,10 +65,8 @@ def _serve_target(cfg: ServeConfig) -> int:
     e = cfg.engine.resolved(target_ref)
     print(e.precision_line(target_ref), file=sys.stderr, flush=True)
     serve_target(
-        target_ref, host=cfg.host, port=cfg.port, device=e.device, dtype=e.dtype,
-        max_batch_size=e.max_batch_size, max_len=e.max_len, k_buckets=e.k_buckets,
-        session_timeout_s=cfg.session_timeout_s, batch_window_ms=cfg.batch_window_ms,
-        cpu_kernels=e.uses_cpu_kernels, token=cfg.grpc.resolved_token(), target_weights=e.target_weights,
+        target_ref, e, host=cfg.host, port=cfg.port, session_timeout_s=cfg.session_timeout_s,
+        batch_window_ms=cfg.batch_window_ms, token=cfg.grpc.resolved_token(),
         tls=(cfg.grpc.read("tls_cert"), cfg.grpc.read("tls_key")) if cfg.grpc.tls_cert else None,
     )  # fmt: skip
     return 0
@@ -76,6 +74,9 @@ def _serve_target(cfg: ServeConfig) -> int:
 
 def _check(cfg: ServeConfig) -> None:
     """Fail fast, before any model loads, on what the config alone shows to be wrong."""
+    if cfg.role != "target" and cfg.host not in ("127.0.0.1", "localhost", "::1") and cfg.resolved_api_key() is None:
+        log.warning("serve listens on %s without an API key: anyone who reaches the port can generate; set api_key "
+                    "(--api-key, or CHORAL_API_KEY)", cfg.host)  # fmt: skip
     if cfg.backend == "vllm":
         _check_fleet(cfg)
     elif cfg.role in ("fused", "draft") and cfg.router is None:
@@ -119,6 +120,9 @@ def _check(cfg: ServeConfig) -> None:
                     "sessions; set grpc.token (or CHORAL_GRPC_TOKEN) on the target and every draft node", cfg.host)
     if cfg.role == "target" and cfg.router is None and cfg.target_model is None:
         raise ConfigError("role=target needs the target model: pass --router router.pt or target_model=REF")
+    if cfg.role == "target" and (cfg.engine.compile_backend is not None or cfg.engine.cuda_graphs):
+        raise ConfigError("role=target runs its forward eagerly: engine.compile_backend and engine.cuda_graphs are not "
+                          "supported there yet; drop them for --role target")  # fmt: skip
     if cfg.role == "target" and cfg.engine.quantize is not None:
         raise ConfigError(f"role=target verifies with the target as loaded: engine.quantize={cfg.engine.quantize} "
                           "is not supported there; drop it (the drafts' own precision is engine.draft_weights)")  # fmt: skip

@@ -5,10 +5,14 @@ every problem becomes the OpenAI error shape that clients expect,
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "top_p", "code": null}}
 
-with the offending field in ``param``. Fields the server does not implement (penalties, user, ...)
-are ignored like unknown keys, except those whose silent loss would change the answer or what the
-client reads (``n`` > 1, ``best_of`` > 1, ``echo``, ``logprobs``, ``top_logprobs``, ``tools``,
-``tool_choice``): those are refused with a 400 naming the field.
+with the offending field in ``param``. Types are strict: a boolean is not a number, a string of
+digits is not a number, and an integer of more digits than any field can hold is refused by the
+field it was sent in (Python would otherwise raise on its 4,301st digit). OpenAI fields the server
+does not implement are refused with a 400 naming the field unless they hold their no-op value
+(``NOT_IMPLEMENTED``: penalties, ``logit_bias``, ``response_format``, tools, logprobs, ...), since
+silently dropping them would change the answer or what the client reads; ``user``, ``metadata``,
+``store`` and ``service_tier`` only label a request and are accepted and ignored, as are keys
+OpenAI does not define.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError, field_validator, model_validator
 
 from serving.engine.sampling import INT64_MAX, SEED_RANGE  # the bounds the engine itself enforces
 
@@ -42,15 +46,58 @@ _DEFAULT_TYPES = {
     401: "authentication_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "timeout",
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
+    499: "client_closed_request",
     503: "service_unavailable",
     504: "timeout",
 }
 
 
 MAX_TOKENS_LIMIT = 2**31 - 1
+MAX_INT_DIGITS = 40  # more than any field holds (a 64-bit seed has 20 digits), far under Python's 4,300
+
+
+class OversizedInt:
+    """A JSON integer of more than ``MAX_INT_DIGITS`` digits, kept unconverted so that the field
+    that holds it refuses it by name (``int()`` of 4,301 digits raises, which was a 500)."""
+
+    def __init__(self, digits: str) -> None:
+        self.digits = len(digits.lstrip("-"))
+
+    def __repr__(self) -> str:
+        return f"<an integer of {self.digits:,} digits>"
+
+
+def _parse_int(text: str) -> int | OversizedInt:
+    return int(text) if len(text) <= MAX_INT_DIGITS else OversizedInt(text)
+
+
+# OpenAI request fields Choral does not implement -> the values that ask for nothing (accepted).
+NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+    "suffix": (None, ""),
+}
+
+
+def _is_no_op(name: str, value: Any) -> bool:
+    # type-exact: True == 1 and False == 0 in Python, but neither is a penalty of 0
+    return any(type(value) is type(ok) and value == ok for ok in NOT_IMPLEMENTED[name])
 
 
 def _encodable(value: Any, field: str) -> None:
@@ -93,32 +140,45 @@ class Prediction(BaseModel):
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    model: StrictStr
     # Strict integers and booleans: pydantic's lax mode reads max_tokens=true as 1 and
     # stream="yes" as true, answers a client did not ask for.
     max_tokens: StrictInt | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: StrictFloat = 1.0  # an int is a number; a bool or "0.5" is refused
+    top_p: StrictFloat = 1.0
     top_k: StrictInt = 0
-    stop: str | list[str] | None = None
+    stop: StrictStr | list[StrictStr] | None = None
     seed: StrictInt | None = None
     n: StrictInt = 1
     stream: StrictBool = False
-    stream_options: dict[str, Any] | None = None
-    # Not implemented, and refused when asked for: a client that sends tools expects tool calls,
-    # one that asks for logprobs reads them; silence would hand either a wrong answer.
+    stream_options: dict[str, StrictBool] | None = None
+    # Not implemented (NOT_IMPLEMENTED), and refused when asked for: a client that sends tools
+    # expects tool calls, one that asks for logprobs reads them, one that sets a penalty or a
+    # response format expects another answer; silence would hand each a wrong one.
     logprobs: Any = None
     top_logprobs: Any = None
     tools: Any = None
     tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    logit_bias: Any = None
+    response_format: Any = None
+    modalities: Any = None
+    audio: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
 
-    @field_validator("logprobs", "top_logprobs", "tools", "tool_choice")
+    @field_validator(*(f for f in NOT_IMPLEMENTED if f != "suffix"))
     @classmethod
     def _unsupported(cls, v: Any, info) -> Any:
-        if v not in (None, False, [], "none", 0):
-            raise ValueError(f"{info.field_name} is not supported by this server; omit it")
+        if not _is_no_op(info.field_name, v):
+            allowed = " or ".join(json.dumps(x) for x in NOT_IMPLEMENTED[info.field_name])
+            raise ValueError(f"{info.field_name}={_short(v)} is not supported by this server; omit it (or send {allowed})")
         return v
-    draft: str | None = None  # Choral: force a drafter name, or "none" for the target alone
+
+    draft: StrictStr | None = None  # Choral: force a drafter name, or "none" for the target alone
     prediction: Prediction | None = None  # the text the client expects the answer to repeat
 
     @field_validator("model", "draft")
@@ -179,6 +239,13 @@ class _Sampling(BaseModel):
         _encodable(stops, "stop")
         return stops
 
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, v: dict[str, bool] | None, info) -> dict[str, bool] | None:
+        if v is not None and not info.data.get("stream"):  # stream is declared (so validated) first
+            raise ValueError("stream_options is only allowed when stream is true; drop it or send stream=true")
+        return v
+
     @property
     def stops(self) -> tuple[str, ...]:
         return tuple(self.stop or ())
@@ -189,9 +256,17 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int]
+    prompt: StrictStr | list[StrictStr] | list[StrictInt]
     echo: StrictBool = False
     best_of: StrictInt | None = None
+    suffix: Any = None  # text after the completion (insertion): not implemented
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, v: Any) -> Any:
+        if not _is_no_op("suffix", v):
+            raise ValueError(f"suffix={_short(v)} is not supported by this server (no insertion); omit it")
+        return v
 
     @field_validator("prompt")
     @classmethod
@@ -239,7 +314,10 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, list):
             if any(p.get("type") != "text" for p in self.content):
                 raise ValueError("only text content parts are supported")
-            return "".join(str(p.get("text", "")) for p in self.content)
+            bad = next((p["text"] for p in self.content if not isinstance(p.get("text", ""), str)), None)
+            if bad is not None:
+                raise ValueError(f"a text part of messages holds {type(bad).__name__} {_short(bad)} as its text; send a string")
+            return "".join(p.get("text", "") for p in self.content)
         return self.content or ""
 
 
@@ -273,7 +351,7 @@ class ChatCompletionRequest(_Sampling):
 def parse_request(raw: bytes, cls: type[_Sampling]) -> _Sampling:
     """The request body as ``cls``, or an ``APIError`` naming the bad field."""
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_int=_parse_int)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
     except RecursionError:
@@ -290,8 +368,14 @@ def parse_request(raw: bytes, cls: type[_Sampling]) -> _Sampling:
             raise APIError(400, f"missing required field {param!r}", param=param, code="missing_required_parameter") from None
         message = err["msg"].removeprefix("Value error, ")
         if err["type"] != "value_error":  # pydantic's own type messages do not say which field
-            message = f"{param}: {message} (got {err.get('input')!r})"
+            message = f"{param}: {message} (got {_short(err.get('input'))})"
         raise APIError(400, message, param=param) from None
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """A value for an error message: its repr, cut (a 2 MB string is not echoed back)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 20]}... ({len(text):,} characters)"
 
 
 def _param_name(loc: tuple) -> str | None:

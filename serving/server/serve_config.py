@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
+from serving.distributed import SESSION_TIMEOUT_S
 from serving.engine.engine_settings import EngineSettings
 
 # Keys that moved into the shared engine section (serve's own names until the settings were unified).
@@ -133,13 +134,16 @@ class ServeConfig:
     docs: bool = field(default=False, metadata=doc("serve FastAPI's interactive docs (/docs, /redoc, /openapi.json)"))
     max_body_bytes: int = field(default=2 * 1024 * 1024, metadata=doc(
         "largest request body accepted; a larger one gets HTTP 413 before it is parsed"))
+    body_timeout_s: float = field(default=30.0, metadata=doc(
+        "a request body still arriving after this many seconds is cut off (HTTP 408): a client that "
+        "trickles its body cannot hold a connection open"))
     request_timeout_s: float = field(default=300.0, metadata=doc(
         "a request unfinished after this many seconds is aborted (HTTP 504, or an error event)"))
     default_max_tokens: int = field(default=256, metadata=doc(
         "max_tokens when a request gives none (capped by what the context leaves)"))
     warmup: bool = field(default=True, metadata=doc(
         "run a short request through every engine before /health reports ready"))
-    session_timeout_s: float = field(default=60.0, metadata=doc(
+    session_timeout_s: float = field(default=SESSION_TIMEOUT_S, metadata=doc(
         "role=target: evict a session's KV cache after this long without a verify call"))
     batch_window_ms: float = field(default=2.0, metadata=doc(
         "role=target: how long to collect verify calls from many sessions into one batch"))
@@ -163,6 +167,8 @@ class ServeConfig:
             raise ValueError(f"max_body_bytes={self.max_body_bytes} must be >= 1024")
         if self.queue_limit < 0:
             raise ValueError(f"queue_limit={self.queue_limit} must be >= 0")
+        if self.body_timeout_s <= 0:
+            raise ValueError(f"body_timeout_s={self.body_timeout_s} must be > 0")
         if self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s={self.request_timeout_s} must be > 0")
         if self.default_max_tokens < 1:

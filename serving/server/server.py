@@ -298,7 +298,8 @@ class _Server:
             if not self.ready:
                 self.metrics.requests.labels(endpoint, "503").inc()
                 return not_ready(self.error)
-            body = parse_request(await read_body(http, self.cfg.max_body_bytes), ChatCompletionRequest if chat else CompletionRequest)
+            body = parse_request(await read_body(http, self.cfg.max_body_bytes, self.cfg.body_timeout_s),
+                                 ChatCompletionRequest if chat else CompletionRequest)  # fmt: skip
             forced = self._forced_draft(http, body)
             if not await self._target_up():  # a stream would start 200 and then fail: answer 503 now
                 raise APIError(503, f"the target at {self.cfg.target_address} is unavailable; retry later",
@@ -372,18 +373,31 @@ class _Server:
         return self._longest
 
     def _prediction(self, body: Any) -> list[int] | None:
-        """The token ids of a request's ``prediction`` (OpenAI's Predicted Outputs), or None."""
+        """The token ids of a request's ``prediction`` (OpenAI's Predicted Outputs), or None.
+
+        A prediction is a hint, and an answer repeats at most max_len tokens of it: the text is
+        cut to what max_len tokens can hold (max_len x the longest vocabulary entry) before it is
+        tokenized, and the ids to max_len. Uncut, a 1.9 MB prediction (under the body limit) was
+        tokenized whole and indexed by the drafter, held the engine for seconds and grew the
+        server by 370 MB a request."""
         if body.prediction is None:
             return None
-        text = body.prediction.text()
-        return self.backend.tokenizer.encode(text, add_special_tokens=False) if text else None
+        max_len = self.backend.max_len
+        text = body.prediction.text()[: max_len * self._longest_token()]
+        return self.backend.tokenizer.encode(text, add_special_tokens=False)[:max_len] if text else None
 
     def _encode(self, body: Any, chat: bool) -> tuple[list[int], str, str]:
         """Prompt token ids, the text the router reads, and the field to blame if it is too long.
         A text longer than max_len tokens of the longest token in the vocabulary cannot fit, and
-        is refused without being tokenized."""
+        is refused without being tokenized; so is a stop string no answer could hold (each step
+        searches the answer's tail for every stop string)."""
         tok = self.backend.tokenizer
         longest = self.backend.max_len * self._longest_token()
+        too_long = next((i for i, stop in enumerate(body.stops) if len(stop) > longest), None)
+        if too_long is not None:
+            raise APIError(400, f"stop[{too_long}] is {len(body.stops[too_long]):,} characters: more than max_len="
+                           f"{self.backend.max_len} tokens can hold, so it can never match; send a shorter stop string",
+                           param="stop")  # fmt: skip
         texts = [m.text() for m in body.messages] if chat else [body.prompt] if isinstance(body.prompt, str) else []
         if sum(map(len, texts)) > longest:
             param = "messages" if chat else "prompt"
@@ -525,17 +539,35 @@ async def wait_disconnect(http: HTTPRequest) -> None:
         pass
 
 
-async def read_body(http: HTTPRequest, limit: int) -> bytes:
+async def read_body(http: HTTPRequest, limit: int, timeout_s: float | None = None) -> bytes:
     """The request body, refused with 413 past ``max_body_bytes`` before any of it is parsed.
     The rest of an oversized body is read and dropped (up to 16x the limit), as nginx does, so
-    the client gets to read the 413 instead of a connection reset mid-upload."""
+    the client gets to read the 413 instead of a connection reset mid-upload.
+
+    A body still arriving after ``timeout_s`` (``body_timeout_s``) is cut off with a 408: uvicorn
+    closes idle connections but has no deadline for a body that trickles in a byte at a time. A
+    client that disconnects before its body is read gets a 499 (nginx's "client closed request",
+    which no client receives): counted under its own label and logged at INFO, not a 500."""
+    from starlette.requests import ClientDisconnect
+
     chunks, size = [], 0
-    async for chunk in http.stream():
-        size += len(chunk)
-        if size <= limit:
-            chunks.append(chunk)
-        elif size > 16 * limit:
-            break
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in http.stream():
+                size += len(chunk)
+                if size <= limit:
+                    chunks.append(chunk)
+                elif size > 16 * limit:
+                    break
+    except ClientDisconnect:
+        log.info("%s %s: the client closed the connection after %d bytes of its request body (499)",
+                 http.method, http.url.path, size)  # fmt: skip
+        raise APIError(499, "the client closed the connection before its request was read",
+                       code="client_closed_request") from None  # fmt: skip
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within body_timeout_s={timeout_s:g} s ({size} bytes "
+                       "came); send the whole body at once (or raise body_timeout_s in the server's config)",
+                       code="request_timeout") from None  # fmt: skip
     if size > limit:
         raise APIError(413, f"the request body is larger than max_body_bytes={limit}; send a shorter prompt (or "
                             "raise max_body_bytes in the server's config)", code="request_too_large")  # fmt: skip

@@ -391,7 +391,7 @@ class FleetServer:
             if not self.ready:
                 self.metrics.requests.labels(endpoint, "503").inc()
                 return not_ready(self.error)
-            raw = await read_body(http, self.cfg.max_body_bytes)
+            raw = await read_body(http, self.cfg.max_body_bytes, self.cfg.body_timeout_s)
             body = parse_request(raw, ChatCompletionRequest if chat else CompletionRequest)
             if body.model != self.model_name:
                 raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.model_name!r}",

@@ -1,0 +1,72 @@
+"""Checkpoint manifests (training.checkpoint): every file's size and sha256, checked on resume."""
+
+import json
+
+import pytest
+
+from training.checkpoint import CheckpointError, resumable, verify, write_manifest
+
+pytestmark = pytest.mark.unit
+
+FILES = {"progress.json": b'{"step": 3}', "state/model.safetensors": bytes(range(256)) * 4, "state/scheduler.bin": b"sched"}
+
+
+def checkpoint(folder, files=FILES):
+    for name, data in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+    write_manifest(folder)
+    return folder
+
+
+def test_an_intact_checkpoint_verifies_and_one_without_a_manifest_is_unchecked(tmp_path):
+    assert verify(checkpoint(tmp_path / "last")) is True
+    listed = json.loads((tmp_path / "last" / "manifest.json").read_text())["files"]
+    assert sorted(listed) == sorted(FILES)
+    (tmp_path / "old").mkdir()
+    assert verify(tmp_path / "old") is False
+
+
+@pytest.mark.parametrize("name", sorted(FILES))
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "delete"])
+def test_any_damaged_file_is_refused_by_name(tmp_path, name, damage):
+    folder = checkpoint(tmp_path / "last")
+    path = folder / name
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x01  # one bit of one byte
+        path.write_bytes(bytes(data))
+    elif damage == "truncate":
+        path.write_bytes(bytes(data[:-1]))
+    elif damage == "empty":
+        path.write_bytes(b"")
+    else:
+        path.unlink()
+    with pytest.raises(CheckpointError) as info:
+        verify(folder)
+    message = str(info.value)
+    assert str(path) in message and "\n" not in message
+
+
+def test_a_file_added_after_the_manifest_or_a_garbage_manifest_is_refused(tmp_path):
+    folder = checkpoint(tmp_path / "last")
+    (folder / "state" / "extra.bin").write_bytes(b"?")
+    with pytest.raises(CheckpointError, match="extra.bin"):
+        verify(folder)
+    (folder / "manifest.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="manifest.json"):
+        verify(folder)
+
+
+def test_resume_falls_back_to_previous_when_last_is_damaged(tmp_path):
+    assert resumable(tmp_path) is None  # nothing saved yet
+    checkpoint(tmp_path / "previous")
+    checkpoint(tmp_path / "last")
+    assert resumable(tmp_path) == tmp_path / "last"
+    (tmp_path / "last" / "state" / "scheduler.bin").write_bytes(b"schex")
+    said = []
+    assert resumable(tmp_path, log=said.append) == tmp_path / "previous"
+    assert len(said) == 1 and "scheduler.bin" in said[0] and "previous" in said[0]
+    (tmp_path / "previous" / "progress.json").write_bytes(b'{"step": 4}')
+    with pytest.raises(CheckpointError, match=r"last/state/scheduler\.bin"):  # the first damage found is named
+        resumable(tmp_path)
