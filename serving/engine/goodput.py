@@ -16,12 +16,15 @@ output, only how fast it comes; a seeded sampled row is never capped (its draws 
 on the batch), so its budget is a floor on the cap.
 
 The expected-token formulas (Leviathan et al. 2023) live here too: the router prices whole
-requests with them (``routing.router``), the engine prices steps.
+requests with them (``routing.router``), the engine prices steps. ``RowCosts`` prices one row's
+step by its parts (verify by width, each drafter's proposal, a model drafter's catch-up after steps
+it skipped): the cost model of choosing a drafter per step (``serving.tools.drafting_replay``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -178,3 +181,43 @@ def expected_from_counts(accepted_at: Sequence[int], drafted_at: Sequence[int], 
         total += (acc + prior_weight * prior_a ** (i + 1)) / (n + prior_weight)
         out.append(total)
     return out
+
+
+@dataclass(frozen=True)
+class RowCosts:
+    """One row's decode step priced by its parts, in ms, at one batch size.
+
+    verify: [[width, ms], ...]: the target's forward over ``width`` tokens, with the step's fixed
+        host work (sampling, acceptance, bookkeeping) included.
+    model: model drafter -> [[width, ms], ...]: one forward of the drafter over ``width`` tokens.
+        A chain of k drafts is one forward over the tokens the drafter has not seen yet (1 after a
+        step it drafted and that rejected a token, 2 after one it drafted and was accepted in full,
+        more after steps it skipped: the catch-up), then k - 1 one-token forwards.
+    host: host drafter -> ms per proposal (microseconds, but counted).
+    Widths between or beyond the measured ones are read off the piecewise-linear line through them.
+    """
+
+    verify: Sequence[Sequence[float]]
+    model: Mapping[str, Sequence[Sequence[float]]] = field(default_factory=dict)
+    host: Mapping[str, float] = field(default_factory=dict)
+
+    @staticmethod
+    def _line(points: Sequence[Sequence[float]], width: float) -> float:
+        pts = torch.tensor(sorted(map(tuple, points)), dtype=torch.float64)  # [P, 2]
+        return float(_interp(pts[:, 0], pts[:, 1], torch.tensor(float(width), dtype=torch.float64)))
+
+    def verify_ms(self, width: int) -> float:
+        return self._line(self.verify, width)
+
+    def draft_ms(self, drafter: str | None, k: int, catch_up: int = 1) -> float:
+        """What ``drafter`` costs to propose k tokens; ``catch_up``: the tokens a model drafter
+        must read before its first draft (at least 1: the token the last verify committed)."""
+        if drafter is None or k <= 0:
+            return 0.0
+        if drafter in self.model:
+            if catch_up < 1:
+                raise ValueError(f"catch_up={catch_up}: a model drafter reads at least the last committed token")
+            return self._line(self.model[drafter], catch_up) + (k - 1) * self._line(self.model[drafter], 1)
+        if drafter in self.host:
+            return float(self.host[drafter])
+        raise KeyError(f"no cost for drafter {drafter!r}; priced: {', '.join([*self.model, *self.host]) or 'none'}")
