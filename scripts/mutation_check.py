@@ -44,6 +44,7 @@ class Mutant:
 STOP_TESTS = ("tests/test_engine_tiny.py", "-k", "stop")
 DISTRIBUTION = ("tests/test_distribution.py", "-k", "follows or early_stops")
 ACCEPTANCE = ("tests/test_acceptance.py", "tests/test_distribution.py", "-k", "not catches")
+ROW_TESTS = ("tests/test_engine_drafters.py", "-k", "every_slot_position or every_row_and_slot or accept_in_a_batch or free_its_rows")
 
 MUTANTS = [
     Mutant("stop-kept", "tokens generated after a stop string are kept instead of cut",
@@ -133,6 +134,20 @@ MUTANTS = [
            "        if kept is not None:\n", ("tests/test_verifier.py", "-k", "reused_prefill")),
     Mutant("reuse-after-failed-admission", "a row whose admission failed after its prefill stays offered for reuse",
            "serving/engine/core.py", "        self.verifier.forget(b)\n", "", ("tests/test_verifier.py", "-k", "admission_failed")),
+    # Drafting bugs that greedy identity cannot see (issue 59): the output stays the target's.
+    Mutant("ngram-lowest-row", "ngram proposes from the lowest active row's history",
+           "serving/engine/drafters/ngram.py", "        return self._rows[row].propose(k)\n",
+           "        return self._rows[min(self._rows)].propose(k)\n", ROW_TESTS),
+    Mutant("suffix-other-request", "suffix proposes from another row's request",
+           "serving/engine/drafters/suffix.py", "        return self.cache.propose(self._request[row], k)[0]\n",
+           "        return self.cache.propose(self._request[min(self._request)], k)[0]\n", ROW_TESTS),
+    Mutant("draft-prefill-slot-row", "a draft model prefills the engine slot's cache row instead of its own draft row",
+           "serving/engine/core.py", "            self.model_drafters[drafter].prefill(ids, draft_row)\n",
+           "            self.model_drafters[drafter].prefill(ids, b)\n", ROW_TESTS),
+    Mutant("fallback-leaks-draft-row", "a fallback clears the row's draft row before stopping its drafter (the row is never freed)",
+           "serving/engine/core.py", "            self._stop_drafter(b, slot, finished=False)\n            slot.routed_drafter",
+           "            slot.draft_row = None\n            self._stop_drafter(b, slot, finished=False)\n            slot.routed_drafter",
+           ROW_TESTS),
 ]
 
 

@@ -191,3 +191,16 @@ def test_gguf_parsed_once_reads_the_same_file(tmp_path):
     assert t_once.name == t_plain.name
     np.testing.assert_array_equal(t_once.data, t_plain.data)
     np.testing.assert_array_equal(t_once.data, weights)
+
+
+def test_a_full_disk_while_converting_names_the_folder_and_leaves_nothing(fake):
+    spec, _, _, home = fake
+
+    def full(gguf: Path, out: Path):
+        out.mkdir()
+        (out / "model.safetensors").write_bytes(b"half")
+        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")  # safetensors' form
+
+    with pytest.raises(BundledModelError, match=r"no space left in .*models.*CHORAL_HOME"):
+        bundled._resolve(spec, home, convert=full)
+    assert [p.name for p in (home / "models").iterdir()] == []

@@ -83,6 +83,86 @@ def test_seeded_sampling_does_not_depend_on_the_batch_for_any_drafter(tiny_targe
     assert mixed[1].token_ids == alone.token_ids
 
 
+# ---- each row drafts from its own state, in every slot ---------------------------------------
+# Greedy identity cannot see a drafter that reads another row's history or cache row: the output
+# stays the target's, only acceptance (greedy) or the seeded draws (sampled) change. The seeded
+# test above puts its row in the lowest row of its drafter; these put it everywhere.
+
+
+@pytest.mark.parametrize("name", ["ngram", "suffix", "small"])
+@pytest.mark.parametrize("position", [0, 1, 2, 3])
+def test_seeded_output_is_the_same_in_every_slot_position(tiny_target, tiny_draft, tokenizer, name, position):
+    """The seeded row at slot ``position``, below and above rows of the same drafter and of the
+    target alone (so a model drafter's cache row differs from its slot): its tokens are the ones it
+    draws alone."""
+    prompts = ragged_prompts(4, seed=67)
+    prompts = [p * 2 for p in prompts]  # repeats, so that ngram and suffix propose
+    # A low temperature keeps the tiny model's answers repetitive enough for ngram and suffix to
+    # propose; the draws are still seeded samples, and so is everything they consume.
+    seeded = SamplingParams(temperature=0.02, seed=321)
+    engine = engine_with_every_drafter(tiny_target, tiny_draft, tokenizer, batch=4)
+    [alone] = engine.generate([Request(prompts[0], params=seeded, max_new_tokens=24, drafter=name)])
+    fillers = iter([Request(p, params=SamplingParams(temperature=1.2), max_new_tokens=24, drafter=d)
+                    for p, d in zip(prompts[1:], ["none", name, "none"])])  # fmt: skip
+    batch = [Request(prompts[0], params=seeded, max_new_tokens=24, drafter=name) if i == position else next(fillers)
+             for i in range(4)]  # fmt: skip
+    mixed = engine.generate(batch)[position]
+    assert alone.stats["drafted"] > 0
+    assert mixed.token_ids == alone.token_ids
+    # the same proposals and draws, so the same counts (a proposal from another row's state changes them)
+    assert (mixed.stats["drafted"], mixed.stats["accepted"]) == (alone.stats["drafted"], alone.stats["accepted"])
+
+
+def test_a_draft_equal_to_the_target_accepts_every_token_in_every_row_and_slot(tiny_target, tokenizer):
+    """Greedy, with a draft that is a copy of the target: whatever slot and cache row a request
+    lands in, beside other drafters, every drafted token is accepted."""
+    import copy
+
+    twin = copy.deepcopy(tiny_target)
+    engine = SpeculativeEngine(tiny_target, tokenizer, config=EngineConfig(max_batch_size=4, max_len=128, k=4),
+                               drafters={"twin": twin, "ngram": NgramDrafter(), "none": None})  # fmt: skip
+    prompts = ragged_prompts(8, seed=71)
+    names = ["none", "twin", "ngram", "twin", "twin", "none", "twin", "ngram"]
+    outs = engine.generate([Request(p, max_new_tokens=20, drafter=n) for p, n in zip(prompts, names)])
+    for p, n, out in zip(prompts, names, outs):
+        assert out.token_ids == hf_greedy(tiny_target, p, 20)
+        if n == "twin":
+            assert out.stats["drafted"] > 0 and out.stats["accepted"] == out.stats["drafted"], out.stats
+
+
+def test_ngram_rows_accept_in_a_batch_what_they_accept_alone(tiny_target, tokenizer):
+    """``ngram`` proposes from the row's own prompt and output: greedy, each row drafts and accepts
+    the same tokens in a batch of other ngram rows as alone."""
+    prompts = [p * 3 for p in ragged_prompts(4, seed=73)]
+    engine = SpeculativeEngine(tiny_target, tokenizer, config=EngineConfig(max_batch_size=4, max_len=160, k=4),
+                               drafters={"ngram": NgramDrafter(), "none": None})  # fmt: skip
+    alone = [engine.generate([Request(p, max_new_tokens=24, drafter="ngram")])[0] for p in prompts]
+    batched = engine.generate([Request(p, max_new_tokens=24, drafter="ngram") for p in prompts])
+    assert sum(a.stats["drafted"] for a in alone) > 0
+    for a, b in zip(alone, batched):
+        assert (b.stats["drafted"], b.stats["accepted"]) == (a.stats["drafted"], a.stats["accepted"])
+
+
+def test_fallbacks_from_a_draft_model_free_its_rows_for_later_requests(tiny_target, tokenizer):
+    """Two rounds of draft-model requests that fall back to the target alone (a draft that never
+    agrees), then more draft-model requests: each gets a cache row and the target's output."""
+    from serving.engine.core import Fallback
+    from tests.conftest import tiny_qwen2
+
+    stranger = tiny_qwen2(5)  # another random model: almost nothing it drafts is accepted
+    engine = SpeculativeEngine(tiny_target, tokenizer, config=EngineConfig(max_batch_size=2, max_len=160, k=4),
+                               drafters={"stranger": stranger, "none": None})  # fmt: skip
+    rule = Fallback(min_acceptance=0.5, after_drafted=8)
+    prompts = ragged_prompts(6, seed=79)
+    for round_ in range(3):
+        pair = prompts[2 * round_ : 2 * round_ + 2]
+        outs = engine.generate([Request(p, max_new_tokens=24, drafter="stranger", fallback=rule if round_ < 2 else None)
+                                for p in pair])  # fmt: skip
+        for p, out in zip(pair, outs):
+            assert out.token_ids == hf_greedy(tiny_target, p, 24)
+            assert ("fallback" in out.stats) == (round_ < 2), (round_, out.stats)
+
+
 def test_a_lone_request_runs_at_the_smallest_batch_bucket(tiny_target, tiny_draft, tokenizer):
     engine = engine_with_every_drafter(tiny_target, tiny_draft, tokenizer, batch=8)
     assert engine.config.batch_buckets == (1, 2, 4, 8)

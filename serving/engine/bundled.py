@@ -10,6 +10,7 @@ check that the folder exists.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import importlib.metadata
 import os
@@ -106,9 +107,18 @@ def _resolve(spec: BundledSpec, home: Path, convert=None) -> Path:
     work = Path(tempfile.mkdtemp(prefix=f".{spec.name}.", dir=final.parent))
     try:
         gguf = work / spec.gguf_name
-        _join_verified(parts, spec, gguf)
         out = work / "out"
-        (convert or _convert_gguf)(gguf, out)
+        try:
+            _join_verified(parts, spec, gguf)
+            (convert or _convert_gguf)(gguf, out)
+        except Exception as e:  # safetensors reports a full disk as its own error type, not OSError
+            if getattr(e, "errno", None) not in (errno.ENOSPC, errno.EDQUOT) and "No space left on device" not in str(e):
+                raise
+            raise BundledModelError(
+                f"bundled model {spec.name!r}: no space left in {final.parent} to convert it (it needs about "
+                f"{spec.size * 9 / 1e9:.0f} GB there while converting: the fp32 weights and the GGUF); free space there "
+                "or point CHORAL_HOME at a larger disk. Nothing partial was left behind."
+            ) from e
         gguf.unlink()  # free 0.5-1.1 GB of disk before the rename, not after the whole run
         try:
             os.replace(out, final)
