@@ -322,8 +322,11 @@ def test_token_and_tls_guard_the_target(tiny_target, tiny_draft, tokenizer, tmp_
             SpeculativeEngine(RemoteVerifier(server.address, timeout_s=5, tls_ca=cert), tokenizer, tiny_draft, config)
         with pytest.raises(TargetUnavailable, match="UNAUTHENTICATED"):
             SpeculativeEngine(RemoteVerifier(server.address, timeout_s=5, token="guess", tls_ca=cert), tokenizer, tiny_draft, config)
-        with pytest.raises(TargetUnavailable, match="cannot be reached"):  # plaintext to a TLS port
+        with pytest.raises(TargetUnavailable, match="cannot be reached.*serves TLS.*grpc.tls_ca"):  # plaintext to a TLS port
             SpeculativeEngine(RemoteVerifier(server.address, timeout_s=2, token="s3cret"), tokenizer, tiny_draft, config)
+        other, _ = _self_signed()
+        with pytest.raises(TargetUnavailable, match="does not vouch for"):  # TLS with the wrong CA
+            SpeculativeEngine(RemoteVerifier(server.address, timeout_s=2, token="s3cret", tls_ca=other), tokenizer, tiny_draft, config)
         verifier = RemoteVerifier(server.address, timeout_s=10, token="s3cret", tls_ca=cert)
         outs = SpeculativeEngine(verifier, tokenizer, tiny_draft, config).generate(requests)
         assert [o.token_ids for o in outs] == [o.token_ids for o in fused(tiny_target, tiny_draft, tokenizer, requests, k=3)]
@@ -337,4 +340,39 @@ def test_token_and_tls_guard_the_target(tiny_target, tiny_draft, tokenizer, tmp_
             stub.Verify(verify_pb2.VerifyRequest(k=3, items=[verify_pb2.VerifyItem(session_id="x", q=b"\0" * (legit + (2 << 20)))]),
                         timeout=10, metadata=auth)  # fmt: skip
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        channel.close()
+    with VerifyServer(tiny_target, tokenizer, max_batch_size=2, max_len=MAX_LEN, k_buckets=(3,)) as plain:
+        with pytest.raises(TargetUnavailable, match="does not serve TLS.*drop grpc.tls_ca"):  # TLS to a plaintext port
+            SpeculativeEngine(RemoteVerifier(plain.address, timeout_s=2, tls_ca=cert), tokenizer, tiny_draft, config)
+
+
+def test_a_node_at_its_session_cap_is_refused_while_another_is_admitted(tiny_target, tokenizer):
+    """Per-node tokens give each draft node an identity: with 4 slots and two nodes, each may
+    hold 2 sessions. Node a's third Open is refused (RESOURCE_EXHAUSTED, naming it) while node b
+    is admitted; a closed session frees a's turn; an unknown token is refused."""
+    import grpc
+
+    from serving.distributed import verify_pb2, verify_pb2_grpc
+
+    with VerifyServer(tiny_target, tokenizer, max_batch_size=4, max_len=MAX_LEN, k_buckets=(3,),
+                      node_tokens={"a": "token-a", "b": "token-b"}) as server:  # fmt: skip
+        assert server.service.max_sessions_per_node == 2
+        channel = grpc.insecure_channel(server.address)
+        stub = verify_pb2_grpc.VerifierStub(channel)
+
+        def open_(node: str, sid: str):
+            request = verify_pb2.OpenRequest(session_id=sid, prompt_ids=[5, 6, 7], max_new_tokens=4, k_max=3, u_first=0.5,
+                                             sampling=verify_pb2.Sampling(temperature=0.0, top_p=1.0))  # fmt: skip
+            return stub.Open(request, timeout=30, metadata=(("authorization", f"Bearer token-{node}"),))
+
+        open_("a", "a1"), open_("a", "a2")
+        with pytest.raises(grpc.RpcError) as info:
+            open_("a", "a3")
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "'a' holds 2 sessions" in info.value.details()
+        open_("b", "b1")  # the other node still gets a slot
+        stub.Close(verify_pb2.CloseRequest(session_ids=["a1"]), timeout=30, metadata=(("authorization", "Bearer token-a"),))
+        open_("a", "a3")
+        with pytest.raises(grpc.RpcError) as info:
+            open_("c", "c1")  # nobody's token
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         channel.close()

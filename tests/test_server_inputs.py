@@ -115,3 +115,13 @@ def test_one_session_timeout_default_everywhere():
     assert ServeConfig().session_timeout_s == SESSION_TIMEOUT_S
     for fn in (VerifyServer.__init__, VerifyService.__init__, serve_target):
         assert inspect.signature(fn).parameters["session_timeout_s"].default == SESSION_TIMEOUT_S
+
+
+def test_grpc_node_tokens_exclude_a_shared_token_and_caps_are_positive():
+    from serving.server.serve_config import GrpcSettings
+
+    with pytest.raises(ValueError, match="one shared token or per-node tokens"):
+        GrpcSettings(token="t", node_tokens={"a": "x"})
+    with pytest.raises(ValueError, match="max_sessions_per_node=0"):
+        GrpcSettings(max_sessions_per_node=0)
+    assert GrpcSettings(node_tokens={"a": "x", "b": "y"}, max_sessions_per_node=3).node_tokens == {"a": "x", "b": "y"}

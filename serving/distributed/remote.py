@@ -46,6 +46,60 @@ class TargetUnavailable(VerifierError):
         self.address = address
 
 
+def tls_mismatch(address: str, tls_ca: bytes | None, timeout_s: float = 3.0) -> str | None:
+    """Why a target that cannot be reached over gRPC may be up after all: a TLS handshake with it
+    tells a plaintext client from a TLS server, a TLS client from a plaintext server, and a
+    certificate that ``tls_ca`` does not vouch for. None when the port does not answer at all (or
+    the handshake says nothing either way): then the address or the target is the problem."""
+    import socket
+    import ssl
+    import tempfile
+
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+
+    def handshake(context: ssl.SSLContext) -> bool:
+        """True when the TLS handshake completes; False when the port accepts a connection but not
+        TLS; OSError when nothing accepts one."""
+        context.set_alpn_protocols(["h2"])  # gRPC's
+        with socket.create_connection((host, int(port)), timeout=timeout_s) as raw:
+            try:
+                with context.wrap_socket(raw, server_hostname=host if tls_ca is not None else None):
+                    return True
+            except ssl.SSLCertVerificationError:
+                raise
+            except OSError:  # ssl.SSLError included: the peer answered in something other than TLS, or hung up
+                return False
+
+    unverified = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    unverified.check_hostname, unverified.verify_mode = False, ssl.CERT_NONE
+    try:
+        serves_tls = handshake(unverified)
+    except (OSError, ValueError):  # nothing listens there, or a malformed address
+        return None
+    if not serves_tls:
+        if tls_ca is not None:
+            return (f"The target at {address} does not serve TLS (plaintext): drop grpc.tls_ca on this draft node, or "
+                    "start the target with grpc.tls_cert and grpc.tls_key.")  # fmt: skip
+        return None
+    if tls_ca is None:
+        return (f"The target at {address} serves TLS and this draft node connected in plaintext: give it grpc.tls_ca "
+                "(the target's certificate, or the CA that signed it).")  # fmt: skip
+    with tempfile.NamedTemporaryFile(suffix=".pem") as ca:
+        ca.write(tls_ca)
+        ca.flush()
+        verified = ssl.create_default_context(cafile=ca.name)
+        verified.check_hostname = False  # gRPC checks the name itself; here only the chain is in question
+        try:
+            handshake(verified)  # a plain False cannot happen here: the unverified handshake completed
+        except ssl.SSLCertVerificationError as e:
+            return (f"The target at {address} serves TLS with a certificate that grpc.tls_ca does not vouch for "
+                    f"({e.verify_message}): give this draft node the target's certificate or the CA that signed it.")
+        except (OSError, ValueError):
+            return None
+    return None
+
+
 class RemoteVerifier(Verifier):
     def __init__(
         self, target_address: str, timeout_s: float = 30.0, *, token: str | None = None, tls_ca: bytes | None = None
@@ -77,9 +131,9 @@ class RemoteVerifier(Verifier):
         try:
             info = self._call("Info", verify_pb2.InfoRequest(), wait_for_ready=True)
         except TargetUnavailable as e:
-            raise TargetUnavailable(
-                f"{e} Start it first (`serve --role target`) or fix the address (--target HOST:PORT).", self.address
-            ) from e.__cause__
+            tls = tls_mismatch(self.address, self._tls_ca)
+            hint = tls or "Start it first (`serve --role target`) or fix the address (--target HOST:PORT)."
+            raise TargetUnavailable(f"{e} {hint}", self.address) from e.__cause__
         self.target_info, self.instance_id = info, info.instance_id
         if config.max_len is None:
             config.max_len = info.max_len

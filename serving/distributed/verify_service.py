@@ -63,8 +63,10 @@ class TokenCheck(grpc.ServerInterceptor):
     """Every call must carry ``authorization: Bearer TOKEN`` metadata (a shared secret between the
     target and its draft nodes); others are refused UNAUTHENTICATED with one log line."""
 
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, tokens: str | dict[str, str]) -> None:
+        """``tokens``: the shared token, or node name -> that node's own token."""
+        tokens = {SHARED_NODE: tokens} if isinstance(tokens, str) else tokens
+        self._expected = [f"Bearer {t}".encode() for t in tokens.values()]
 
         def refuse(request, context):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token: set grpc.token (or "
@@ -74,7 +76,8 @@ class TokenCheck(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation, handler_call_details):
         got = dict(handler_call_details.invocation_metadata).get("authorization", "")
-        if hmac.compare_digest(got.encode() if isinstance(got, str) else got, self._expected):
+        got = got.encode() if isinstance(got, str) else got
+        if any([hmac.compare_digest(got, expected) for expected in self._expected]):  # all compared: no timing hint
             return continuation(handler_call_details)
         log.warning("refused %s: missing or wrong token", handler_call_details.method)
         return self._refuse
@@ -86,10 +89,24 @@ class _CallError(Exception):
         self.code, self.message = code, message
 
 
+SHARED_NODE = "shared"  # the one identity of every caller when the target has no per-node tokens
+
+
+def node_of(metadata, nodes: dict[str, str]) -> str:
+    """The draft node a call comes from: the name whose token it carries (``TokenCheck`` has
+    already refused any other); every caller is ``SHARED_NODE`` without per-node tokens."""
+    got = dict(metadata or ()).get("authorization", "")
+    for name, token in nodes.items():
+        if hmac.compare_digest(str(got), f"Bearer {token}"):
+            return name
+    return SHARED_NODE
+
+
 @dataclass
 class _Job:
     kind: str  # "open" | "verify" | "close"
     request: object
+    node: str = SHARED_NODE
     received: float = field(default_factory=time.perf_counter)
     future: futures.Future = field(default_factory=futures.Future)
 
@@ -100,6 +117,7 @@ class _Session:
     params: SamplingParams
     k_max: int
     last_used: float
+    node: str = SHARED_NODE
 
 
 class VerifyService(verify_pb2_grpc.VerifierServicer):
@@ -116,9 +134,14 @@ class VerifyService(verify_pb2_grpc.VerifierServicer):
         k_max: int = 8,
         session_timeout_s: float = SESSION_TIMEOUT_S,
         batch_window_ms: float = 2.0,
+        nodes: dict[str, str] | None = None,
+        max_sessions_per_node: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        """``clock``: what a session's idle time is measured on (a test passes a clock it moves)."""
+        """``nodes``: draft node name -> its token, so that calls are told apart by node;
+        ``max_sessions_per_node``: the most sessions one node may hold at once (default: the slots
+        shared evenly among ``nodes``; all of them without), so that no node can take every slot.
+        ``clock``: what a session's idle time is measured on (a test passes a clock it moves)."""
         max_pos = getattr(target.config, "max_position_embeddings", None) or 2048
         max_len = max_len or min(2048, max_pos)
         if max_len > max_pos:
@@ -128,6 +151,12 @@ class VerifyService(verify_pb2_grpc.VerifierServicer):
         self.name, self.max_len, self.k_max, self.max_pos = name, max_len, k_max, max_pos
         self.session_timeout_s, self.batch_window_s, self.clock = session_timeout_s, batch_window_ms / 1e3, clock
         self.B = max_batch_size
+        self.nodes = dict(nodes or {})
+        if max_sessions_per_node is None:
+            max_sessions_per_node = max(1, -(-max_batch_size // len(self.nodes))) if self.nodes else max_batch_size
+        if max_sessions_per_node < 1:
+            raise ValueError(f"max_sessions_per_node={max_sessions_per_node} must be >= 1")
+        self.max_sessions_per_node = max_sessions_per_node
         self.runner = ModelRunner(target, batch_size=max_batch_size, max_len=max_len)
         self.vocab_size = self.runner.vocab_size
         self.device = self.runner.device
@@ -189,7 +218,7 @@ class VerifyService(verify_pb2_grpc.VerifierServicer):
     def _submit(self, kind: str, request, context):
         if self._stopping.is_set():
             context.abort(grpc.StatusCode.UNAVAILABLE, "the target is shutting down")
-        job = _Job(kind, request)
+        job = _Job(kind, request, node_of(context.invocation_metadata(), self.nodes) if self.nodes else SHARED_NODE)
         self._jobs.put(job)
         while True:
             try:
@@ -220,7 +249,7 @@ class VerifyService(verify_pb2_grpc.VerifierServicer):
                     verifies.append(j)
                     continue
                 try:
-                    j.future.set_result(self._open(j.request) if j.kind == "open" else self._close(j.request))
+                    j.future.set_result(self._open(j.request, j.node) if j.kind == "open" else self._close(j.request))
                 except _CallError as e:
                     j.future.set_exception(e)
                 except Exception as e:  # a bug must not kill the worker: report it to the caller
@@ -263,7 +292,7 @@ class VerifyService(verify_pb2_grpc.VerifierServicer):
         self.state.done[sess.slot] = True
         self._free.append(sess.slot)
 
-    def _open(self, r: verify_pb2.OpenRequest) -> verify_pb2.OpenReply:
+    def _open(self, r: verify_pb2.OpenRequest, node: str = SHARED_NODE) -> verify_pb2.OpenReply:
         started = time.perf_counter()
         bad = grpc.StatusCode.INVALID_ARGUMENT
         if r.session_id in self.sessions:
@@ -284,13 +313,17 @@ class VerifyService(verify_pb2_grpc.VerifierServicer):
             params = SamplingParams(r.sampling.temperature, r.sampling.top_k, r.sampling.top_p or 1.0)
         except ValueError as e:
             raise _CallError(bad, str(e)) from None
+        held = sum(1 for sess in self.sessions.values() if sess.node == node)
+        if held >= self.max_sessions_per_node:
+            raise _CallError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"draft node {node!r} holds {held} sessions, its cap "
+                             f"(grpc.max_sessions_per_node={self.max_sessions_per_node}); close one first")  # fmt: skip
         if not self._free:
             raise _CallError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"all {self.B} target slots are in use")
         b = self._free.pop()
         prompt = torch.tensor([list(r.prompt_ids)], dtype=torch.long, device=self.device)  # [1, L]
         first = prefill_first_token(self.runner, prompt, b, params, torch.tensor([r.u_first]))
         done = start_row(self.state, b, prompt[0], first, r.max_new_tokens)
-        self.sessions[r.session_id] = _Session(b, params, r.k_max, self.clock())
+        self.sessions[r.session_id] = _Session(b, params, r.k_max, self.clock(), node)
         return verify_pb2.OpenReply(
             first_token=first, done=done, instance_id=self.instance_id,
             target_ms=1e3 * (time.perf_counter() - started),
@@ -436,14 +469,22 @@ class VerifyServer:
         batch_window_ms: float = 2.0,
         workers: int = 32,
         token: str | None = None,
+        node_tokens: dict[str, str] | None = None,
+        max_sessions_per_node: int | None = None,
         tls: tuple[bytes, bytes] | None = None,
     ) -> None:
         """``token``: the shared secret every call must carry (None: none asked, for loopback);
-        ``tls``: (PEM certificate chain, PEM private key) to serve TLS instead of plaintext."""
-        self.host, self.port, self.workers, self.token, self.tls = host, port, workers, token, tls
+        ``node_tokens``: instead, draft node name -> its own token (each node then has an identity,
+        and at most ``max_sessions_per_node`` sessions); ``tls``: (PEM certificate chain, PEM
+        private key) to serve TLS instead of plaintext."""
+        if token is not None and node_tokens:
+            raise ValueError("give the target one shared token or per-node tokens, not both")
+        self.host, self.port, self.workers, self.tls = host, port, workers, tls
+        self.tokens: str | dict[str, str] | None = dict(node_tokens) if node_tokens else token
         self.service = VerifyService(
             target, tokenizer, name=name, max_batch_size=max_batch_size, max_len=max_len,
             k_max=max(k_buckets), session_timeout_s=session_timeout_s, batch_window_ms=batch_window_ms,
+            nodes=dict(node_tokens) if node_tokens else None, max_sessions_per_node=max_sessions_per_node,
         )  # fmt: skip
         self._server: grpc.Server | None = None
 
@@ -457,7 +498,7 @@ class VerifyServer:
         s = self.service
         limit = max_verify_bytes(s.B, s.k_max, s.vocab_size, s.max_len)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.workers),
-                             interceptors=[TokenCheck(self.token)] if self.token else [],
+                             interceptors=[TokenCheck(self.tokens)] if self.tokens else [],
                              options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", 1 << 30)])  # fmt: skip
         verify_pb2_grpc.add_VerifierServicer_to_server(self.service, server)
         if self.tls is not None:
@@ -499,6 +540,8 @@ def serve_target(
     session_timeout_s: float = SESSION_TIMEOUT_S,
     batch_window_ms: float = 2.0,
     token: str | None = None,
+    node_tokens: dict[str, str] | None = None,
+    max_sessions_per_node: int | None = None,
     tls: tuple[bytes, bytes] | None = None,
 ) -> None:
     """Load the target and serve verification until interrupted (``serve --role target``).
@@ -516,11 +559,12 @@ def serve_target(
     server = VerifyServer(
         model, tokenizer, host=host, port=port, name=target_ref, max_batch_size=settings.max_batch_size,
         max_len=settings.max_len, k_buckets=settings.k_buckets, session_timeout_s=session_timeout_s,
-        batch_window_ms=batch_window_ms, token=token, tls=tls,
+        batch_window_ms=batch_window_ms, token=token, node_tokens=node_tokens, max_sessions_per_node=max_sessions_per_node,
+        tls=tls,
     )  # fmt: skip
     server.start()
     print(f"target {target_ref} verifying on {host}:{server.port} ({settings.max_batch_size} slots, K <= {max(settings.k_buckets)}; "
-          f"{'TLS' if tls else 'plaintext'}, {'token required' if token else 'no token'})", flush=True)
+          f"{'TLS' if tls else 'plaintext'}, {'per-node tokens' if node_tokens else 'token required' if token else 'no token'})", flush=True)
     try:
         server.wait()
     except KeyboardInterrupt:

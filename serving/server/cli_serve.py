@@ -66,7 +66,8 @@ def _serve_target(cfg: ServeConfig) -> int:
     print(e.precision_line(target_ref), file=sys.stderr, flush=True)
     serve_target(
         target_ref, e, host=cfg.host, port=cfg.port, session_timeout_s=cfg.session_timeout_s,
-        batch_window_ms=cfg.batch_window_ms, token=cfg.grpc.resolved_token(),
+        batch_window_ms=cfg.batch_window_ms, token=None if cfg.grpc.node_tokens else cfg.grpc.resolved_token(),
+        node_tokens=cfg.grpc.node_tokens, max_sessions_per_node=cfg.grpc.max_sessions_per_node,
         tls=(cfg.grpc.read("tls_cert"), cfg.grpc.read("tls_key")) if cfg.grpc.tls_cert else None,
     )  # fmt: skip
     return 0
@@ -115,7 +116,8 @@ def _check(cfg: ServeConfig) -> None:
                 cfg.grpc.read(which)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-    if cfg.role == "target" and cfg.host not in ("127.0.0.1", "localhost", "::1") and cfg.grpc.resolved_token() is None:
+    if (cfg.role == "target" and cfg.host not in ("127.0.0.1", "localhost", "::1") and cfg.grpc.resolved_token() is None
+            and not cfg.grpc.node_tokens):  # fmt: skip
         log.warning("serve --role target listens on %s without a token: any client that reaches the port can open "
                     "sessions; set grpc.token (or CHORAL_GRPC_TOKEN) on the target and every draft node", cfg.host)
     if cfg.role == "target" and cfg.router is None and cfg.target_model is None:

@@ -82,6 +82,12 @@ class GrpcSettings:
     tls_ca: str | None = field(default=None, metadata=doc(
         "role=draft: PEM certificate(s) to trust for the target (its own certificate, or the CA that "
         "signed it); set, the draft node connects over TLS"))
+    node_tokens: dict[str, str] | None = field(default=None, metadata=doc(
+        "role=target: one token per draft node (name: token) instead of the shared token; each node sends its own "
+        "as grpc.token, and the target tells nodes apart: a node holds at most max_sessions_per_node sessions"))
+    max_sessions_per_node: int | None = field(default=None, metadata=doc(
+        "role=target: the most sessions (target slots) one draft node may hold at once; default: the slots shared "
+        "evenly among node_tokens' nodes (every slot with one shared token)"))
     deadline_s: float = field(default=30.0, metadata=doc(
         "role=draft: the deadline of every call to the target (a frozen target fails its requests after this)"))
 
@@ -93,6 +99,10 @@ class GrpcSettings:
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError(f"grpc.tls_cert={self.tls_cert} and grpc.tls_key={self.tls_key}: give both (TLS) or neither")
+        if self.token is not None and self.node_tokens:
+            raise ValueError("grpc.token and grpc.node_tokens: on the target give one shared token or per-node tokens, not both")
+        if self.max_sessions_per_node is not None and self.max_sessions_per_node < 1:
+            raise ValueError(f"grpc.max_sessions_per_node={self.max_sessions_per_node} must be >= 1 (or null)")
         if not self.deadline_s > 0:
             raise ValueError(f"grpc.deadline_s={self.deadline_s} must be > 0")
 
