@@ -70,3 +70,17 @@ def test_resume_falls_back_to_previous_when_last_is_damaged(tmp_path):
     (tmp_path / "previous" / "progress.json").write_bytes(b'{"step": 4}')
     with pytest.raises(CheckpointError, match=r"last/state/scheduler\.bin"):  # the first damage found is named
         resumable(tmp_path)
+
+
+@pytest.mark.integration
+def test_a_truncated_model_file_is_named_when_it_is_loaded(tmp_path, tiny_target):
+    """A model folder whose safetensors file was cut short: the load error names the folder and
+    the file, where safetensors alone says only 'Error while deserializing header'."""
+    from serving.engine.models import ModelLoadError, load_model
+
+    tiny_target.save_pretrained(tmp_path / "draft")
+    weights = tmp_path / "draft" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ModelLoadError) as info:
+        load_model(str(tmp_path / "draft"))
+    assert str(tmp_path / "draft") in str(info.value) and "model.safetensors" in str(info.value)

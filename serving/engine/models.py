@@ -83,6 +83,10 @@ def load_tokenizer(ref: str | Path) -> PreTrainedTokenizerBase:
 QUANTIZE_MODES = ("int8-dynamic",)
 
 
+class ModelLoadError(RuntimeError):
+    """A model folder whose weights cannot be loaded, with the folder, its weight files and the fix."""
+
+
 def load_model(
     ref: str | Path,
     *,
@@ -93,7 +97,17 @@ def load_model(
     """An inference-ready causal LM: eval mode, no grads, on ``device`` in ``dtype``;
     ``quantize="int8-dynamic"`` (CPU only) swaps in dynamic int8 Linear layers."""
     source = resolve_model_ref(ref)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype))
+    except Exception as e:  # safetensors' SafetensorError is none of OSError, ValueError, RuntimeError
+        # transformers and safetensors name neither the folder nor the file of a damaged checkpoint
+        # ("Error while deserializing header: ..."), a truncated one included: name them here.
+        if isinstance(e, (MemoryError, ImportError)) or not Path(source).is_dir() or str(source) in str(e):
+            raise
+        files = sorted(p.name for p in Path(source).glob("*.safetensors")) or sorted(p.name for p in Path(source).glob("*.bin"))
+        raise ModelLoadError(f"model {ref!r}: cannot load its weights from {source} ({', '.join(files) or 'no weight files'}): "
+                             f"{type(e).__name__}: {e}. A weight file may be truncated or damaged; copy or export the "
+                             "model again") from e  # fmt: skip
     model.requires_grad_(False)
     model = model.to(device).eval()
     if Path(source).is_dir():  # its CPU-kernel conversion can then be cached (serving.engine.weights_cache)
