@@ -117,6 +117,7 @@ def run_cli(config: Path, *extra, wait=True):
     return proc
 
 
+@pytest.mark.slow  # three training runs; the manifest itself is tested in tests/test_checkpoint.py
 @pytest.mark.e2e
 def test_a_damaged_checkpoint_falls_back_to_previous_or_is_refused_by_name(tmp_path, tokenizer, capsys):
     """A flipped byte in last/'s model: --resume passes over it to previous/ (saved 3 steps
