@@ -84,3 +84,34 @@ def test_a_truncated_model_file_is_named_when_it_is_loaded(tmp_path, tiny_target
     with pytest.raises(ModelLoadError) as info:
         load_model(str(tmp_path / "draft"))
     assert str(tmp_path / "draft") in str(info.value) and "model.safetensors" in str(info.value)
+
+
+def test_hidden_files_are_not_part_of_a_checkpoint(tmp_path):
+    folder = checkpoint(tmp_path / "last")
+    (folder / ".DS_Store").write_bytes(b"finder")
+    (folder / "state" / ".nfs0001").write_bytes(b"nfs")
+    assert verify(folder) is True
+
+
+def test_a_manifest_with_malformed_entries_is_refused_by_name(tmp_path):
+    folder = checkpoint(tmp_path / "last")
+    (folder / "manifest.json").write_text(json.dumps({"format": 1, "files": {"progress.json": "abc"}}))
+    with pytest.raises(CheckpointError, match="manifest.json is damaged"):
+        verify(folder)
+    (folder / "manifest.json").write_text(json.dumps({"format": 1, "files": {"progress.json": {"sha256": "x"}}}))
+    with pytest.raises(CheckpointError, match="manifest.json is damaged"):
+        verify(folder)
+
+
+def test_a_damaged_last_never_replaces_a_good_previous(tmp_path):
+    from training.checkpoint import keep_previous
+
+    checkpoint(tmp_path / "previous")
+    checkpoint(tmp_path / "last")
+    (tmp_path / "last" / "progress.json").write_bytes(b'{"step": 9}')  # damaged after it was written
+    keep_previous(tmp_path / "last")  # what the next save does first
+    assert not (tmp_path / "last").exists() and verify(tmp_path / "previous") is True
+    assert resumable(tmp_path) == tmp_path / "previous"
+    checkpoint(tmp_path / "last")
+    keep_previous(tmp_path / "last")  # a good last becomes previous
+    assert not (tmp_path / "last").exists() and verify(tmp_path / "previous") is True

@@ -125,3 +125,45 @@ def test_grpc_node_tokens_exclude_a_shared_token_and_caps_are_positive():
     with pytest.raises(ValueError, match="max_sessions_per_node=0"):
         GrpcSettings(max_sessions_per_node=0)
     assert GrpcSettings(node_tokens={"a": "x", "b": "y"}, max_sessions_per_node=3).node_tokens == {"a": "x", "b": "y"}
+
+
+def test_the_vllm_front_forwards_fields_vllm_implements():
+    """Penalties, logit_bias and response_format are refused by Choral's own engine but forwarded
+    by the vLLM front (its replicas implement them); tools stay refused on both."""
+    from serving.server.vllm_backend import VLLM_IMPLEMENTS
+
+    raw = b'{"model": "m", "prompt": "x", "frequency_penalty": 0.5, "logit_bias": {"5": 3}, "response_format": {"type": "json_object"}}'
+    with pytest.raises(APIError, match="frequency_penalty"):
+        parse_request(raw, CompletionRequest)
+    assert parse_request(raw, CompletionRequest, implemented=VLLM_IMPLEMENTS).frequency_penalty == 0.5
+    with pytest.raises(APIError, match="tools"):
+        parse_request(b'{"model": "m", "prompt": "x", "tools": [{"type": "function"}]}', CompletionRequest, implemented=VLLM_IMPLEMENTS)
+
+
+def test_a_408_or_413_closes_the_connection_and_other_errors_keep_it():
+    assert APIError(408, "slow").headers == {"Connection": "close"} == APIError(413, "big").headers
+    assert APIError(400, "bad").headers is None
+
+
+def test_a_prediction_text_part_must_be_text_and_stream_options_may_hold_null():
+    from serving.server.openai_api import ChatCompletionRequest
+
+    with pytest.raises(APIError) as info:
+        parse_request(b'{"model": "m", "messages": [{"role": "user", "content": "x"}], '
+                      b'"prediction": {"type": "content", "content": [{"type": "text", "text": 5}]}}', ChatCompletionRequest)  # fmt: skip
+    assert info.value.status == 400 and "prediction" in info.value.message
+    body = parse_request(b'{"model": "m", "prompt": "x", "stream": true, "stream_options": {"include_usage": null}}', CompletionRequest)
+    assert body.include_usage is False
+
+
+@pytest.mark.parametrize("grpc_kwargs,message", [
+    ({"max_sessions_per_node": 2}, "needs grpc.node_tokens"),
+    ({"node_tokens": {}}, "at least one node"),
+    ({"node_tokens": {"a": ""}}, "non-empty"),
+    ({"node_tokens": {"a": "x", "b": "x"}}, "its own"),
+])  # fmt: skip
+def test_bad_node_token_settings_are_refused(grpc_kwargs, message):
+    from serving.server.serve_config import GrpcSettings
+
+    with pytest.raises(ValueError, match=message):
+        GrpcSettings(**grpc_kwargs)

@@ -92,7 +92,9 @@ def sha256_file(path: Path) -> str:
 
 
 def _files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    """The checkpoint's files: hidden ones (a desktop's .DS_Store, NFS's .nfsXXXX) are not its own."""
+    return sorted(p for p in folder.rglob("*")
+                  if p.is_file() and p.name != MANIFEST and not any(part.startswith(".") for part in p.relative_to(folder).parts))  # fmt: skip
 
 
 def write_manifest(folder: Path) -> None:
@@ -112,8 +114,9 @@ def verify(folder: Path) -> bool:
         return False
     try:
         listed = json.loads(path.read_text())["files"]
-        if not isinstance(listed, dict):
-            raise TypeError(type(listed).__name__)
+        if not isinstance(listed, dict) or not all(
+                isinstance(e, dict) and isinstance(e.get("bytes"), int) and isinstance(e.get("sha256"), str) for e in listed.values()):
+            raise TypeError("its entries are not {bytes, sha256} records")
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is damaged ({type(e).__name__}: {e}); the checkpoint in {folder} cannot be "
                               "checked: delete it to start over, or resume from another") from None  # fmt: skip
@@ -137,12 +140,19 @@ def verify(folder: Path) -> bool:
 
 
 def keep_previous(final: Path) -> None:
-    """Before ``final`` is replaced: move it to ``previous/`` beside it (replacing an older one)."""
+    """Before ``final`` is replaced: move it to ``previous/`` beside it (replacing an older one),
+    if it verifies; a damaged one is deleted instead, so that a good ``previous/`` stays."""
     final = Path(final)
-    if final.exists():
-        previous = final.with_name("previous")
-        shutil.rmtree(previous, ignore_errors=True)
-        os.replace(final, previous)
+    if not final.exists():
+        return
+    try:
+        verify(final)
+    except CheckpointError:
+        shutil.rmtree(final, ignore_errors=True)
+        return
+    previous = final.with_name("previous")
+    shutil.rmtree(previous, ignore_errors=True)
+    os.replace(final, previous)
 
 
 def resumable(run_dir: Path, log=print) -> Path | None:

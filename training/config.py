@@ -152,7 +152,7 @@ class OutputConfig:
     save_every: int = field(default=50, metadata=doc("steps between resumable checkpoints"))
     keep_previous: bool = field(default=True, metadata=doc(
         "keep the checkpoint before last/ as previous/, which --resume falls back to when last/ is damaged "
-        "(twice the disk of one checkpoint)"))
+        "(up to three checkpoints' disk while one is being saved)"))
     wandb: Literal["off", "offline", "online"] = field(default="off", metadata=doc(
         "Weights & Biases logging of what metrics.json holds (training/metric_logging.py; the choral[wandb] "
         "extra): offline writes a run under <dir>/wandb to `wandb sync` later, online uploads it"))

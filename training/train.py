@@ -19,6 +19,7 @@ it on one process or with ``accelerate launch --num_processes N -m training.cli 
 from __future__ import annotations
 
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -384,7 +385,8 @@ class TrainDraftRecipe:
         # main process swaps it in with a rename.
         tmp = self.out_dir / f".last.step{self.progress['step']}"
         if main:
-            tmp.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # a killed run's leftover must not join this manifest
+            tmp.mkdir(parents=True)
         acc.wait_for_everyone()
         acc.save_state(str(tmp / "state"))
         acc.wait_for_everyone()

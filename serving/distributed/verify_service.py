@@ -96,8 +96,9 @@ def node_of(metadata, nodes: dict[str, str]) -> str:
     """The draft node a call comes from: the name whose token it carries (``TokenCheck`` has
     already refused any other); every caller is ``SHARED_NODE`` without per-node tokens."""
     got = dict(metadata or ()).get("authorization", "")
+    got = got.encode() if isinstance(got, str) else got
     for name, token in nodes.items():
-        if hmac.compare_digest(str(got), f"Bearer {token}"):
+        if hmac.compare_digest(got, f"Bearer {token}".encode()):  # bytes: str compares only ASCII
             return name
     return SHARED_NODE
 

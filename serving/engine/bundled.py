@@ -16,6 +16,7 @@ import importlib.metadata
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -218,6 +219,14 @@ def gguf_parsed_once() -> Iterator[None]:
     (6 s a parse). The reader and its tensors are the same bytes either way
     (tests/test_bundled.py::test_gguf_parsed_once_reads_the_same_file).
     """
+    with _GGUF_PATCH:  # one patch at a time: two conversions in threads would wrap each other's reader
+        yield from _parsed_once()
+
+
+_GGUF_PATCH = threading.Lock()
+
+
+def _parsed_once() -> Iterator[None]:
     import gguf
     import numpy as np
 

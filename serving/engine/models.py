@@ -106,8 +106,8 @@ def load_model(
             raise
         files = sorted(p.name for p in Path(source).glob("*.safetensors")) or sorted(p.name for p in Path(source).glob("*.bin"))
         raise ModelLoadError(f"model {ref!r}: cannot load its weights from {source} ({', '.join(files) or 'no weight files'}): "
-                             f"{type(e).__name__}: {e}. A weight file may be truncated or damaged; copy or export the "
-                             "model again") from e  # fmt: skip
+                             f"{type(e).__name__}: {e}. A weight file may be truncated or damaged (copy or export the model "
+                             "again), or the folder may need another transformers version") from e  # fmt: skip
     model.requires_grad_(False)
     model = model.to(device).eval()
     if Path(source).is_dir():  # its CPU-kernel conversion can then be cached (serving.engine.weights_cache)

@@ -40,6 +40,12 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    @property
+    def headers(self) -> dict[str, str] | None:
+        """A 408 or 413 leaves part of the body unread: close the connection rather than let the
+        client keep trickling into it (uvicorn would discard the bytes and keep the socket)."""
+        return {"Connection": "close"} if self.status in (408, 413) else None
+
 
 _DEFAULT_TYPES = {
     400: "invalid_request_error",
@@ -129,6 +135,11 @@ class Prediction(BaseModel):
     @classmethod
     def _content(cls, v: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
         _encodable(v, "prediction.content")
+        if isinstance(v, list):
+            bad = next((p["text"] for p in v if p.get("type") == "text" and not isinstance(p.get("text", ""), str)), None)
+            if bad is not None:
+                raise ValueError(f"a text part of prediction.content holds {type(bad).__name__} {_short(bad)} as its text; "
+                                 "send a string")  # fmt: skip
         return v
 
     def text(self) -> str:
@@ -151,7 +162,7 @@ class _Sampling(BaseModel):
     seed: StrictInt | None = None
     n: StrictInt = 1
     stream: StrictBool = False
-    stream_options: dict[str, StrictBool] | None = None
+    stream_options: dict[str, StrictBool | None] | None = None
     # Not implemented (NOT_IMPLEMENTED), and refused when asked for: a client that sends tools
     # expects tool calls, one that asks for logprobs reads them, one that sets a penalty or a
     # response format expects another answer; silence would hand each a wrong one.
@@ -173,6 +184,8 @@ class _Sampling(BaseModel):
     @field_validator(*(f for f in NOT_IMPLEMENTED if f != "suffix"))
     @classmethod
     def _unsupported(cls, v: Any, info) -> Any:
+        if info.field_name in ((info.context or {}).get("implemented") or ()):
+            return v  # the backend implements it (vLLM replicas: penalties, logit_bias, response_format)
         if not _is_no_op(info.field_name, v):
             allowed = " or ".join(json.dumps(x) for x in NOT_IMPLEMENTED[info.field_name])
             raise ValueError(f"{info.field_name}={_short(v)} is not supported by this server; omit it (or send {allowed})")
@@ -348,19 +361,25 @@ class ChatCompletionRequest(_Sampling):
         return self
 
 
-def parse_request(raw: bytes, cls: type[_Sampling]) -> _Sampling:
-    """The request body as ``cls``, or an ``APIError`` naming the bad field."""
+def parse_json(raw: bytes) -> Any:
+    """JSON with integers bounded (``OversizedInt``), or an ``APIError``."""
     try:
-        data = json.loads(raw, parse_int=_parse_int)
+        return json.loads(raw, parse_int=_parse_int)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
     except RecursionError:
         raise APIError(400, "the request body is nested too deeply to parse; no field of this API nests more than a few "
                        "levels", code="invalid_json") from None  # fmt: skip
+
+
+def parse_request(raw: bytes, cls: type[_Sampling], implemented: frozenset[str] = frozenset()) -> _Sampling:
+    """The request body as ``cls``, or an ``APIError`` naming the bad field. ``implemented``:
+    fields of ``NOT_IMPLEMENTED`` that the backend does implement (accepted with any value)."""
+    data = parse_json(raw)
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, not {type(data).__name__}", code="invalid_json")
     try:
-        return cls.model_validate(data)
+        return cls.model_validate(data, context={"implemented": implemented})
     except ValidationError as e:
         err = e.errors()[0]
         param = _param_name(err["loc"])

@@ -103,6 +103,13 @@ class GrpcSettings:
             raise ValueError("grpc.token and grpc.node_tokens: on the target give one shared token or per-node tokens, not both")
         if self.max_sessions_per_node is not None and self.max_sessions_per_node < 1:
             raise ValueError(f"grpc.max_sessions_per_node={self.max_sessions_per_node} must be >= 1 (or null)")
+        if self.max_sessions_per_node is not None and not self.node_tokens:
+            raise ValueError("grpc.max_sessions_per_node needs grpc.node_tokens: with one shared token every draft node is "
+                             "the same caller, so the cap would limit the whole target")  # fmt: skip
+        if self.node_tokens is not None:
+            tokens = list(self.node_tokens.values())
+            if not tokens or any(not t for t in tokens) or len(set(tokens)) != len(tokens):
+                raise ValueError("grpc.node_tokens needs at least one node, each with its own non-empty token")
         if not self.deadline_s > 0:
             raise ValueError(f"grpc.deadline_s={self.deadline_s} must be > 0")
 

@@ -314,7 +314,7 @@ class _Server:
                 raise first.error
         except APIError as e:
             self.metrics.requests.labels(endpoint, str(e.status)).inc()
-            return JSONResponse(e.body(), status_code=e.status)
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
         # Counted when the response ends (_Context.count), with the status the client saw last.
         context = _Context(endpoint, self.metrics, new_id("chatcmpl" if chat else "cmpl"), self.backend.model_name, chat, body,
                            len(ticket.request.prompt_ids), first, ticket.forced_draft is not None)  # fmt: skip

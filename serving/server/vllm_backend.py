@@ -48,7 +48,9 @@ from serving.config import ConfigError, load_config
 from serving.fleet.fleet_file import NONE, FleetConfig, PoolSettings
 from serving.fleet.profile import Profile, load_profile, step_ms
 from serving.server.metrics import ServerMetrics
-from serving.server.openai_api import APIError, ChatCompletionRequest, CompletionRequest, new_id, parse_request, sse
+from serving.server.openai_api import (
+    APIError, ChatCompletionRequest, CompletionRequest, OversizedInt, new_id, parse_json, parse_request, sse,
+)  # fmt: skip
 from serving.server.serve_config import ServeConfig
 from serving.server.server import not_ready, read_body, wait_disconnect
 
@@ -57,6 +59,18 @@ log = logging.getLogger("choral.fleet")
 # vLLM's own metric names (v1 engine): the queue, and the counters it exports only when it drafts.
 RUNNING, WAITING, SPEC_DRAFTS = "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:spec_decode_num_drafts"
 CHORAL_FIELDS = ("draft",)  # request fields only Choral reads; not forwarded
+# OpenAI fields Choral's own engine refuses (openai_api.NOT_IMPLEMENTED) that vLLM implements: forwarded.
+VLLM_IMPLEMENTS = frozenset({"frequency_penalty", "presence_penalty", "logit_bias", "response_format"})
+
+
+def _holds_oversized(value) -> bool:
+    if isinstance(value, OversizedInt):
+        return True
+    if isinstance(value, list):
+        return any(_holds_oversized(v) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_oversized(v) for v in value.values())
+    return False
 
 
 @dataclass
@@ -392,7 +406,7 @@ class FleetServer:
                 self.metrics.requests.labels(endpoint, "503").inc()
                 return not_ready(self.error)
             raw = await read_body(http, self.cfg.max_body_bytes, self.cfg.body_timeout_s)
-            body = parse_request(raw, ChatCompletionRequest if chat else CompletionRequest)
+            body = parse_request(raw, ChatCompletionRequest if chat else CompletionRequest, implemented=VLLM_IMPLEMENTS)
             if body.model != self.model_name:
                 raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
                                param="model", code="model_not_found")  # fmt: skip
@@ -401,12 +415,16 @@ class FleetServer:
             if forced is not None and forced not in names:
                 raise APIError(400, f"unknown draft {forced!r}; choose a pool's drafter or name: {', '.join(sorted(names))}",
                                param="draft", code="unknown_draft")  # fmt: skip
-            payload = {k: v for k, v in json.loads(raw).items() if k not in CHORAL_FIELDS}
+            payload = {k: v for k, v in parse_json(raw).items() if k not in CHORAL_FIELDS}
+            huge = next((k for k, v in payload.items() if _holds_oversized(v)), None)
+            if huge is not None:  # an unknown key passes parse_request, but cannot be forwarded
+                raise APIError(400, f"{huge} holds an integer of more digits than any field takes; send a smaller one",
+                               param=huge)  # fmt: skip
             route = await asyncio.to_thread(self._route, self._route_text(body, chat), forced)
             return await self._send(http, endpoint, chat, body, payload, route, t0)
         except APIError as e:
             self.metrics.requests.labels(endpoint, str(e.status)).inc()
-            return JSONResponse(e.body(), status_code=e.status)
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @staticmethod
     def _route_text(body: Any, chat: bool) -> str:
