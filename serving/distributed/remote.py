@@ -18,6 +18,9 @@ other requests keep going, and later calls reconnect by themselves.
 from __future__ import annotations
 
 import logging
+import socket
+import ssl
+import tempfile
 import time
 import uuid
 from collections import deque
@@ -51,10 +54,6 @@ def tls_mismatch(address: str, tls_ca: bytes | None, timeout_s: float = 3.0) -> 
     tells a plaintext client from a TLS server, a TLS client from a plaintext server, and a
     certificate that ``tls_ca`` does not vouch for. None when the port does not answer at all (or
     the handshake says nothing either way): then the address or the target is the problem."""
-    import socket
-    import ssl
-    import tempfile
-
     host, _, port = address.rpartition(":")
     host = host.strip("[]") or "127.0.0.1"
 

@@ -35,6 +35,7 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 
 from serving.server.detokenize import IncrementalDetokenizer
@@ -548,8 +549,6 @@ async def read_body(http: HTTPRequest, limit: int, timeout_s: float | None = Non
     closes idle connections but has no deadline for a body that trickles in a byte at a time. A
     client that disconnects before its body is read gets a 499 (nginx's "client closed request",
     which no client receives): counted under its own label and logged at INFO, not a 500."""
-    from starlette.requests import ClientDisconnect
-
     chunks, size = [], 0
     try:
         async with asyncio.timeout(timeout_s):
