@@ -116,3 +116,22 @@ def model_dirs(tmp_path_factory, tokenizer, tiny_target, tiny_draft):
         tokenizer.save_pretrained(root / name)
         dirs[name] = root / name
     return dirs
+
+
+def load_script(relative: str):
+    """A script of the repository (``scripts/...``, not a package) loaded as a module, so that a
+    test calls its functions in this process. It is in ``sys.modules`` while it runs (its
+    dataclasses look their module up there)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
+    return module

@@ -185,13 +185,9 @@ def test_auto_precision_is_q4_for_a_bundled_target_on_the_cpu_kernels_only():
 def test_eagle3_break_even_script_parses_its_arguments(capsys):
     """scripts/experiments/eagle3_break_even.py (it times the real bundled models): its help, and a
     run that names no tokens per call for the 0.5B is refused before anything loads."""
-    import importlib.util
-    from pathlib import Path
+    from tests.conftest import load_script
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "experiments" / "eagle3_break_even.py"
-    spec = importlib.util.spec_from_file_location("eagle3_break_even", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("scripts/experiments/eagle3_break_even.py")
     with pytest.raises(SystemExit) as e:
         module.main(["--help"])
     assert e.value.code == 0 and "tau" in capsys.readouterr().out

@@ -232,18 +232,12 @@ def test_every_mutant_of_the_mutation_check_still_applies():
     """scripts/mutation_check.py's known-bad changes are exact text replacements; a refactor that
     moves their code makes them stale, and a stale mutant checks nothing (one had gone stale
     unnoticed). Each one's text must occur exactly once in its file."""
-    import importlib.util
-    import sys
     from pathlib import Path
 
+    from tests.conftest import load_script
+
     root = Path(__file__).resolve().parent.parent
-    spec = importlib.util.spec_from_file_location("mutation_check", root / "scripts" / "mutation_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules[spec.name]
+    module = load_script("scripts/mutation_check.py")
     assert module.MUTANTS
     stale = [(m.name, (root / m.path).read_text().count(m.old)) for m in module.MUTANTS
              if (root / m.path).read_text().count(m.old) != 1]  # fmt: skip

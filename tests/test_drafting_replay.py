@@ -9,6 +9,7 @@ import torch
 
 from serving.engine.goodput import RowCosts
 from serving.tools.drafting_replay import Replay, Trace, verify_width
+from tests.conftest import load_script
 
 pytestmark = pytest.mark.unit
 
@@ -115,17 +116,6 @@ def test_per_step_best_is_the_least_cost_over_every_sequence_of_choices(seed):
         assert best.ms <= policy.ms + 1e-9
 
 
-def _replay_script():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "experiments" / "replay_ceiling.py"
-    spec = importlib.util.spec_from_file_location("replay_ceiling", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.integration
 @pytest.mark.parametrize("drafter", ["small", "ngram", "suffix"])
 def test_the_replay_takes_the_steps_the_engine_takes(tiny_target, tiny_draft, tokenizer, drafter):
@@ -136,7 +126,7 @@ def test_the_replay_takes_the_steps_the_engine_takes(tiny_target, tiny_draft, to
     from serving.engine.drafters.ngram import NgramDrafter
     from serving.engine.drafters.suffix import SuffixDrafter
 
-    script, k = _replay_script(), 4
+    script, k = load_script("scripts/experiments/replay_ceiling.py"), 4
     engine = SpeculativeEngine(tiny_target, tokenizer, config=EngineConfig(max_batch_size=1, max_len=128, k=k),
                                drafters={"small": tiny_draft, "ngram": NgramDrafter(), "suffix": SuffixDrafter(), "none": None})  # fmt: skip
     mirror = {"ngram": NgramDrafter(), "suffix": SuffixDrafter()}  # one each, as the engine's: suffix's cache spans requests

@@ -5,7 +5,6 @@ official ``openai`` client. The real vLLM runs in tests/test_vllm_fleet.py (mark
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import socket
@@ -24,6 +23,7 @@ from serving.config import ConfigError, load_config
 from serving.fleet.fleet_file import FleetConfig, PoolSettings
 from serving.server import cli_serve
 from serving.server.vllm_backend import Replica, Route, pool_speedup
+from tests.conftest import load_script
 from tests.test_server import LiveServer
 from tests.test_server import router_file as fleet_router  # noqa: F401 (a fixture: an untrained router, drafters code and chat)
 
@@ -432,9 +432,7 @@ def test_export_vllm_writes_every_replica_of_a_fleet(model_dirs, tmp_path):
     ])  # fmt: skip
     out = tmp_path / "launch"
 
-    script = importlib.util.spec_from_file_location("export_vllm", ROOT / "scripts" / "export_vllm.py")
-    module = importlib.util.module_from_spec(script)
-    script.loader.exec_module(module)
+    module = load_script("scripts/export_vllm.py")
 
     def export(*extra: str) -> subprocess.CompletedProcess:
         """The script's main in this process (a process each paid ~10 s of imports): its exit code and output."""

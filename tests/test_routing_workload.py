@@ -17,6 +17,7 @@ from routing.dataset import load_served, load_table
 from routing.router import NONE, Router, committed_tokens, per_token_acceptance
 from routing.train import train
 from serving.workload import FAMILIES, SPLITS, load_family, load_workload, split_of
+from tests.conftest import load_script
 
 # ---- the workload ------------------------------------------------------------------------------
 
@@ -465,13 +466,7 @@ def test_pool_oracle_learns_the_family_rule_on_training_rows_and_scores_it_on_te
     """scripts/experiments/pool_oracle.py: the family rule is the drafter fastest on a family's
     training prompts (not its test prompts), the oracle the fastest per test prompt, and a
     drafting row whose output differs from its prompt's target-alone row is counted."""
-    import importlib.util
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    spec = importlib.util.spec_from_file_location("pool_oracle", root / "scripts" / "experiments" / "pool_oracle.py")
-    pool_oracle = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pool_oracle)
+    pool_oracle = load_script("scripts/experiments/pool_oracle.py")
 
     def rows(pid, family, speeds, differ=()):
         return [{"prompt_id": pid, "domain": family, "draft": d, "mode": "greedy", "repeat": 0, "speedup": s,
@@ -538,12 +533,7 @@ def test_the_load_bench_pairs_routed_with_the_best_fixed_policy_round_by_round()
     """bench_routed_load.py's summary: the best fixed policy over all rounds (goodput and routed
     policies are not fixed), aggregate tokens/s as all tokens over all wall time, and routed over
     that best fixed policy in each round, where both ran back to back."""
-    import importlib.util
-
-    root = Path(__file__).resolve().parent.parent
-    spec = importlib.util.spec_from_file_location("bench_routed_load", root / "scripts" / "experiments" / "bench_routed_load.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("scripts/experiments/bench_routed_load.py")
 
     def run(tokens, wall, draft):
         rows = [{"prompt_id": "p", "text": "same", "draft": draft}]

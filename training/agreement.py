@@ -32,7 +32,7 @@ def continuations(target_ref: str, prompts: list[list[int]], new_tokens: int, ca
     target, the prompts or the length differ)."""
     from serving.engine import Request
     from serving.engine.models import load_model, load_tokenizer
-    from training.checkpoint import atomic_file
+    from serving.files import atomic_path
     from training.generate import target_generate
 
     if cache.exists():
@@ -43,7 +43,7 @@ def continuations(target_ref: str, prompts: list[list[int]], new_tokens: int, ca
     outs = target_generate(target, load_tokenizer(target_ref), [Request(p, max_new_tokens=new_tokens) for p in prompts],
                            desc="target continuations")  # fmt: skip
     done = [o.token_ids for o in outs]
-    with atomic_file(cache) as tmp:
+    with atomic_path(cache) as tmp:
         torch.save({"target": str(target_ref), "prompts": prompts, "new_tokens": new_tokens, "continuations": done}, tmp)
     return done
 

@@ -56,14 +56,8 @@ def atomic_dir(final: Path, tmp: Path | None = None) -> Iterator[Path]:
         raise
 
 
-def atomic_file(path: Path):
-    """Yield a temporary path beside ``path``; once written, it replaces ``path`` in one rename
-    (removed on any error; a full disk named: ``serving.files.atomic_path``)."""
-    return atomic_path(path)
-
-
 def write_json_atomic(path: Path, data: dict) -> None:
-    with atomic_file(path) as tmp:
+    with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(data, indent=1))
 
 
@@ -76,7 +70,6 @@ def recover(final: Path) -> None:
 
 
 MANIFEST = "manifest.json"
-_CHUNK = 8 << 20
 
 
 class CheckpointError(RuntimeError):
@@ -84,11 +77,8 @@ class CheckpointError(RuntimeError):
 
 
 def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _files(folder: Path) -> list[Path]:

@@ -38,12 +38,12 @@ from serving.engine.models import (
     load_model,
     load_tokenizer,
 )
+from serving.files import atomic_path
 from serving.prompts import EVAL_ROWS, encode_prompt, load_prompts
 from training import data as data_mod
 from training.checkpoint import (
     CheckpointError,
     atomic_dir,
-    atomic_file,
     keep_previous,
     read_progress_file,
     resumable,
@@ -134,7 +134,7 @@ def on_policy_rows(cfg: TrainDraftConfig, teacher, tokenizer, prompts: list[list
     done = target_generate(teacher, tokenizer, requests, desc=f"on-policy data ({len(prompts) - len(todo)} cached)")
     for i, completion in zip(todo, done):
         rows[i] = prompts[i] + completion.token_ids
-    with atomic_file(cache) as tmp:  # an interrupted run never leaves half a cache
+    with atomic_path(cache) as tmp:  # an interrupted run never leaves half a cache
         torch.save(rows, tmp)
     return rows
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import statistics
 import sys
 import time
@@ -44,10 +43,9 @@ HOSTS = ("ngram", "suffix", "prediction")
 def machine() -> str:
     import torch
 
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
-    flags = open("/proc/cpuinfo").read()
-    isa = "AMX" if "amx_tile" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    return f"{cpu}, {torch.get_num_threads()} threads, {isa}, torch {torch.__version__}"
+    from serving.engine.devices import describe_machine
+
+    return f"{describe_machine()}, {torch.get_num_threads()} threads"
 
 
 def timed(fn, reps: int) -> float:

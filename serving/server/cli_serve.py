@@ -23,6 +23,7 @@ from serving.config import ConfigError
 from serving.server.serve_config import ServeConfig
 
 log = logging.getLogger(__name__)
+LOOPBACK = ("127.0.0.1", "localhost", "::1")  # hosts only this machine reaches: no key or token needed
 
 CLI = Command("serve", ServeConfig, __doc__, flags=[
     Flag("--router", "router"),
@@ -75,7 +76,7 @@ def _serve_target(cfg: ServeConfig) -> int:
 
 def _check(cfg: ServeConfig) -> None:
     """Fail fast, before any model loads, on what the config alone shows to be wrong."""
-    if cfg.role != "target" and cfg.host not in ("127.0.0.1", "localhost", "::1") and cfg.resolved_api_key() is None:
+    if cfg.role != "target" and cfg.host not in LOOPBACK and cfg.resolved_api_key() is None:
         log.warning("serve listens on %s without an API key: anyone who reaches the port can generate; set api_key "
                     "(--api-key, or CHORAL_API_KEY)", cfg.host)  # fmt: skip
     if cfg.backend == "vllm":
@@ -116,15 +117,17 @@ def _check(cfg: ServeConfig) -> None:
                 cfg.grpc.read(which)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-    if (cfg.role == "target" and cfg.host not in ("127.0.0.1", "localhost", "::1") and cfg.grpc.resolved_token() is None
+    if (cfg.role == "target" and cfg.host not in LOOPBACK and cfg.grpc.resolved_token() is None
             and not cfg.grpc.node_tokens):  # fmt: skip
         log.warning("serve --role target listens on %s without a token: any client that reaches the port can open "
                     "sessions; set grpc.token (or CHORAL_GRPC_TOKEN) on the target and every draft node", cfg.host)
     if cfg.role == "target" and cfg.router is None and cfg.target_model is None:
         raise ConfigError("role=target needs the target model: pass --router router.pt or target_model=REF")
-    if cfg.role == "target" and (cfg.engine.compile_backend is not None or cfg.engine.cuda_graphs):
-        raise ConfigError("role=target runs its forward eagerly: engine.compile_backend and engine.cuda_graphs are not "
-                          "supported there yet; drop them for --role target")  # fmt: skip
+    if cfg.role == "target":
+        from serving.distributed.verify_service import unsupported_on_target
+
+        if (why := unsupported_on_target(cfg.engine)) is not None:
+            raise ConfigError(why)
     if cfg.role == "target" and cfg.engine.quantize is not None:
         raise ConfigError(f"role=target verifies with the target as loaded: engine.quantize={cfg.engine.quantize} "
                           "is not supported there; drop it (the drafts' own precision is engine.draft_weights)")  # fmt: skip

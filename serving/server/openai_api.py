@@ -101,6 +101,13 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
 }
 
 
+def _check_text_parts(parts: list[dict[str, Any]], field: str) -> None:
+    """Every text content part holds a string as its text (``str.join`` would fail on another)."""
+    bad = next((p["text"] for p in parts if not isinstance(p.get("text", ""), str)), None)
+    if bad is not None:
+        raise ValueError(f"a text part of {field} holds {type(bad).__name__} {_short(bad)} as its text; send a string")
+
+
 def _is_no_op(name: str, value: Any) -> bool:
     # type-exact: True == 1 and False == 0 in Python, but neither is a penalty of 0
     return any(type(value) is type(ok) and value == ok for ok in NOT_IMPLEMENTED[name])
@@ -136,10 +143,7 @@ class Prediction(BaseModel):
     def _content(cls, v: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
         _encodable(v, "prediction.content")
         if isinstance(v, list):
-            bad = next((p["text"] for p in v if p.get("type") == "text" and not isinstance(p.get("text", ""), str)), None)
-            if bad is not None:
-                raise ValueError(f"a text part of prediction.content holds {type(bad).__name__} {_short(bad)} as its text; "
-                                 "send a string")  # fmt: skip
+            _check_text_parts([p for p in v if p.get("type") == "text"], "prediction.content")
         return v
 
     def text(self) -> str:
@@ -181,7 +185,8 @@ class _Sampling(BaseModel):
     reasoning_effort: Any = None
     web_search_options: Any = None
 
-    @field_validator(*(f for f in NOT_IMPLEMENTED if f != "suffix"))
+    # check_fields=False: ``suffix`` is a field of CompletionRequest only, checked here all the same
+    @field_validator(*NOT_IMPLEMENTED, check_fields=False)
     @classmethod
     def _unsupported(cls, v: Any, info) -> Any:
         if info.field_name in ((info.context or {}).get("implemented") or ()):
@@ -272,14 +277,7 @@ class CompletionRequest(_Sampling):
     prompt: StrictStr | list[StrictStr] | list[StrictInt]
     echo: StrictBool = False
     best_of: StrictInt | None = None
-    suffix: Any = None  # text after the completion (insertion): not implemented
-
-    @field_validator("suffix")
-    @classmethod
-    def _suffix(cls, v: Any) -> Any:
-        if not _is_no_op("suffix", v):
-            raise ValueError(f"suffix={_short(v)} is not supported by this server (no insertion); omit it")
-        return v
+    suffix: Any = None  # text after the completion (insertion): not implemented (NOT_IMPLEMENTED)
 
     @field_validator("prompt")
     @classmethod
@@ -327,9 +325,7 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, list):
             if any(p.get("type") != "text" for p in self.content):
                 raise ValueError("only text content parts are supported")
-            bad = next((p["text"] for p in self.content if not isinstance(p.get("text", ""), str)), None)
-            if bad is not None:
-                raise ValueError(f"a text part of messages holds {type(bad).__name__} {_short(bad)} as its text; send a string")
+            _check_text_parts(self.content, "messages")
             return "".join(p.get("text", "") for p in self.content)
         return self.content or ""
 
@@ -375,7 +371,12 @@ def parse_json(raw: bytes) -> Any:
 def parse_request(raw: bytes, cls: type[_Sampling], implemented: frozenset[str] = frozenset()) -> _Sampling:
     """The request body as ``cls``, or an ``APIError`` naming the bad field. ``implemented``:
     fields of ``NOT_IMPLEMENTED`` that the backend does implement (accepted with any value)."""
-    data = parse_json(raw)
+    return validate_request(parse_json(raw), cls, implemented)
+
+
+def validate_request(data: Any, cls: type[_Sampling], implemented: frozenset[str] = frozenset()) -> _Sampling:
+    """``parse_request`` for a body already parsed by ``parse_json`` (a front that forwards the
+    body parses it once)."""
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, not {type(data).__name__}", code="invalid_json")
     try:

@@ -49,7 +49,7 @@ from serving.fleet.fleet_file import NONE, FleetConfig, PoolSettings
 from serving.fleet.profile import Profile, load_profile, step_ms
 from serving.server.metrics import ServerMetrics
 from serving.server.openai_api import (
-    APIError, ChatCompletionRequest, CompletionRequest, OversizedInt, new_id, parse_json, parse_request, sse,
+    APIError, ChatCompletionRequest, CompletionRequest, OversizedInt, new_id, parse_json, sse, validate_request,
 )  # fmt: skip
 from serving.server.serve_config import ServeConfig
 from serving.server.server import not_ready, read_body, wait_disconnect
@@ -406,7 +406,8 @@ class FleetServer:
                 self.metrics.requests.labels(endpoint, "503").inc()
                 return not_ready(self.error)
             raw = await read_body(http, self.cfg.max_body_bytes, self.cfg.body_timeout_s)
-            body = parse_request(raw, ChatCompletionRequest if chat else CompletionRequest, implemented=VLLM_IMPLEMENTS)
+            data = parse_json(raw)
+            body = validate_request(data, ChatCompletionRequest if chat else CompletionRequest, implemented=VLLM_IMPLEMENTS)
             if body.model != self.model_name:
                 raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
                                param="model", code="model_not_found")  # fmt: skip
@@ -415,9 +416,9 @@ class FleetServer:
             if forced is not None and forced not in names:
                 raise APIError(400, f"unknown draft {forced!r}; choose a pool's drafter or name: {', '.join(sorted(names))}",
                                param="draft", code="unknown_draft")  # fmt: skip
-            payload = {k: v for k, v in parse_json(raw).items() if k not in CHORAL_FIELDS}
+            payload = {k: v for k, v in data.items() if k not in CHORAL_FIELDS}
             huge = next((k for k, v in payload.items() if _holds_oversized(v)), None)
-            if huge is not None:  # an unknown key passes parse_request, but cannot be forwarded
+            if huge is not None:  # an unknown key passes validate_request, but cannot be forwarded
                 raise APIError(400, f"{huge} holds an integer of more digits than any field takes; send a smaller one",
                                param=huge)  # fmt: skip
             route = await asyncio.to_thread(self._route, self._route_text(body, chat), forced)
