@@ -26,7 +26,8 @@ from routing.router import NONE
 from routing.rows import RowStore
 from serving.engine import Request, SpeculativeEngine
 from serving.engine.devices import resolve_device
-from serving.engine.engine_settings import EngineSettings, is_model_ref, load_engine
+from serving.engine.engine_settings import EngineSettings, is_model_ref
+from serving.engine.loader import load_engine
 from serving.engine.models import load_tokenizer
 from serving.engine.sampling import SamplingParams
 from serving.prompts import Prompt, encode_prompt, load_prompts, read_prompt_file

@@ -45,8 +45,9 @@ from tqdm import tqdm
 
 from routing.router import NONE, Router, read_router_file
 from serving.engine import Request
-from serving.engine.core import Fallback
-from serving.engine.engine_settings import HOST_DRAFTERS, EngineSettings, load_engine
+from serving.engine.request import Fallback
+from serving.engine.engine_settings import EngineSettings, HOST_DRAFTERS
+from serving.engine.loader import load_engine
 from serving.prompts import Prompt, encode_prompt
 
 ROUTED = "routed"

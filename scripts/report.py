@@ -33,8 +33,9 @@ import torch
 from tqdm import tqdm
 
 from routing import Router
-from serving.engine.core import EngineConfig, SpeculativeEngine, use_cpu_kernels
 from serving.engine.devices import describe_machine
+from serving.engine.engine_settings import EngineSettings
+from serving.engine.loader import build_engine, prepare_kernels
 from serving.engine.models import check_same_tokenizer, load_model, load_tokenizer
 from serving.prompts import DOMAINS, encode_prompt, load_prompts
 from serving.tools.bench import bench_prompt, run_engine, summarize
@@ -59,14 +60,14 @@ def measure_routed(args) -> dict:
         models[name] = by_ref[ref]
     generic_name = next(n for n, r in refs.items() if r == GENERIC)
     k_max = args.k
-    config = lambda k: EngineConfig(k=k, k_buckets=tuple(range(1, k_max + 1)) if k else (1,), draft_confidence=args.draft_confidence)  # noqa: E731
-    widths = EngineConfig(k="auto", k_buckets=tuple(range(1, k_max + 1))).step_widths
+    settings = EngineSettings(device="cpu", k=k_max, k_buckets=tuple(range(1, k_max + 1)), draft_confidence=args.draft_confidence,
+                              draft_weights=args.draft_weights)  # fmt: skip
+    widths = settings.engine_config(draft=True, k="auto").step_widths
     # HF assisted generation runs its users' setup: the generic draft in fp32 on stock kernels.
     hf_draft = models[generic_name] if args.draft_weights == "fp32" else load_model(GENERIC)
-    use_cpu_kernels([target], drafts=list(by_ref.values()), draft_weights=args.draft_weights,
-                    device=torch.device("cpu"), dtype="float32", widths=widths)
-    target_engine = SpeculativeEngine(target, tokenizer, None, config(0))
-    engines = {name: SpeculativeEngine(target, tokenizer, m, config(args.k)) for name, m in models.items()}
+    prepare_kernels(settings, [target], list(by_ref.values()), widths)
+    target_engine = build_engine(settings, tokenizer, target)
+    engines = {name: build_engine(settings, tokenizer, target, {"draft": m}) for name, m in models.items()}
     engines["none"] = target_engine
     eos = sorted(target_engine._eos)
     prompts = {d: load_prompts(d, args.prompts_per_domain) for d in DOMAINS}

@@ -9,7 +9,8 @@ import pytest
 
 from serving.engine import Request
 from serving.engine.cpu_kernels import rowdot_available
-from serving.engine.engine_settings import EngineSettings, load_engine
+from serving.engine.engine_settings import EngineSettings
+from serving.engine.loader import load_engine
 
 pytestmark = pytest.mark.bundled
 

@@ -387,7 +387,10 @@ def test_int8_draft_keeps_speculative_output_exact():
     """An int8 draft changes what is proposed, never what is produced: greedy speculative output
     equals the fp32 target's own, and a draft that is an int8 copy of the target still agrees
     with it most of the time."""
-    from serving.engine.core import EngineConfig, Request, SpeculativeEngine, use_cpu_kernels
+    from serving.engine.core import SpeculativeEngine
+    from serving.engine.cpu_kernels import use_cpu_kernels
+    from serving.engine.engine_settings import EngineConfig
+    from serving.engine.request import Request
     from tests.conftest import make_tokenizer
 
     tok = make_tokenizer()
@@ -412,7 +415,10 @@ def test_int8_draft_keeps_speculative_output_exact():
 def test_an_int8_target_gives_its_own_greedy_output_in_any_batch():
     """target_weights=int8: the speculative output (batch of 3, ragged prompts, an int8 draft) is
     token-identical to the int8 target decoding each prompt alone, one token a step."""
-    from serving.engine.core import EngineConfig, Request, SpeculativeEngine, use_cpu_kernels
+    from serving.engine.core import SpeculativeEngine
+    from serving.engine.cpu_kernels import use_cpu_kernels
+    from serving.engine.engine_settings import EngineConfig
+    from serving.engine.request import Request
     from serving.engine.engine_settings import EngineSettings
     from tests.conftest import make_tokenizer
 
@@ -435,7 +441,7 @@ def test_an_int8_target_gives_its_own_greedy_output_in_any_batch():
 
 @pytest.mark.integration
 def test_int8_drafts_need_the_cpu_kernels():
-    from serving.engine.core import use_cpu_kernels
+    from serving.engine.cpu_kernels import use_cpu_kernels
 
     with pytest.raises(ValueError, match="draft_weights='int8' needs the CPU kernels"):
         use_cpu_kernels([_tiny()], drafts=[_tiny()], draft_weights="int8", device="cpu", dtype="bfloat16", widths=(1, 5))
@@ -447,7 +453,7 @@ def test_int8_drafts_need_the_cpu_kernels():
 
 @pytest.mark.integration
 def test_auto_draft_weights_follow_the_kernels():
-    from serving.engine.core import use_cpu_kernels
+    from serving.engine.cpu_kernels import use_cpu_kernels
 
     draft = _tiny()
     assert not use_cpu_kernels([_tiny()], drafts=[draft], draft_weights="auto", device="cpu", dtype="bfloat16", widths=(1, 5))
@@ -463,7 +469,7 @@ def test_a_full_batch_of_verify_rows_stays_on_the_kernels():
     """A batch of 4 rows verifying 5 tokens each runs 20 rows through every Linear: the engine's
     kernels must take them all (not fall back to stock kernels past 16 rows), so each sequence's
     logits equal those of the sequence run alone."""
-    from serving.engine.core import use_cpu_kernels
+    from serving.engine.cpu_kernels import use_cpu_kernels
 
     model = _tiny()
     assert use_cpu_kernels([model], device="cpu", dtype="float32", widths=(1, 5))
@@ -631,7 +637,10 @@ def test_a_q4_target_gives_its_own_greedy_output_in_any_batch():
     of 3, ragged prompts, a q4 draft: draft_weights=q4) equals the q4 target decoding each prompt
     alone. The draft's weights lie on no lattice: draft_weights=q4 rounds every one of its Linears
     into 4-bit groups (q4_requantize), the head included."""
-    from serving.engine.core import EngineConfig, Request, SpeculativeEngine, use_cpu_kernels
+    from serving.engine.core import SpeculativeEngine
+    from serving.engine.cpu_kernels import use_cpu_kernels
+    from serving.engine.engine_settings import EngineConfig
+    from serving.engine.request import Request
     from tests.conftest import make_tokenizer
 
     tok = make_tokenizer()

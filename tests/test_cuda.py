@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch._dynamo
 
-from serving.engine import EngineConfig, Request, SpeculativeEngine
+from serving.engine import EngineConfig, EngineSettings, Request, SpeculativeEngine, load_engine
 from serving.engine.sampling import SamplingParams
 from tests.conftest import perturbed, tiny_qwen2
 from tests.test_compile import compiled_steps
@@ -52,10 +52,10 @@ def test_greedy_identical_to_transformers_generate_on_cuda(gpu_pair, tokenizer, 
 
 @pytest.mark.integration
 def test_engine_load_puts_both_models_on_the_gpu(model_dirs):
-    engine = SpeculativeEngine.load(str(model_dirs["target"]), str(model_dirs["draft"]), device="cuda",
-                                    dtype="bfloat16", config=EngineConfig(max_len=64, k=3))  # fmt: skip
+    settings = EngineSettings(device="cuda", dtype="bfloat16", max_len=64, k=3)
+    engine = load_engine(settings, str(model_dirs["target"]), {"draft": str(model_dirs["draft"])}).engine
     assert {p.device.type for p in engine.verifier.runner.model.parameters()} == {"cuda"}
-    assert {p.dtype for p in engine.draft.model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in engine.drafters["draft"].model.parameters()} == {torch.bfloat16}
     [out] = engine.generate([Request([5, 6, 7], max_new_tokens=12)])
     assert len(out.token_ids) == 12
 
@@ -90,7 +90,7 @@ def test_cuda_graphs_replay_every_drafter_kind_with_the_targets_greedy_output(gp
                           cuda_graphs=True)  # fmt: skip
     engine = SpeculativeEngine(target, tokenizer, config=config,
                                drafters={"small": draft, "ngram": NgramDrafter(), "suffix": SuffixDrafter(), "none": None})  # fmt: skip
-    runners = [engine.verifier.runner, engine.model_drafters["small"]]
+    runners = [engine.verifier.runner, engine.drafters["small"].runner]
     captured = [len(r._graphs) for r in runners]
     assert all(captured), "the warm-up captured no graph"
     prompts = ragged_prompts(6, seed=3)
@@ -143,7 +143,6 @@ def test_train_draft_on_cuda_in_bf16(tmp_path, tokenizer):
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
     assert progress["after"]["val_agreement"] > progress["before"]["val_agreement"] + 0.05
     assert json.loads((out / "metrics.json").read_text())["step"] == 40
-    engine = SpeculativeEngine.load(str(tmp_path / "teacher"), str(out / "best"), device="cuda",
-                                    config=EngineConfig(max_len=64, k=3))  # fmt: skip
+    engine = load_engine(EngineSettings(device="cuda", max_len=64, k=3), str(tmp_path / "teacher"), {"draft": str(out / "best")}).engine
     [res] = engine.generate([Request([5, 6, 7], max_new_tokens=8)])
     assert len(res.token_ids) == 8

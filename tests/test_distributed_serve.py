@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from routing.router import Router
-from serving.engine import EngineConfig, Request, SpeculativeEngine
+from serving.engine import EngineSettings, Request, load_engine
 from serving.server.launch import free_port
 from tests.test_server import LiveServer, StepGate
 
@@ -65,8 +65,8 @@ def test_serve_target_and_draft_roles_end_to_end(model_dirs, router_file):
         draft.wait_ready(90)
         engine = next(iter(draft.app.state.server.backend.engines.values()))
         assert engine.verifier.timeout_s == 20  # grpc.deadline_s: the deadline of every call to the target
-        fused = SpeculativeEngine.load(str(model_dirs["target"]), str(model_dirs["draft"]), device="cpu",
-                                       config=EngineConfig(max_batch_size=1, max_len=MAX_LEN, k=4))  # fmt: skip
+        settings = EngineSettings(device="cpu", max_batch_size=1, max_len=MAX_LEN, k=4)
+        fused = load_engine(settings, str(model_dirs["target"]), {"draft": str(model_dirs["draft"])}).engine
         prompt = "def add(a, b):"
         ids = fused.tokenizer.encode(prompt, add_special_tokens=False)
         [ref] = fused.generate([Request(ids, max_new_tokens=24)])

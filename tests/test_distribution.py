@@ -16,7 +16,7 @@ from scipy.stats import chisquare
 import serving.engine.core as engine
 import serving.engine.speculative as speculative
 from serving.engine.acceptance import accept_reject
-from serving.engine.core import step_uniforms
+from serving.engine.speculative import step_uniforms
 from serving.engine.sampling import SamplingParams, SamplingTensors, probs_from_logits, sample
 from serving.engine.speculative import StepRandom, speculative_step
 from tests.stubs import MarkovStub, state_for

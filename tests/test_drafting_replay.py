@@ -122,7 +122,9 @@ def test_the_replay_takes_the_steps_the_engine_takes(tiny_target, tiny_draft, to
     """scripts/experiments/replay_ceiling.py's traces (a host drafter asked at every position; the
     draft model teacher-forced over the answer) replayed as a single policy give the live
     engine's own number of target calls, on tiny models."""
-    from serving.engine.core import EngineConfig, Request, SpeculativeEngine
+    from serving.engine.core import SpeculativeEngine
+    from serving.engine.engine_settings import EngineConfig
+    from serving.engine.request import Request
     from serving.engine.drafters.ngram import NgramDrafter
     from serving.engine.drafters.suffix import SuffixDrafter
 
@@ -135,7 +137,7 @@ def test_the_replay_takes_the_steps_the_engine_takes(tiny_target, tiny_draft, to
         [live] = engine.generate([Request(prompt, max_new_tokens=40, drafter=drafter)])
         answer = list(live.token_ids)
         if drafter == "small":
-            proposed, accepted, _ = script.model_trace(engine.model_drafters["small"], prompt, answer, k, chunk=k + 1)
+            proposed, accepted, _ = script.model_trace(engine.drafters["small"].runner, prompt, answer, k, chunk=k + 1)
         else:
             proposed, accepted, _ = script.host_trace(mirror[drafter], prompt, None, answer, k, request_id=seed)
         costs = RowCosts(verify=[[1, 1.0], [5, 2.0]], model={"small": [[1, 0.5], [9, 1.0]]}, host={"ngram": 0.0, "suffix": 0.0})

@@ -6,7 +6,10 @@ batch bucket that holds its rows."""
 import pytest
 import torch
 
-from serving.engine.core import EngineConfig, Request, SpeculativeEngine, step_uniforms
+from serving.engine.core import SpeculativeEngine
+from serving.engine.engine_settings import EngineConfig
+from serving.engine.request import Request
+from serving.engine.speculative import step_uniforms
 from serving.engine.drafters.base import HostDrafter
 from serving.engine.drafters.ngram import NgramDrafter
 from serving.engine.drafters.suffix import SuffixDrafter
@@ -147,7 +150,7 @@ def test_ngram_rows_accept_in_a_batch_what_they_accept_alone(tiny_target, tokeni
 def test_fallbacks_from_a_draft_model_free_its_rows_for_later_requests(tiny_target, tokenizer):
     """Two rounds of draft-model requests that fall back to the target alone (a draft that never
     agrees), then more draft-model requests: each gets a cache row and the target's output."""
-    from serving.engine.core import Fallback
+    from serving.engine.request import Fallback
     from tests.conftest import tiny_qwen2
 
     stranger = tiny_qwen2(5)  # another random model: almost nothing it drafts is accepted
@@ -220,7 +223,7 @@ def test_point_masses_enter_the_acceptance_rule_as_one_hot_q(tiny_target, tokeni
         def propose(self, row, tokens, k):
             return [7, 8][:k]
 
-    engine.host_drafters["ngram"] = Fixed()
+    engine.drafters["ngram"] = Fixed()
     for b, request in enumerate([Request([5, 6, 7, 8, 5], max_new_tokens=8), Request([9, 9, 9], max_new_tokens=8, drafter="none")]):
         engine._slots[b], _ = engine._admit(b, b, request)
     slots = engine._slots[:2]
@@ -276,7 +279,7 @@ def test_each_draft_model_drafts_over_its_own_rows_only(tiny_target, tiny_draft,
                                drafters={"a": tiny_draft, "b": other, "ngram": NgramDrafter()})  # fmt: skip
     rows_seen = {"a": set(), "b": set()}
     for name in rows_seen:
-        runner = engine.model_drafters[name]
+        runner = engine.drafters[name].runner
         forward = runner.forward
 
         def spy(tokens, positions, last_only=False, _forward=forward, _name=name):
@@ -290,7 +293,7 @@ def test_each_draft_model_drafts_over_its_own_rows_only(tiny_target, tiny_draft,
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(tiny_target, prompt, 12)
     assert rows_seen == {"a": {1}, "b": {1}}  # the engine's batch bucket was 4 throughout
-    assert all(rows == [None] * 4 for rows in engine._draft_rows.values())  # every draft row freed
+    assert all(engine.drafters[n].owner == [None] * 4 for n in ("a", "b"))  # every draft row freed
 
 
 class _Poisoned(NgramDrafter):
@@ -327,7 +330,7 @@ class _Poisoned(NgramDrafter):
 def _run(engine, requests):
     """Every request through add_request/step, as the server drives it: (ids, completions by id,
     errors by id of the requests that failed alone)."""
-    from serving.engine.core import RequestFailed
+    from serving.engine.request import RequestFailed
 
     ids = [engine.add_request(r) for r in requests]
     done, failed = {}, {}
@@ -435,7 +438,7 @@ class _Wrong(HostDrafter):
 
 
 def test_a_row_whose_drafter_stops_paying_falls_back_without_changing_its_output(tiny_target, tokenizer):
-    from serving.engine.core import Fallback
+    from serving.engine.request import Fallback
 
     prompts = ragged_prompts(4, seed=59)
     answers = {i: (len(p), hf_greedy(tiny_target, p, 40)) for i, p in enumerate(prompts)}
@@ -461,7 +464,7 @@ def test_a_row_whose_drafter_stops_paying_falls_back_without_changing_its_output
 def test_the_fallback_fires_on_evidence_not_on_a_short_run_of_misses():
     from scipy.stats import binomtest
 
-    from serving.engine.core import Fallback
+    from serving.engine.request import Fallback
 
     model = Fallback(min_acceptance=0.3, after_drafted=8)  # a draft model's floor
     assert not model.fires(0, 8) and model.fires(0, 12)
@@ -478,7 +481,7 @@ def test_the_fallback_fires_on_evidence_not_on_a_short_run_of_misses():
 
 
 def test_a_bad_fallback_rule_names_the_bad_value():
-    from serving.engine.core import Fallback
+    from serving.engine.request import Fallback
 
     with pytest.raises(ValueError, match="min_acceptance=1.5"):
         Fallback(min_acceptance=1.5)

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from routing.router import Router
 from serving.config import load_config
-from serving.engine import EngineConfig, Request, SpeculativeEngine
+from serving.engine import EngineSettings, Request, load_engine
 from serving.server import cli_serve
 from serving.server.serve_config import ServeConfig
 from serving.server.server import create_app, load_backend
@@ -158,8 +158,8 @@ def live(router_file):
 @pytest.fixture(scope="module")
 def reference(model_dirs):
     """The engine alone: what the server must reproduce for greedy requests."""
-    config = EngineConfig(max_batch_size=1, max_len=MAX_LEN, k=4)
-    return SpeculativeEngine.load(str(model_dirs["target"]), str(model_dirs["draft"]), device="cpu", config=config)
+    settings = EngineSettings(device="cpu", max_batch_size=1, max_len=MAX_LEN, k=4)
+    return load_engine(settings, str(model_dirs["target"]), {"draft": str(model_dirs["draft"])}).engine
 
 
 def _chat_ids(engine, messages) -> list[int]:

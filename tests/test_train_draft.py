@@ -90,9 +90,9 @@ def test_distillation_lowers_loss_and_raises_held_out_agreement(tmp_path, tokeni
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["step"] == 40 and (out / "training.png").exists()
     # best/ is a plain Hugging Face folder the engine loads as a draft.
-    from serving.engine import EngineConfig, Request, SpeculativeEngine
+    from serving.engine import EngineSettings, Request, load_engine
 
-    engine = SpeculativeEngine.load(str(tmp_path / "teacher"), str(out / "best"), device="cpu", config=EngineConfig(max_len=64, k=3))
+    engine = load_engine(EngineSettings(device="cpu", max_len=64, k=3), str(tmp_path / "teacher"), {"draft": str(out / "best")}).engine
     [res] = engine.generate([Request([5, 6, 7], max_new_tokens=8)])
     assert len(res.token_ids) == 8
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from serving.engine import Request, SpeculativeEngine
+from serving.engine import Request
 from serving.engine.devices import release_host_memory
-from serving.engine.engine_settings import EngineSettings, prepare_kernels
+from serving.engine.engine_settings import EngineSettings
+from serving.engine.loader import build_engine, prepare_kernels
 from serving.prompts import encode_prompt, load_prompts
 from training.config import EvalConfig
 from training.students import shared_copy
@@ -39,7 +40,6 @@ def measure(
         draft.eval()
     k_max = max(settings.k_buckets) if settings.k == "auto" else settings.k
     max_len = settings.max_len or max(len(p) for p in prompts) + max_new_tokens + k_max + 2
-    config = settings.engine_config(draft=draft is not None, device=target.device, max_len=max_len)
     if settings.uses_cpu_kernels:
         flags = [(p, p.requires_grad) for p in draft.parameters()] if draft is not None else []
         if draft is not None:
@@ -50,7 +50,7 @@ def measure(
                         dtype=target.dtype, own_draft_tensors=False)  # fmt: skip
         for p, flag in flags:  # the kernels freeze parameters; the shared ones are still being trained
             p.requires_grad_(flag)
-    engine = SpeculativeEngine(target, tokenizer, draft, config)
+    engine = build_engine(settings, tokenizer, target, {"draft": draft} if draft is not None else {}, max_len=max_len)
     outs = engine.generate([Request(p, max_new_tokens=max_new_tokens) for p in prompts])
     if was_training:
         original.train()

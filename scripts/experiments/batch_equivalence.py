@@ -13,7 +13,10 @@ import argparse
 import json
 from pathlib import Path
 
-from serving.engine.core import EngineConfig, Request, SpeculativeEngine, use_cpu_kernels
+from serving.engine.core import SpeculativeEngine
+from serving.engine.cpu_kernels import use_cpu_kernels
+from serving.engine.engine_settings import EngineConfig
+from serving.engine.request import Request
 from serving.engine.models import load_model, load_tokenizer
 from serving.prompts import encode_prompt, load_prompts
 from serving.tools.bench import compare

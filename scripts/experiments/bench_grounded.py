@@ -31,7 +31,8 @@ from tqdm import tqdm
 from serving.config import load_config
 from serving.engine import SpeculativeEngine
 from serving.engine.devices import describe_machine
-from serving.engine.engine_settings import EngineSettings, load_models, prepare_kernels
+from serving.engine.engine_settings import EngineSettings
+from serving.engine.loader import load_models, prepare_kernels
 from serving.prompts import GROUNDED_DOMAINS, encode_prompt, load_prompts
 from serving.tools.bench import hf_assisted, run_engine
 

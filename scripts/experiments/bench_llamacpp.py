@@ -107,13 +107,9 @@ def choral_runner(precision: str, k: int, host_k: int, drafters: list[str], draf
     """Choral's engine at one target precision with ``drafters`` (``base``: the 0.5B at ``draft_weights``, ``ngram``,
     ``suffix``): a function (ids, n, drafter) -> result dict. The model-free drafters propose up to
     ``host_k`` tokens a step, the 0.5B ``k``."""
-    from serving.engine.core import Request
-    from serving.engine.engine_settings import (
-        EngineSettings,
-        NgramSettings,
-        SuffixSettings,
-        load_engine,
-    )
+    from serving.engine.request import Request
+    from serving.engine.engine_settings import EngineSettings, NgramSettings, SuffixSettings
+    from serving.engine.loader import load_engine
 
     kmax = max(k, host_k)
     settings = EngineSettings(device="cpu", k=k, k_buckets=tuple(range(1, kmax + 1)), max_batch_size=1, max_len=2048,

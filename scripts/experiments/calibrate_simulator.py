@@ -186,7 +186,10 @@ def measure_profile(target: Path, draft: Path, load: dict, a: argparse.Namespace
     import torch
 
     from serving.distributed.remote import RemoteVerifier
-    from serving.engine.core import EngineConfig, Request, SpeculativeEngine, use_cpu_kernels
+    from serving.engine.core import SpeculativeEngine
+    from serving.engine.cpu_kernels import use_cpu_kernels
+    from serving.engine.engine_settings import EngineConfig
+    from serving.engine.request import Request
     from serving.engine.models import load_model, load_tokenizer
     from serving.fleet.profile import CostModel, CostPoint, DomainProfile, DraftProfile, Profile, from_load_test
     from serving.prompts import encode_prompt, load_prompts

@@ -39,7 +39,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from serving.engine import cpu_kernels  # noqa: E402
-from serving.engine.engine_settings import EngineSettings, load_models, prepare_kernels  # noqa: E402
+from serving.engine.engine_settings import EngineSettings
+from serving.engine.loader import load_models, prepare_kernels
 from serving.engine.runner import ModelRunner  # noqa: E402
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
@@ -97,7 +98,7 @@ def fc_ms(hidden: int, weights: str, steps: int) -> float:
 def measure_tau(n: int, k: int, max_new_tokens: int) -> float:
     """The 0.5B's tokens per target call on ``n`` HumanEval prompts at the default precisions."""
     from serving.engine import Request
-    from serving.engine.engine_settings import load_engine
+    from serving.engine.loader import load_engine
     from serving.prompts import encode_prompt, load_prompts
 
     loaded = load_engine(EngineSettings(device="cpu", k=k), TARGET, {"draft": DRAFT})

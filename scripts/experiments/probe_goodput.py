@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import serving.engine.core as core  # noqa: E402
 from serving.engine import Request  # noqa: E402
-from serving.engine.engine_settings import EngineSettings, load_engine  # noqa: E402
+from serving.engine.engine_settings import EngineSettings
+from serving.engine.loader import load_engine
 from serving.engine.goodput import StepCosts  # noqa: E402
 from serving.workload import FAMILIES, load_family  # noqa: E402
 

@@ -32,7 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from serving.engine import cpu_kernels  # noqa: E402
-from serving.engine.engine_settings import EngineSettings, load_models, prepare_kernels  # noqa: E402
+from serving.engine.engine_settings import EngineSettings
+from serving.engine.loader import load_models, prepare_kernels
 from serving.engine.runner import ModelRunner  # noqa: E402
 
 KERNEL_NAMES = ("rowdot_linear", "rowdot_linear_w8a8", "rowdot_linear_w4a8", "rowdot_attention")

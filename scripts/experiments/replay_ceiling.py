@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from serving.engine import Request
-    from serving.engine.engine_settings import EngineSettings, load_engine
+    from serving.engine.engine_settings import EngineSettings
+    from serving.engine.loader import load_engine
     from serving.engine.goodput import RowCosts
     from serving.prompts import encode_prompt, load_grounded
     from serving.tools.drafting_replay import Replay, Trace
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_engine(settings, TARGET, {"none": None, "ngram": "ngram", "suffix": "suffix", "draft": DRAFT})
     engine, tok = loaded.engine, loaded.tokenizer
     widths = list(engine._verify_widths())  # a host drafter's own k may verify wider than K + 1
-    target_runner, draft_runner = engine.verifier.runner, engine.model_drafters["draft"]
+    target_runner, draft_runner = engine.verifier.runner, engine.drafters["draft"].runner
 
     prompts = [(p.domain, p.id, encode_prompt(tok, p), None) for p in load_workload("test", args.per_family)]
     for domain in ("edit", "extract", "summarize", "quoted"):

@@ -32,8 +32,9 @@ from serving.engine.drafters.prediction import PredictionDrafter
 def decode_answers(n: int, max_tokens: int, target_weights: str) -> list[dict]:
     """The target alone's greedy answers to the first n ``edit`` prompts, as the server would
     encode them (chat template; the prediction is the code being edited)."""
-    from serving.engine.core import Request
-    from serving.engine.engine_settings import EngineSettings, load_engine
+    from serving.engine.request import Request
+    from serving.engine.engine_settings import EngineSettings
+    from serving.engine.loader import load_engine
     from serving.engine.sampling import SamplingParams
     from serving.prompts import load_grounded
 

@@ -30,7 +30,7 @@ import torch
 
 from serving.distributed import verify_pb2, verify_pb2_grpc
 from serving.distributed.verify_service import MESSAGE_OPTIONS
-from serving.engine.core import EngineConfig
+from serving.engine.engine_settings import EngineConfig
 from serving.engine.sampling import SamplingParams
 from serving.engine.verifier import Verdict, Verifier, VerifierError, VerifyBatch
 

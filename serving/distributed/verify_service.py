@@ -558,7 +558,7 @@ def serve_target(
     ``settings``: the engine settings, resolved for this target; the target loads and is prepared
     by the same code as in fused mode (``load_models``, ``prepare_kernels``), so every setting that
     applies to a target (precision, threads, weights cache, quantization) applies here too."""
-    from serving.engine.engine_settings import load_models, prepare_kernels
+    from serving.engine.loader import load_models, prepare_kernels
 
     if (why := unsupported_on_target(settings)) is not None:
         raise ValueError(why)

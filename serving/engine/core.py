@@ -45,249 +45,28 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch._inductor.config
-from scipy.special import betaincinv
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from serving.engine.bundled import choral_home
-from serving.engine.cpu_kernels import prepare_for_cpu, rowdot_available
-from serving.engine.devices import compile_backend, resolve_dtype, synchronize
-from serving.engine.goodput import StepCosts, expected_from_counts, per_token_acceptance, plan_cap
-from serving.engine.drafters.base import HostDrafter, RowContext
+from serving.engine.devices import compile_backend, synchronize
+from serving.engine.drafters.base import NONE, PREDICTION, BatchDrafter, DraftBatch, Drafter, HostDrafter, Proposal, RowContext
+from serving.engine.drafters.model import ModelDrafter
 from serving.engine.drafters.prediction import PredictionDrafter
-from serving.engine.runner import ModelRunner
+from serving.engine.engine_settings import EngineConfig
+from serving.engine.goodput import StepCosts, expected_from_counts, per_token_acceptance, plan_cap
+from serving.engine.request import Completion, Request, RequestFailed, StepOutput, describe_errors
 from serving.engine.sampling import SamplingParams, SamplingTensors
-from serving.engine.speculative import DecodeState, StepRandom, commit, draft_half, start_row
+from serving.engine.speculative import DecodeState, StepRandom, commit, start_row, step_uniforms
 from serving.engine.stats import RequestStats
 from serving.engine.verifier import LocalVerifier, Verifier, VerifierError, VerifyBatch
 
 log = logging.getLogger(__name__)
 
-DRAFT_STOPS = ("token", "cumulative")  # what EngineConfig.draft_stop compares with draft_confidence
-STEP_KS = ("rows", "goodput")  # how a step's K is set (EngineConfig.step_k)
 PRIOR_A = 0.5  # a row's per-token acceptance before it has drafted, without a router's prediction
-
-
-@dataclass
-class EngineConfig:
-    """max_batch_size: slots decoded together (the static batch).
-    max_len: per-slot context: prompt + new tokens + the largest K must fit; None takes
-        min(2048, the target's max_position_embeddings).
-    k: draft tokens per step, or "auto" for Hugging Face's heuristic (+2 after a fully accepted
-        step, -1 otherwise) moving over ``k_buckets``.
-    k_buckets: the K values that exist as compiled shapes; a fixed k must be one of them.
-    compile_backend: None for eager, else the ``torch.compile`` backend of the per-shape forwards
-        ("inductor" on CPU/CUDA, "neuron" on Trainium); compiled shapes are warmed up at load.
-    draft_confidence: stop a step's drafting once the draft's top probability drops below this
-        (transformers' assistant_confidence_threshold); the verification covers the shorter block,
-        whose width must be a bucket + 1. A host check per draft token: for CPUs, not Neuron.
-    draft_stop: "token" compares each draft token's top probability with ``draft_confidence``;
-        "cumulative" compares their running product (the block's chance of surviving whole).
-    batch_buckets: the batch sizes a step can run at (compiled shapes); None: 1, 2, 4, ... up to
-        ``max_batch_size``, which is always one. A step runs at the smallest that holds its rows.
-    host_k: the largest K of a model-free drafter with a K of its own (a prediction may propose
-        more than a draft model should): with a fixed k, rows of that drafter draft up to it.
-    request_k_max: the largest K a request may set for itself (``Request.k``, vLLM's
-        ``num_speculative_tokens`` per request, e.g. the router's choice); 0: requests use ``k``.
-    reuse_prefill: a request whose prompt is the one last prefilled into its batch row takes that
-        row's KV and first logits instead of prefilling again (``LocalVerifier.prefill``), and is
-        charged the measured time of the prefill it reuses. For collect-router-data and benchmarks,
-        which run each prompt once per drafter in the same row.
-    step_k: "rows": every row drafts its own budget and the step verifies at the longest
-        proposal's bucket; "goodput": each step caps the rows' proposals at the K that
-        maximises the batch's expected tokens per ms (``serving.engine.goodput``, SmartSpec), from
-        each row's own acceptance record and measured step times (``step_costs``, timed for every
-        shape at load). Greedy outputs are unchanged and sampled ones keep the target's
-        distribution; seeded sampled rows are never capped (their draws would depend on the batch).
-    cuda_graphs: on CUDA, capture every step shape (rows, width) of the target and the drafts as a
-        CUDA graph at warm-up and replay it (eager or compiled); prefill stays eager.
-    """
-
-    max_batch_size: int = 1
-    max_len: int | None = None
-    k: int | str = 4
-    k_buckets: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
-    compile_backend: str | None = None
-    draft_confidence: float | None = None
-    draft_stop: str = "token"
-    batch_buckets: tuple[int, ...] | None = None
-    host_k: int = 0
-    request_k_max: int = 0
-    reuse_prefill: bool = False
-    step_k: str = "rows"
-    cuda_graphs: bool = False
-
-    def __post_init__(self) -> None:
-        if self.step_k not in STEP_KS:
-            raise ValueError(f"step_k={self.step_k!r} must be one of {', '.join(STEP_KS)}")
-        if self.draft_stop not in DRAFT_STOPS:
-            raise ValueError(f"draft_stop={self.draft_stop!r} must be 'token' or 'cumulative'")
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size={self.max_batch_size} must be >= 1")
-        if not self.k_buckets or min(self.k_buckets) < 1:
-            raise ValueError(f"k_buckets={self.k_buckets} must be non-empty positive integers")
-        self.k_buckets = tuple(sorted(set(self.k_buckets)))
-        if self.k != "auto" and self.k not in self.k_buckets and self.k != 0:
-            raise ValueError(f"k={self.k!r} must be 'auto' or one of k_buckets {self.k_buckets}")
-        for name in ("host_k", "request_k_max"):
-            if not 0 <= getattr(self, name) <= self.k_buckets[-1]:
-                raise ValueError(f"{name}={getattr(self, name)} must be in 0..{self.k_buckets[-1]}, the largest of k_buckets")
-        if self.batch_buckets is None:
-            powers = [1 << i for i in range(self.max_batch_size.bit_length()) if 1 << i < self.max_batch_size]
-            self.batch_buckets = (*powers, self.max_batch_size)
-        buckets = tuple(sorted({*self.batch_buckets, self.max_batch_size}))
-        if min(buckets) < 1 or max(buckets) > self.max_batch_size:
-            raise ValueError(f"batch_buckets={self.batch_buckets} must be sizes from 1 to max_batch_size={self.max_batch_size}")
-        self.batch_buckets = buckets
-
-    @property
-    def k_max(self) -> int:
-        if self.k == "auto":
-            return max(self.k_buckets)
-        return max(int(self.k), self.host_k, self.request_k_max) if self.k else 0
-
-    @property
-    def verify_widths(self) -> tuple[int, ...]:
-        """Input widths of the target's verification: K+1 for every K a step can use."""
-        ks = self.k_buckets if self.k == "auto" else (int(self.k),)
-        if self.draft_confidence is not None:  # an early stop can leave any shorter block
-            ks = range(1, max(ks) + 1)
-        return tuple(sorted({k + 1 for k in ks}))
-
-    @property
-    def step_widths(self) -> tuple[int, ...]:
-        """Input widths of all decode forwards: 1 and 2 (draft) and the verification widths."""
-        return tuple(sorted({1, 2, *self.verify_widths}))
-
-
-DRAFT_WEIGHTS = ("auto", "fp32", "int8", "q4")
-TARGET_WEIGHTS = ("fp32", "int8", "q4")
-
-
-def drafts_precision(draft_weights: str, *, applies: bool, target_weights: str = "fp32") -> str:
-    """The precision drafts run at: ``auto`` is q4 beside a q4 target and int8 beside any other
-    where the CPU kernels apply (CPU, fp32, no quantize) and the C++ kernel builds, else fp32
-    (``scripts/experiments/profile_step.py --as-draft`` times the two); another choice stands
-    where they apply (where they do not, ``use_cpu_kernels`` refuses int8 and q4) and is fp32 otherwise."""
-    if draft_weights == "auto":
-        if not (applies and rowdot_available()):
-            return "fp32"
-        return "q4" if target_weights == "q4" else "int8"
-    return draft_weights if applies else "fp32"
-
-
-def use_cpu_kernels(
-    models: list[PreTrainedModel],
-    *,
-    device,
-    dtype,
-    widths,
-    quantize: str | None = None,
-    drafts: list[PreTrainedModel] = (),
-    draft_weights: str = "fp32",
-    own_draft_tensors: bool = True,
-    target_weights: str = "fp32",
-    weights_cache: bool = True,
-) -> bool:
-    """Swap in ``serving.engine.cpu_kernels`` where they apply (CPU, fp32, not quantized), so that
-    verifying any of ``widths`` tokens costs about one token and rows are bitwise identical.
-    ``models`` keep their fp32 numerics (targets); ``drafts`` get ``draft_weights``: "int8" stores
-    them as W8A8 int8 (~2.5x cheaper steps; a draft's numerics never change the output, only how
-    much of it is accepted), "q4" stores them in 4-bit groups: a GGUF draft's own Q4_K groups
-    as ``target_weights`` q4 does, every other Linear rounded into groups (``q4_requantize``),
-    "auto" is ``drafts_precision``'s choice beside ``target_weights``, "fp32" keeps them as
-    they are (``own_draft_tensors``: see ``prepare_for_cpu``'s ``own_tensors``). ``target_weights``
-    "int8" stores the ``models`` as W8A8 int8 too, "q4" keeps their 4-bit GGUF tensors in 4-bit
-    groups (W4A8) and the rest in int8: their numerics change
-    (the output is then that precision's target's), their rows stay batch-invariant.
-    ``weights_cache``: reuse int8/q4 conversions stored by an earlier run (``prepare_for_cpu``'s
-    ``cache``). Returns whether the kernels were applied."""
-    if draft_weights not in DRAFT_WEIGHTS:
-        raise ValueError(f"draft_weights={draft_weights!r} must be one of {DRAFT_WEIGHTS}")
-    applies = torch.device(device).type == "cpu" and resolve_dtype(dtype) == torch.float32 and quantize is None
-    if draft_weights == "auto":
-        draft_weights = drafts_precision("auto", applies=applies, target_weights=target_weights)
-    if target_weights not in TARGET_WEIGHTS:
-        raise ValueError(f"target_weights={target_weights!r} must be one of {TARGET_WEIGHTS}")
-    if target_weights != "fp32" and not (applies and rowdot_available()):
-        raise ValueError(f"target_weights={target_weights!r} needs the CPU kernels: device cpu, dtype float32, no quantize "
-                         f"and the C++ kernel (got device {device}, dtype {dtype}); use target_weights=fp32")  # fmt: skip
-    if not applies:
-        if draft_weights in ("int8", "q4") and drafts:
-            raise ValueError(f"draft_weights={draft_weights!r} needs the CPU kernels: device cpu, dtype float32, "
-                             f"no quantize (got device {device}, dtype {dtype}); use draft_weights=fp32")
-        return False
-    for model in models:
-        prepare_for_cpu(model, token_counts=widths, weights=target_weights, cache=weights_cache)
-    for model in drafts:
-        prepare_for_cpu(model, token_counts=widths, weights=draft_weights, own_tensors=own_draft_tensors,
-                        cache=weights_cache, requantize=True)
-    return True
-
-
-@dataclass(frozen=True)
-class Fallback:
-    """When a request's drafter stops paying, mid-request: once ``after_drafted`` tokens were
-    drafted, the row switches to the target alone for the rest of the request if the evidence says
-    its acceptance is below ``min_acceptance``: the one-sided Clopper-Pearson upper bound (at
-    ``confidence``) on its acceptance, from accepted / drafted so far, is below the floor. A bare
-    running rate would drop a drafter on a few unlucky tokens, and misses come in runs: ``ngram``
-    proposes nothing right until the answer starts to copy (a quoted-context prompt, int8 target:
-    0 of its first 16 drafts accepted, 0.67 over the whole answer). With a floor near 0 (a drafter
-    that costs almost nothing) no short run of misses is evidence enough; with a floor of 0.3
-    (a draft model) 0 of 12 is. Its output does not change (every token is the target's either
-    way); only the drafting it no longer pays for stops."""
-
-    min_acceptance: float
-    after_drafted: int = 16
-    confidence: float = 0.95
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.min_acceptance <= 1.0:
-            raise ValueError(f"fallback min_acceptance={self.min_acceptance} must be in [0, 1]")
-        if self.after_drafted < 1:
-            raise ValueError(f"fallback after_drafted={self.after_drafted} must be >= 1")
-        if not 0.5 <= self.confidence < 1.0:
-            raise ValueError(f"fallback confidence={self.confidence} must be in [0.5, 1) (0.95: one chance in 20 "
-                             "that a drafter paying its way is dropped)")
-
-    def fires(self, accepted: int, drafted: int) -> bool:
-        """Whether ``accepted`` of ``drafted`` tokens show the acceptance below the floor."""
-        if drafted < self.after_drafted or accepted >= drafted:
-            return False
-        upper = float(betaincinv(accepted + 1, drafted - accepted, self.confidence))  # Clopper-Pearson
-        return upper < self.min_acceptance
-
-
-@dataclass
-class Request:
-    prompt_ids: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    max_new_tokens: int = 128
-    stop: tuple[str, ...] = ()
-    drafter: str | None = None  # a drafter name of the engine; None: "prediction" with a prediction, else the default
-    prediction: list[int] | None = None  # token ids of the text the client expects (Predicted Outputs)
-    k: int | None = None  # this request's K (num_speculative_tokens), up to the engine's k_max; None: the engine's
-    fallback: Fallback | None = None  # switch to the target alone when the drafter stops paying
-    expected_acceptance: float | None = None  # predicted accepted / drafted at its K (the router's): step_k's prior
-
-
-@dataclass
-class Completion:
-    token_ids: list[int]  # generated tokens, EOS included when one ended the request
-    text: str  # decoded without special tokens, cut before a stop string
-    finish_reason: str  # "stop" (EOS or stop string) or "length"
-    stats: dict
-
-
-@dataclass
-class StepOutput:
-    request_id: int
-    new_token_ids: list[int]  # tokens this step committed for the request (stop strings applied)
-    finished: Completion | None  # set on the step the request finished
 
 
 @dataclass
@@ -302,16 +81,12 @@ class _Slot:
     drafter: str  # the name of the drafter the request drafts with ("none": the target alone)
     k_value: float = 0.0  # this request's own K ("auto" moves it by the request's own acceptance)
     emitted: int = 0  # tokens of ``generated`` already handed out by step()
-    draft_row: int | None = None  # a model drafter's row of its own KV cache (``_draft_rows``)
     fell_back_at: int | None = None  # tokens generated when the row switched to the target alone
     routed_drafter: str | None = None  # the drafter the request started with, when it fell back
     prior_a: float = PRIOR_A  # per-token acceptance expected before the row's own record (step_k goodput)
 
 
-NONE = "none"  # the drafter name of the target alone
-PREDICTION = "prediction"  # the built-in drafter of requests that carry a prediction
-
-Drafters = Mapping[str, "PreTrainedModel | HostDrafter | None"]
+Drafters = Mapping[str, "PreTrainedModel | Drafter | None"]
 
 
 def _drafters(draft: PreTrainedModel | None, drafters: Drafters | None) -> Drafters:
@@ -345,41 +120,17 @@ class SpeculativeEngine:
         self.verifier.bind(config)  # fills in config.max_len
         self.config = config
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size = self.verifier.vocab_size
-        models = [d for d in drafters.values() if isinstance(d, torch.nn.Module)]
+        self.vocab_size = self.verifier.vocab_size
+        self.drafters = self._bind_drafters(drafters)
         # The decode state lives where the target reads it, else with the drafts (a remote target).
-        self.device = self.verifier.device or (next(models[0].parameters()).device if models else torch.device("cpu"))
-        B = config.max_batch_size
-        # Model drafters run as ModelRunners with their own (small) KV caches, one per distinct
-        # model: two names for one model share it, since a row drafts with one name only.
-        self.model_drafters: dict[str, ModelRunner] = {}
-        self.host_drafters: dict[str, HostDrafter] = {}
-        runners: dict[int, ModelRunner] = {}
-        drafting = config.k != 0  # k=0: a target-only engine, whatever drafters it was given
-        for name, d in drafters.items():
-            if d is None or not drafting:
-                continue
-            if isinstance(d, HostDrafter):
-                self.host_drafters[name] = d
-            else:
-                if id(d) not in runners:
-                    runners[id(d)] = ModelRunner(d, batch_size=B, max_len=config.max_len, vocab_size=vocab_size)
-                self.model_drafters[name] = runners[id(d)]
-        # Each draft model's rows: its cache row r serves the engine slot _draft_rows[id][r]. A
-        # draft model runs over its own requests only, at the smallest batch bucket holding its
-        # highest row, so three drafters with two requests each cost three 2-row drafts, not three
-        # 8-row ones.
-        self._draft_rows: dict[int, list[int | None]] = {id(r): [None] * B for r in runners.values()}
-        if self.model_drafters or self.host_drafters:  # an engine that drafts also takes predictions
-            self.host_drafters.setdefault(PREDICTION, PredictionDrafter())
-        self.drafter_names = [*[n for n in drafters if n in self.model_drafters or n in self.host_drafters],
-                              *[n for n in (PREDICTION,) if n in self.host_drafters and n not in drafters], NONE]  # fmt: skip
-        self.default_drafter = default_drafter or next(
-            (n for n in drafters if n in self.model_drafters or n in self.host_drafters), NONE)
+        models = [d for d in self.drafters.values() if isinstance(d, ModelDrafter)]
+        self.device = self.verifier.device or (models[0].device if models else torch.device("cpu"))
+        self.drafter_names = [*[n for n in drafters if n in self.drafters],
+                              *[n for n in (PREDICTION,) if n in self.drafters and n not in drafters], NONE]  # fmt: skip
+        self.default_drafter = default_drafter or next((n for n in drafters if n in self.drafters), NONE)
         if self.default_drafter not in self.drafter_names:
             raise ValueError(f"default_drafter={self.default_drafter!r} is not one of {self.drafter_names}")
-        # The first draft model: the draft of an engine built with one (tests and tools read it).
-        self.draft = next(iter(self.model_drafters.values()), None)
+        B = config.max_batch_size
         k_max = config.k_max if self.drafting else 0
         if self.verifier.k_max is not None and k_max > self.verifier.k_max:
             raise ValueError(f"k up to {k_max} but {self.verifier.name} verifies K <= {self.verifier.k_max}")
@@ -411,40 +162,40 @@ class SpeculativeEngine:
         if config.step_k == "goodput" and self.drafting:
             self.time_steps()
 
+    def _bind_drafters(self, given: Drafters) -> dict[str, Drafter]:
+        """The engine's drafters by name, bound to its shapes: a draft model becomes a
+        ``ModelDrafter`` (one per distinct model: two names for one model share its cache, since a
+        row drafts with one name only); None names the target alone and is left out, as is every
+        drafter of an engine with k=0 (the target alone, whatever it was given). An engine that
+        drafts also takes predictions (``prediction``, default settings unless given)."""
+        if self.config.k == 0:
+            return {}
+        wrapped: dict[int, Drafter] = {}
+        out: dict[str, Drafter] = {}
+        for name, d in given.items():
+            if d is None:
+                continue
+            if id(d) not in wrapped:
+                wrapped[id(d)] = d if isinstance(d, Drafter) else ModelDrafter(d)
+            out[name] = wrapped[id(d)]
+        if out:
+            out.setdefault(PREDICTION, PredictionDrafter())
+        for name, d in out.items():
+            if d.target_layers:  # the verifiers do not hand out hidden states yet (EAGLE-3 heads: issue 60)
+                raise ValueError(f"drafter {name!r} reads the target's hidden states of layers {list(d.target_layers)}, "
+                                 f"which {self.verifier.name} does not provide")
+        for d in {id(d): d for d in out.values()}.values():
+            d.bind(batch_size=self.config.max_batch_size, max_len=self.config.max_len, vocab_size=self.vocab_size)
+        return out
+
     @property
     def drafting(self) -> bool:
         """Whether any request can draft (else every step verifies one token per row)."""
-        return bool(self.model_drafters or self.host_drafters)
+        return bool(self.drafters)
 
-    @classmethod
-    def load(
-        cls,
-        target: str,
-        draft: str | None = None,
-        *,
-        device: str = "auto",
-        dtype: str = "float32",
-        quantize: str | None = None,
-        cpu_kernels: bool = True,
-        draft_weights: str = "auto",
-        config: EngineConfig | None = None,
-    ) -> SpeculativeEngine:
-        """Load target and draft by reference (hub id, folder or bundled name), check that their
-        tokenizers agree, and build the engine on ``device`` in ``dtype``. On a CPU in fp32,
-        ``cpu_kernels`` swaps in the batch-invariant kernels of ``serving.engine.cpu_kernels``, which
-        verify K+1 tokens for about the cost of one with bitwise-identical rows, and
-        ``draft_weights`` "auto" (default) or "int8" runs the draft in int8 there (see ``use_cpu_kernels``).
-        The commands build their engine from settings the same way: ``serving.engine.engine_settings.load_engine``."""
-        from serving.engine.engine_settings import EngineSettings, load_engine
-
-        config = config or EngineConfig()
-        settings = EngineSettings(
-            device=device, dtype=dtype, quantize=quantize, cpu_kernels=cpu_kernels, draft_weights=draft_weights,
-            compile_backend=config.compile_backend, max_batch_size=config.max_batch_size, max_len=config.max_len,
-            k=config.k or 1, k_buckets=config.k_buckets, draft_confidence=config.draft_confidence, draft_stop=config.draft_stop,
-            cuda_graphs=config.cuda_graphs,
-        )  # fmt: skip
-        return load_engine(settings, target, {"draft": draft} if draft is not None and config.k != 0 else {}).engine
+    def _distinct(self, kind: type = Drafter) -> list[Drafter]:
+        """Each drafter of ``kind`` once (two names may share one)."""
+        return [d for d in {id(d): d for d in self.drafters.values()}.values() if isinstance(d, kind)]
 
     # ---- public API ----------------------------------------------------------------------------
 
@@ -562,7 +313,7 @@ class SpeculativeEngine:
                     outputs.append(self._emit(b, b in finished))
             if failed is not None:  # the target lost these rows: step() fails their requests
                 if broken:
-                    log.error("requests %s failed alone: %s", sorted(broken), _describe(broken))
+                    log.error("requests %s failed alone: %s", sorted(broken), describe_errors(broken))
                 raise failed
         if broken:
             raise RequestFailed(broken)
@@ -625,10 +376,7 @@ class SpeculativeEngine:
     def _unadmit(self, b: int) -> None:
         """Undo what a failed admission into slot ``b`` may have set up (no slot was made)."""
         self.state.done[b] = True
-        for rows in self._draft_rows.values():
-            if b in rows:
-                rows[rows.index(b)] = None
-        for drafter in self.host_drafters.values():
+        for drafter in self._distinct():
             try:
                 drafter.stop(b, finished=False)
             except Exception:  # a drafter that never started this row
@@ -647,26 +395,21 @@ class SpeculativeEngine:
             # Freezing folds the weights into the graph as constants so the CPU GEMMs use
             # prepacked layouts; inference only, which is all the engine does.
             torch._inductor.config.freezing = True
-        runners = self._draft_runners
+        drafters = self._distinct()
         # Every runner compiles the same method, so its graphs count together against torch's limit:
-        # per batch bucket, the target's verify widths and each draft's two widths.
-        shapes = len(self.config.batch_buckets) * (len(self._verify_widths()) + 2 * len(runners))
+        # per batch bucket, the target's verify widths and each draft's widths.
+        shapes = len(self.config.batch_buckets) * (len(self._verify_widths()) + sum(d.forward_shapes for d in drafters))
         self.verifier.compile(backend, shapes)  # a remote target compiles on its own side
-        for runner in runners:
-            runner.compile(backend, shapes=shapes)
+        for drafter in drafters:
+            drafter.compile(backend, shapes)
         self.warmup()
-
-    @property
-    def _draft_runners(self) -> list[ModelRunner]:
-        """Each draft model's runner once (two drafter names may share one model)."""
-        return list({id(r): r for r in self.model_drafters.values()}.values())
 
     def enable_cuda_graphs(self) -> None:
         """Capture every step shape of the target and the model drafts as a CUDA graph now (the
         warm-up's first run of each shape captures it); later steps replay them."""
         self.verifier.use_cuda_graphs()
-        for runner in self._draft_runners:
-            runner.use_cuda_graphs()
+        for drafter in self._distinct():
+            drafter.use_cuda_graphs()
         self.warmup()
 
     def warmup(self) -> None:
@@ -675,8 +418,8 @@ class SpeculativeEngine:
         loads are quick."""
         for rows in self.config.batch_buckets:
             self.verifier.warmup(self._verify_widths(), rows)  # a remote target warms itself up
-            for runner in self._draft_runners:
-                runner.warmup((1, 2), last_only=True, rows=rows)  # draft_half's two forward shapes
+            for drafter in self._distinct():
+                drafter.warmup(rows)
         synchronize(self.device)
 
     def time_steps(self) -> None:
@@ -686,7 +429,7 @@ class SpeculativeEngine:
         target is timed by its steps only."""
         if not isinstance(self.verifier, LocalVerifier):
             return
-        runners, widths = self._draft_runners, self._verify_widths()
+        runners, widths = self._distinct(BatchDrafter), self._verify_widths()
         for rows in self.config.batch_buckets:
             self.verifier.warmup(widths[:1], rows)
             for w in widths:
@@ -695,9 +438,9 @@ class SpeculativeEngine:
                 synchronize(self.device)
                 self.step_costs.observe(rows, w, 1e3 * (time.perf_counter() - started))
             for runner in runners:
-                runner.warmup((1,), last_only=True, rows=rows)
+                runner.warmup(rows, (1,))
                 started = time.perf_counter()
-                runner.warmup((1,), last_only=True, rows=rows)
+                runner.warmup(rows, (1,))
                 synchronize(self.device)
                 self.step_costs.observe_draft(rows, 1, 1e3 * (time.perf_counter() - started))
 
@@ -708,7 +451,7 @@ class SpeculativeEngine:
             return (1,)
         widths = set(self.config.verify_widths)
         # Proposals of any length up to k_max: host drafters, a request's own K, a goodput cap.
-        if self.host_drafters or self.config.request_k_max or self.config.step_k == "goodput":
+        if self._distinct(HostDrafter) or self.config.request_k_max or self.config.step_k == "goodput":
             widths |= {1} | {k + 1 for k in self.config.k_buckets if k <= self.config.k_max}
         return tuple(sorted(widths))
 
@@ -754,27 +497,20 @@ class SpeculativeEngine:
         reused_s = self.verifier.reused_prefill_s
         if reused_s is not None:  # charged as if computed here, so its timings compare with any other request's
             started -= reused_s
-        draft_row = None
-        if drafter in self.model_drafters:
-            rows = self._draft_rows[id(self.model_drafters[drafter])]
-            draft_row = rows.index(None)  # the lowest free row: keeps the draft's bucket small
-            rows[draft_row] = b
-            self.model_drafters[drafter].prefill(ids, draft_row)
-        elif drafter in self.host_drafters:
+        if drafter in self.drafters:
             private = request.params.seeded_sampling
-            self.host_drafters[drafter].start(b, RowContext(index, request.prompt_ids, request.prediction, private))
+            self.drafters[drafter].start(b, RowContext(index, request.prompt_ids, request.prediction, private))
         done = start_row(self.state, b, ids[0], first_id, request.max_new_tokens)
         self._sampling = None
         stats = RequestStats(new_tokens=1, prefill_reused=reused_s is not None)
         stats.prefill_time_s = time.perf_counter() - started
-        slot = _Slot(index, request, ids.shape[1], generator, [first_id], stats, started, drafter, k_value=self._k_start,
-                     draft_row=draft_row)  # fmt: skip
+        slot = _Slot(index, request, ids.shape[1], generator, [first_id], stats, started, drafter, k_value=self._k_start)
         if request.expected_acceptance is not None and self.config.step_k == "goodput":
             k = max(1, self._row_k(slot))
             slot.prior_a = float(per_token_acceptance(torch.tensor([float(request.expected_acceptance)]), k))
         stopped = self._hit_stop(slot, 0)
-        if drafter in self.host_drafters:
-            self.host_drafters[drafter].observe(b, slot.generated)
+        if drafter in self.drafters:
+            self.drafters[drafter].observe(b, slot.generated)
         return slot, done or stopped
 
     def _drafter_of(self, request: Request) -> str:
@@ -782,15 +518,13 @@ class SpeculativeEngine:
         one (OpenAI's Predicted Outputs), else the engine's default."""
         if request.drafter is not None:
             return request.drafter
-        if request.prediction and PREDICTION in self.host_drafters:
+        if request.prediction and PREDICTION in self.drafters:
             return PREDICTION
         return self.default_drafter
 
     def _stop_drafter(self, b: int, slot: _Slot, finished: bool) -> None:
-        if slot.drafter in self.host_drafters:
-            self.host_drafters[slot.drafter].stop(b, finished)
-        if slot.draft_row is not None:
-            self._draft_rows[id(self.model_drafters[slot.drafter])][slot.draft_row] = None
+        if slot.drafter in self.drafters:
+            self.drafters[slot.drafter].stop(b, finished)
 
     def _retire(self, b: int, slots: list[_Slot | None]) -> Completion:
         slot = slots[b]
@@ -879,9 +613,9 @@ class SpeculativeEngine:
             return 0
         if slot.request.k is not None:
             return min(slot.request.k, self.config.k_max)
-        host = self.host_drafters.get(slot.drafter)
-        if host is not None and host.k is not None:
-            return min(host.k, self.config.k_max)
+        own = self.drafters[slot.drafter].k
+        if own is not None:
+            return min(own, self.config.k_max)
         if self.config.k != "auto":
             return int(self.config.k)
         fitting = [k for k in self.config.k_buckets if k <= slot.k_value]
@@ -891,70 +625,59 @@ class SpeculativeEngine:
         self, slots: list[_Slot | None], state: DecodeState, sampling: SamplingTensors, rand: StepRandom, k_rows: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
         """Step 1 for every drafter's rows: (draft_tokens [B, K] long, q [B, K, V], n_draft [B] long,
-        the rows' budgets after step_k's cap), K the step's K bucket. Host drafters propose on the host (q: a point mass at each token);
-        each draft model with rows drafts on the device over its own cache rows only (gathered
-        from the engine's rows, at the smallest batch bucket holding them; its proposals are
-        scattered back, the other rows' left alone)."""
+        the rows' budgets after step_k's cap), K the step's K bucket. Host drafters propose on the
+        host (q: a point mass at each token); each batch drafter (a draft model) drafts on the
+        device for its own rows (``ModelDrafter.propose_rows``), the other rows left alone."""
         B, V = len(slots), self.vocab_size
         host_tokens = [[] for _ in slots]
         if self.config.step_k == "goodput":  # before any proposal: a step that would not draft skips proposing
             k_rows, _ = self._cap(slots, k_rows, None)
         for b, slot in enumerate(slots):
-            if slot is not None and k_rows[b] and slot.drafter in self.host_drafters:
-                context = slot.request.prompt_ids + slot.generated
-                host_tokens[b] = self.host_drafters[slot.drafter].propose(b, context, k_rows[b])[: k_rows[b]]
+            drafter = self.drafters.get(slot.drafter) if slot is not None else None
+            if k_rows[b] and isinstance(drafter, HostDrafter):
+                host_tokens[b] = drafter.propose(b, slot.request.prompt_ids + slot.generated, k_rows[b])[: k_rows[b]]
         if self.config.step_k == "goodput":
             k_rows, host_tokens = self._cap(slots, k_rows, host_tokens)
-        width = max(map(len, host_tokens))
-        from_models = []
+        proposals = []
         started, forwards = time.perf_counter(), 0
-        for runner in self._draft_runners:
-            # This draft's own rows: its cache row r drafts for engine slot owner[r].
-            owner = [b if b is not None and k_rows[b] > 0 else None for b in self._draft_rows[id(runner)]]
-            own = [r for r, b in enumerate(owner) if b is not None]
-            if not own:
-                continue
-            n_rows = next(n for n in self.config.batch_buckets if n > own[-1])
-            fill = owner[own[0]]  # rows of the bucket without a request read any real row, draft nothing
-            index = torch.tensor([b if b is not None else fill for b in owner[:n_rows]], device=self.device)  # [n]
-            budget = torch.tensor([k_rows[b] if b is not None else 0 for b in owner[:n_rows]], device=self.device)  # [n]
-            sub_state = state.rows(index)
-            sub_state.done |= budget == 0  # rows of the bucket without a budget draft nothing
-            sub_sampling, sub_rand = sampling.rows(index), rand.rows(index)
-            tokens, q, n = draft_half(runner, sub_state, sub_sampling, sub_rand, int(max(k_rows[owner[r]] for r in own)), V,
-                                      self.config.draft_confidence, self.config.draft_stop, budget)  # fmt: skip
-            forwards += tokens.shape[1]
-            # Back to the engine's rows: [n, K] -> [B, K] (rows not this draft's stay zero, masked).
-            at = torch.tensor([owner[r] for r in own], device=self.device)  # [m] engine slots
-            mine_rows = torch.tensor(own, device=self.device)  # [m] this draft's rows
-            tokens = tokens.new_zeros(B, tokens.shape[1]).index_copy_(0, at, tokens[mine_rows])  # [B, K]
-            q = q.new_zeros(B, *q.shape[1:]).index_copy_(0, at, q[mine_rows])  # [B, K, V]
-            n = n.new_zeros(B).index_copy_(0, at, n[mine_rows])  # [B]
-            mine = torch.zeros(B, dtype=torch.bool, device=self.device).index_fill_(0, at, True)  # [B]
-            from_models.append((tokens, q, n, mine))
-            width = max(width, tokens.shape[1])
+        for drafter in self._distinct(BatchDrafter):
+            mine = [k_rows[b] if slot is not None and self.drafters.get(slot.drafter) is drafter else 0
+                    for b, slot in enumerate(slots)]  # fmt: skip
+            proposal = drafter.propose_rows(DraftBatch(mine, state, sampling, rand, V, self.config.batch_buckets,
+                                                       self.config.draft_confidence, self.config.draft_stop))  # fmt: skip
+            if proposal is not None:
+                proposals.append((proposal, torch.tensor([m > 0 for m in mine], device=self.device)))  # [B] its rows
+                forwards += proposal.forwards
         if forwards:
             synchronize(self.device)
         self._model_draft = (time.perf_counter() - started, forwards)
-        # The step's K: the smallest bucket that holds every proposal (a compiled verify width).
+        draft_tokens, q, n_draft = self._merge(host_tokens, proposals)
+        return draft_tokens, q, n_draft, k_rows
+
+    def _merge(self, host_tokens: list[list[int]], proposals: list[tuple[Proposal, torch.Tensor]]
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The host rows' tokens and each batch drafter's proposal for its rows (``mine`` [B]) as one
+        block at the step's K: the smallest bucket that holds every proposal (a compiled verify width)."""
+        B, V = len(host_tokens), self.vocab_size
+        width = max([*map(len, host_tokens), *(p.tokens.shape[1] for p, _ in proposals)])
         k = next((kb for kb in self.config.k_buckets if kb >= width), width) if width else 0
         rows = torch.tensor([t + [0] * (k - len(t)) for t in host_tokens], dtype=torch.long).reshape(B, k)
         draft_tokens = rows.to(self.device)  # [B, K]
         n_draft = torch.tensor([len(t) for t in host_tokens], dtype=torch.long, device=self.device)  # [B]
         q = torch.nn.functional.one_hot(draft_tokens, V).float() if any(host_tokens) else None  # [B, K, V] point masses
-        for tokens, q_m, n_m, mine in from_models:
-            pad = k - tokens.shape[1]
-            tokens = torch.nn.functional.pad(tokens, (0, pad))  # [B, K]
-            q_m = torch.nn.functional.pad(q_m, (0, 0, 0, pad))  # [B, K, V]
+        for p, mine in proposals:
+            pad = k - p.tokens.shape[1]
+            tokens = torch.nn.functional.pad(p.tokens, (0, pad))  # [B, K]
+            q_m = torch.nn.functional.pad(p.q, (0, 0, 0, pad))  # [B, K, V]
             draft_tokens = torch.where(mine.unsqueeze(1), tokens, draft_tokens)
-            n_draft = torch.where(mine, n_m, n_draft)
-            if q is None and len(from_models) == 1:
+            n_draft = torch.where(mine, p.n, n_draft)
+            if q is None and len(proposals) == 1:
                 q = q_m  # the only proposer: rows not its own have n_draft 0, so their q is masked
             else:
                 q = torch.where(mine.view(B, 1, 1), q_m, q if q is not None else torch.zeros_like(q_m))
         if q is None:
             q = torch.zeros(B, k, V, device=self.device)  # [B, K, V] nothing drafted
-        return draft_tokens, q, n_draft, k_rows
+        return draft_tokens, q, n_draft
 
     def _cap(self, slots: list[_Slot | None], k_rows: list[int], host_tokens: list[list[int]] | None
              ) -> tuple[list[int], list[list[int]] | None]:  # fmt: skip
@@ -967,8 +690,9 @@ class SpeculativeEngine:
         for b, slot in enumerate(slots):
             if slot is None:
                 continue
-            budget = len(host_tokens[b]) if host_tokens is not None and slot.drafter in self.host_drafters else k_rows[b]
-            if slot.drafter in self.model_drafters:
+            drafter = self.drafters.get(slot.drafter)
+            budget = len(host_tokens[b]) if host_tokens is not None and isinstance(drafter, HostDrafter) else k_rows[b]
+            if isinstance(drafter, BatchDrafter):
                 model_budget = max(model_budget, budget)
             st = slot.stats
             expected.append(expected_from_counts(st.accepted_at, st.drafted_at, budget, slot.prior_a))
@@ -1038,8 +762,8 @@ class SpeculativeEngine:
             try:
                 # Stop strings first: a step that also reaches the length limit must still cut at the stop.
                 stopped = self._hit_stop(slot, before)
-                if slot.drafter in self.host_drafters and len(slot.generated) > before:  # what the row kept
-                    self.host_drafters[slot.drafter].observe(b, slot.generated[before:])
+                if slot.drafter in self.drafters and len(slot.generated) > before:  # what the row kept
+                    self.drafters[slot.drafter].observe(b, slot.generated[before:])
             except Exception as e:  # committed already: this row fails, the step stands for the others
                 after_commit[b] = e
                 continue
@@ -1058,19 +782,7 @@ class SpeculativeEngine:
         if slot.request.fallback.fires(s.accepted, s.drafted):
             self._stop_drafter(b, slot, finished=False)
             slot.routed_drafter, slot.drafter = slot.drafter, NONE
-            slot.draft_row = None
             slot.fell_back_at = len(slot.generated)
-
-
-class RequestFailed(RuntimeError):
-    """Requests that failed alone: their admission or their row of a step raised. ``errors``:
-    request id -> the exception. ``step`` drops them, hands out the other requests' outputs on
-    the next call and raises this with their ids in ``request_ids``; the engine goes on."""
-
-    def __init__(self, errors: dict[int, BaseException]) -> None:
-        super().__init__(_describe(errors))
-        self.errors = errors
-        self.request_ids = sorted(errors)
 
 
 class _Committed(Exception):
@@ -1080,24 +792,3 @@ class _Committed(Exception):
     def __init__(self, rows: dict[int, BaseException], finished: list[int], failed: VerifierError | None) -> None:
         super().__init__("; ".join(f"slot {b}: {type(e).__name__}: {e}" for b, e in sorted(rows.items())))
         self.rows, self.finished, self.failed = rows, finished, failed
-
-
-def _describe(errors: dict[int, BaseException]) -> str:
-    return "; ".join(f"request {i}: {type(e).__name__}: {e}" for i, e in sorted(errors.items()))
-
-
-def step_uniforms(generators: list[torch.Generator | None], k_rows: list[int], k: int, device) -> StepRandom:
-    """The uniforms of one step, [B, K] padded. Row b takes 2 * k_rows[b] + 1 draws from its own
-    generator, in a fixed order: its draft tokens, its accept tests, then the correction or bonus
-    draw. What a row consumes depends only on its own K, never on the step's K or on the other
-    rows, so a seeded request's output does not depend on what else is in the batch. The accept
-    tests must be draws of their own: reusing the ones that drew the draft tokens would correlate
-    each test with its token and bias sampled output. Empty slots (None) get zeros."""
-    B = len(generators)
-    draft, accept, nxt = torch.zeros(B, k), torch.zeros(B, k), torch.zeros(B)  # [B, K], [B, K], [B]
-    for b, (g, kb) in enumerate(zip(generators, k_rows)):
-        if g is None:
-            continue
-        u = torch.rand(2 * kb + 1, generator=g)
-        draft[b, :kb], accept[b, :kb], nxt[b] = u[:kb], u[kb : 2 * kb], u[2 * kb]
-    return StepRandom(draft=draft.to(device), accept=accept.to(device), next=nxt.to(device))

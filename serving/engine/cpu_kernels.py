@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from serving.engine import weights_cache
+from serving.engine.decoder import LeanDecoder
+from serving.engine.devices import resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -619,6 +621,39 @@ def prepare_for_cpu(
       almost no Q4_K tensors (its 896-wide rows are not whole 256-weight super-blocks, so llama.cpp
       wrote Q5_0/Q8_0), and as int8 its step reads 0.5 GB, half the q4 target's.
     """
+    counts = sorted({1, *token_counts})
+    kernel = _pick_kernel(weights, kernel, counts, max_rows)
+    model.eval().requires_grad_(False)
+    targets = [(f"{prefix}.{name}" if prefix else name, parent, name, child)
+               for prefix, parent in list(model.named_modules()) for name, child in list(parent.named_children())
+               if type(child) is nn.Linear and child.weight.dtype == torch.float32]  # fmt: skip
+    # A model as loaded from its folder finds its low-bit layers converted by an earlier run.
+    entry = None
+    if cache and weights != "fp32":
+        kind = "q4-requantized" if weights == "q4" and requantize else weights
+        entry = weights_cache.entry(model, kind, [(full, child) for full, _, _, child in targets])
+    stored = weights_cache.load(entry, _stored_layer) if entry is not None else None
+    converted, fresh = _convert_linears(targets, stored, weights, kernel, max_rows, counts, requantize)
+    if entry is not None and converted and fresh:
+        weights_cache.save(entry, converted)  # before fuse_linears makes the layers views of shared storage
+    if weights == "q4":
+        kinds = [type(m).__name__ for m in model.modules()]
+        log.info("choral: q4 weights: %d Linear layers in 4-bit groups, %d not on a 4-bit lattice in int8",
+                 kinds.count("Q4Linear"), kinds.count("Int8Linear"))
+    if weights != "fp32" and own_tensors:
+        _own_tensors(model)
+    if kernel == "rowdot":
+        _use_row_silu(model, max_rows)
+    if attention and hasattr(model, "set_attn_implementation"):
+        _rowwise_sdpa.max_rows = max_rows
+        _use_rowwise_attention(model)
+        if kernel == "rowdot" and lean:
+            model._choral_decoder = LeanDecoder.build(model, _rowdot_ext(), fuse_linears, max_rows)
+    return model
+
+
+def _pick_kernel(weights: str, kernel: str, counts: list[int], max_rows: int) -> str:
+    """The kernel ``prepare_for_cpu`` runs ("rowdot" or "mkl"), after checking its arguments."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
     if weights != "fp32" and _rowdot_ext() is None:
@@ -632,23 +667,20 @@ def prepare_for_cpu(
         kernel = "mkl"
     elif kernel == "auto":
         kernel = "rowdot"
-    counts = sorted({1, *token_counts})
     if max(counts) > max_rows:
         # A step of K drafts verifies K + 1 tokens: name the setting that asked for the width.
         raise ValueError(f"step widths {counts} exceed max_rows={max_rows}: the CPU kernels take steps of at most "
                          f"{max_rows} tokens a sequence, so K can be at most {max_rows - 1} (engine.k, k_buckets, "
                          f"request_k_max; a K of {max(counts) - 1} asked for {max(counts)}): lower the largest of "
                          "k_buckets or set engine.cpu_kernels=false")  # fmt: skip
-    model.eval().requires_grad_(False)
-    targets = [(f"{prefix}.{name}" if prefix else name, parent, name, child)
-               for prefix, parent in list(model.named_modules()) for name, child in list(parent.named_children())
-               if type(child) is nn.Linear and child.weight.dtype == torch.float32]  # fmt: skip
-    # A model as loaded from its folder finds its low-bit layers converted by an earlier run.
-    entry = None
-    if cache and weights != "fp32":
-        kind = "q4-requantized" if weights == "q4" and requantize else weights
-        entry = weights_cache.entry(model, kind, [(full, child) for full, _, _, child in targets])
-    stored = weights_cache.load(entry) if entry is not None else None
+    return kernel
+
+
+def _convert_linears(targets, stored, weights, kernel, max_rows, counts, requantize) -> tuple[dict[str, nn.Module], bool]:
+    """Swap each fp32 Linear of ``targets`` (full name, parent, attribute, layer) for its kernel
+    module (taken from ``stored`` where the cache held it), where that module is batch-invariant
+    for ``counts`` (checked once per layer shape). Returns the swapped modules by name and whether
+    any was converted here rather than loaded."""
     checked: dict[tuple, bool] = {}
     converted: dict[str, nn.Module] = {}
     fresh = False  # some layer converted here rather than loaded
@@ -676,25 +708,19 @@ def prepare_for_cpu(
             setattr(parent, name, new)
             converted[full] = new
             fresh |= built
-    if entry is not None and converted and fresh:
-        weights_cache.save(entry, converted)  # before fuse_linears makes the layers views of shared storage
-    if weights == "q4":
-        kinds = [type(m).__name__ for m in model.modules()]
-        log.info("choral: q4 weights: %d Linear layers in 4-bit groups, %d not on a 4-bit lattice in int8",
-                 kinds.count("Q4Linear"), kinds.count("Int8Linear"))
-    if weights != "fp32" and own_tensors:
-        _own_tensors(model)
-    if kernel == "rowdot":
-        _use_row_silu(model, max_rows)
-    if attention and hasattr(model, "set_attn_implementation"):
-        _rowwise_sdpa.max_rows = max_rows
-        _use_rowwise_attention(model)
-        if kernel == "rowdot" and lean:
-            from serving.engine.decoder import LeanDecoder
+    return converted, fresh
 
-            model._choral_decoder = LeanDecoder.build(model, _rowdot_ext(), fuse_linears, max_rows)
-    return model
 
+def _stored_layer(name: str, kind: str, in_features: int, out_features: int, tensors: dict[str, torch.Tensor]) -> nn.Module:
+    """A layer of the prepared-weights cache (``weights_cache.load``) from its stored buffers."""
+    bias = tensors.get(f"{name}.bias")
+    if kind == "Q4Linear":
+        return Q4Linear.from_buffers(in_features, out_features, tensors[f"{name}.qweight"], tensors[f"{name}.step"],
+                                     tensors[f"{name}.minimum"], bias)  # fmt: skip
+    if kind == "Int8Linear":
+        return Int8Linear.from_buffers(in_features, tensors[f"{name}.qweight"], tensors[f"{name}.scale"], bias,
+                                       tensors[f"{name}.row_sums"])  # fmt: skip
+    raise ValueError(f"unknown layer kind {kind!r}")
 
 @torch.no_grad()
 def _own_tensors(model: nn.Module) -> None:
@@ -723,3 +749,68 @@ def set_enabled(model: nn.Module, enabled: bool) -> None:
     before = getattr(model, "_choral_attn_before", None)
     if before is not None:
         model.set_attn_implementation(ATTN_NAME if enabled else before)
+
+
+DRAFT_WEIGHTS = ("auto", "fp32", "int8", "q4")
+TARGET_WEIGHTS = ("fp32", "int8", "q4")
+
+
+def drafts_precision(draft_weights: str, *, applies: bool, target_weights: str = "fp32") -> str:
+    """The precision drafts run at: ``auto`` is q4 beside a q4 target and int8 beside any other
+    where the CPU kernels apply (CPU, fp32, no quantize) and the C++ kernel builds, else fp32
+    (``scripts/experiments/profile_step.py --as-draft`` times the two); another choice stands
+    where they apply (where they do not, ``use_cpu_kernels`` refuses int8 and q4) and is fp32 otherwise."""
+    if draft_weights == "auto":
+        if not (applies and rowdot_available()):
+            return "fp32"
+        return "q4" if target_weights == "q4" else "int8"
+    return draft_weights if applies else "fp32"
+
+
+def use_cpu_kernels(
+    models: list[PreTrainedModel],
+    *,
+    device,
+    dtype,
+    widths,
+    quantize: str | None = None,
+    drafts: list[PreTrainedModel] = (),
+    draft_weights: str = "fp32",
+    own_draft_tensors: bool = True,
+    target_weights: str = "fp32",
+    weights_cache: bool = True,
+) -> bool:
+    """Swap in ``serving.engine.cpu_kernels`` where they apply (CPU, fp32, not quantized), so that
+    verifying any of ``widths`` tokens costs about one token and rows are bitwise identical.
+    ``models`` keep their fp32 numerics (targets); ``drafts`` get ``draft_weights``: "int8" stores
+    them as W8A8 int8 (~2.5x cheaper steps; a draft's numerics never change the output, only how
+    much of it is accepted), "q4" stores them in 4-bit groups: a GGUF draft's own Q4_K groups
+    as ``target_weights`` q4 does, every other Linear rounded into groups (``q4_requantize``),
+    "auto" is ``drafts_precision``'s choice beside ``target_weights``, "fp32" keeps them as
+    they are (``own_draft_tensors``: see ``prepare_for_cpu``'s ``own_tensors``). ``target_weights``
+    "int8" stores the ``models`` as W8A8 int8 too, "q4" keeps their 4-bit GGUF tensors in 4-bit
+    groups (W4A8) and the rest in int8: their numerics change
+    (the output is then that precision's target's), their rows stay batch-invariant.
+    ``weights_cache``: reuse int8/q4 conversions stored by an earlier run (``prepare_for_cpu``'s
+    ``cache``). Returns whether the kernels were applied."""
+    if draft_weights not in DRAFT_WEIGHTS:
+        raise ValueError(f"draft_weights={draft_weights!r} must be one of {DRAFT_WEIGHTS}")
+    applies = torch.device(device).type == "cpu" and resolve_dtype(dtype) == torch.float32 and quantize is None
+    if draft_weights == "auto":
+        draft_weights = drafts_precision("auto", applies=applies, target_weights=target_weights)
+    if target_weights not in TARGET_WEIGHTS:
+        raise ValueError(f"target_weights={target_weights!r} must be one of {TARGET_WEIGHTS}")
+    if target_weights != "fp32" and not (applies and rowdot_available()):
+        raise ValueError(f"target_weights={target_weights!r} needs the CPU kernels: device cpu, dtype float32, no quantize "
+                         f"and the C++ kernel (got device {device}, dtype {dtype}); use target_weights=fp32")  # fmt: skip
+    if not applies:
+        if draft_weights in ("int8", "q4") and drafts:
+            raise ValueError(f"draft_weights={draft_weights!r} needs the CPU kernels: device cpu, dtype float32, "
+                             f"no quantize (got device {device}, dtype {dtype}); use draft_weights=fp32")
+        return False
+    for model in models:
+        prepare_for_cpu(model, token_counts=widths, weights=target_weights, cache=weights_cache)
+    for model in drafts:
+        prepare_for_cpu(model, token_counts=widths, weights=draft_weights, own_tensors=own_draft_tensors,
+                        cache=weights_cache, requantize=True)
+    return True

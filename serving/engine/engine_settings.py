@@ -1,9 +1,12 @@
-"""The engine's settings: one dataclass that every command running the engine nests, and the one
-function that turns it into loaded models, Choral's CPU kernels and engines.
+"""The engine's settings: one dataclass that every command running the engine nests, , and the
+resolved ``EngineConfig`` of one engine.
 
     settings = EngineSettings(device="cpu", max_batch_size=4, k=4)
     loaded = load_engine(settings, "qwen2.5-coder-1.5b-instruct", {"base": "qwen2.5-coder-0.5b-instruct", "ngram": "ngram"})
     [out] = loaded.engine.generate([Request(ids, max_new_tokens=32, drafter="ngram")])
+
+(``load_engine`` and ``build_engine`` are in ``serving.engine.loader``.) ``EngineConfig`` is the
+resolved form one engine runs with, made by ``EngineSettings.engine_config``.
 
 A drafter reference is a model (hub id, folder or bundled name), a built-in model-free drafter
 (``ngram``, ``suffix``; their settings are ``engine.ngram.*`` and ``engine.suffix.*``) or ``none``.
@@ -23,14 +26,13 @@ from __future__ import annotations
 import dataclasses
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, Literal, Mapping
+from typing import TYPE_CHECKING, Literal
+
+from serving.engine.drafters import registry
+from serving.engine.drafters.base import NONE
 
 if TYPE_CHECKING:
     import torch
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-    from serving.engine import EngineConfig, SpeculativeEngine
-    from serving.engine.verifier import Verifier
 
 
 def doc(text: str) -> dict:
@@ -101,8 +103,26 @@ class PredictionSettings:
             raise ValueError(f"prediction.k={self.k} must be >= 1 (or null for the engine's k)")
 
 
-HOST_DRAFTERS = ("ngram", "suffix")  # built-in drafter references that need no model
-NONE = "none"
+HOST_DRAFTERS = registry.host_refs()  # built-in drafter references that need no model
+DRAFT_STOPS = ("token", "cumulative")  # what draft_stop compares with draft_confidence
+STEP_KS = ("rows", "goodput")  # how a step's K is set (step_k)
+
+
+def check_steps(max_batch_size: int, k: int | str, k_buckets: tuple[int, ...], *, target_only: bool = False) -> tuple[int, ...]:
+    """The step shapes' settings checked (for ``EngineSettings`` and ``EngineConfig`` alike);
+    returns ``k_buckets`` sorted. ``target_only``: k may be 0 (an engine of the target alone)."""
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
+    if not k_buckets or min(k_buckets) < 1:
+        raise ValueError(f"k_buckets={list(k_buckets)} must list positive integers")
+    k_buckets = tuple(sorted(set(k_buckets)))
+    if target_only and k == 0:
+        return k_buckets
+    if k != "auto" and not (isinstance(k, int) and not isinstance(k, bool) and k >= 1):
+        raise ValueError(f"k={k!r} must be a positive integer or 'auto'")
+    if k != "auto" and k not in k_buckets:
+        raise ValueError(f"k={k} is not one of k_buckets {list(k_buckets)}: add it to k_buckets")
+    return k_buckets
 
 
 @dataclass
@@ -177,17 +197,9 @@ class EngineSettings:
         "the prediction drafter (requests with OpenAI's prediction field)"))
 
     def __post_init__(self) -> None:
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size={self.max_batch_size} must be >= 1")
+        self.k_buckets = check_steps(self.max_batch_size, self.k, self.k_buckets)
         if self.max_len is not None and self.max_len < 2:
             raise ValueError(f"max_len={self.max_len} must be >= 2 (or null)")
-        if not self.k_buckets or min(self.k_buckets) < 1:
-            raise ValueError(f"k_buckets={list(self.k_buckets)} must list positive integers")
-        self.k_buckets = tuple(sorted(set(self.k_buckets)))
-        if self.k != "auto" and not (isinstance(self.k, int) and not isinstance(self.k, bool) and self.k >= 1):
-            raise ValueError(f"k={self.k!r} must be a positive integer or 'auto'")
-        if self.k != "auto" and self.k not in self.k_buckets:
-            raise ValueError(f"k={self.k} is not one of k_buckets {list(self.k_buckets)}: add it to k_buckets")
         for name in ("ngram", "suffix", "prediction"):
             own = getattr(self, name).k
             if own is not None and own > self.k_buckets[-1]:
@@ -233,8 +245,7 @@ class EngineSettings:
         if "auto" not in (self.target_weights, self.draft_weights):
             return self
         from serving.engine.bundled import is_bundled_name
-        from serving.engine.core import drafts_precision
-        from serving.engine.cpu_kernels import rowdot_available
+        from serving.engine.cpu_kernels import drafts_precision, rowdot_available
 
         applies = self.cpu_kernels_apply(device)
         target_weights = self.target_weights
@@ -248,7 +259,7 @@ class EngineSettings:
         resolves it (beside the target at ``target_weights``, ``auto`` there read as fp32: models
         handed over already loaded keep their weights). What collected rows and served logs
         record beside ``target_weights``: a draft's step cost and acceptance depend on it."""
-        from serving.engine.core import drafts_precision
+        from serving.engine.cpu_kernels import drafts_precision
 
         target_weights = "fp32" if self.target_weights == "auto" else self.target_weights
         return drafts_precision(self.draft_weights, applies=self.cpu_kernels_apply(device), target_weights=target_weights)
@@ -273,7 +284,6 @@ class EngineSettings:
     def engine_config(self, *, draft: bool, device: torch.device | None = None, **changes) -> EngineConfig:
         """The ``EngineConfig`` of one engine; ``draft=False`` is the target alone (k=0).
         ``changes`` replace settings for this engine only (``k=2`` in a K sweep)."""
-        from serving.engine import EngineConfig
         from serving.engine.devices import compile_backend, resolve_device
 
         s = dataclasses.replace(self, **changes) if changes else self
@@ -298,144 +308,72 @@ class EngineSettings:
 
     def host_drafter(self, ref: str):
         """A new model-free drafter for a built-in reference (``ngram``, ``suffix``, or
-        ``prediction``, which every drafting engine holds for requests with a prediction)."""
-        if ref == "prediction":
-            from serving.engine.drafters.prediction import PredictionDrafter
-
-            x = self.prediction
-            return PredictionDrafter(k=x.k, min_n=x.min_n, max_n=x.max_n, confident_n=x.confident_n)
-        if ref == "ngram":
-            from serving.engine.drafters.ngram import NgramDrafter
-
-            return NgramDrafter(k=self.ngram.k, min_n=self.ngram.min_n, max_n=self.ngram.max_n)
-        if ref == "suffix":
-            from serving.engine.drafters.suffix import SuffixDrafter
-
-            x = self.suffix
-            return SuffixDrafter(k=x.k, max_depth=x.max_tree_depth, max_cached_requests=x.max_cached_requests,
-                                 max_spec_factor=x.max_spec_factor, min_token_prob=x.min_token_prob)  # fmt: skip
-        raise ValueError(f"{ref!r} is not a built-in drafter: use one of {', '.join(HOST_DRAFTERS)} or a model reference")
-
-
-@dataclass
-class LoadedEngine:
-    tokenizer: PreTrainedTokenizerBase
-    target: PreTrainedModel | None  # None when the engine verifies on a remote target
-    drafts: dict[str, PreTrainedModel]  # drafter name -> its draft model (model drafters only)
-    engine: SpeculativeEngine
-    cpu_kernels: bool  # whether Choral's CPU kernels were installed
+        ``prediction``, which every drafting engine holds for requests with a prediction), with
+        these settings (``serving.engine.drafters.registry``)."""
+        return registry.build(ref, self)
 
 
 def is_model_ref(ref: str | None) -> bool:
-    return ref is not None and ref != NONE and ref not in HOST_DRAFTERS
+    """Whether a drafter reference names a model (not a built-in drafter, not ``none``)."""
+    return ref is not None and ref != NONE and ref not in registry.BUILT_IN
 
 
-def load_engine(
-    settings: EngineSettings,
-    target: str,
-    drafters: Mapping[str, str | None],
-    *,
-    default: str | None = None,
-    verifier: Verifier | None = None,
-) -> LoadedEngine:
-    """One engine with every drafter of ``drafters`` (name -> a model reference, ``ngram``,
-    ``suffix``, or ``none``/None for the target alone), one target, one KV cache and one batch.
-    Each model reference loads once (two names may share it) and is prepared for the engine's step
-    widths. ``default``: the drafter of requests that name none (default: the first). With a
-    ``verifier`` (the target side when it is not a model of this process: a
-    ``serving.distributed.remote.RemoteVerifier`` in the server's draft role) no target loads here."""
-    from serving.engine import SpeculativeEngine
-    from serving.engine.devices import resolve_device
+@dataclass
+class EngineConfig:
+    """The resolved settings of one engine, as ``EngineSettings.engine_config`` makes them: each
+    field means what the ``EngineSettings`` field of its name documents, resolved (no ``auto``
+    backend, no null ``reuse_prefill`` or ``request_k_max``). What only an engine has: ``k`` 0 for
+    the target alone, ``host_k`` (the largest own K of a model-free drafter: with a fixed k, rows
+    of that drafter draft up to it) and ``batch_buckets`` filled in (1, 2, 4, ... up to
+    ``max_batch_size``, which is always one). ``max_len`` None takes min(2048, the target's) when
+    the verifier binds. Tools and tests that build an engine from stub parts construct it directly."""
 
-    device = resolve_device(settings.device)
-    settings = settings.resolved(target, device)
-    if verifier is None:
-        print(settings.precision_line(target, device), file=sys.stderr, flush=True)
-    else:  # the target runs in its own service, at the precision that service prints
-        print(f"target {target}: verified by a remote target service; drafts {settings.draft_weights}; greedy output "
-              "is identical to that service's target decoding alone", file=sys.stderr, flush=True)  # fmt: skip
-    drafting = any(ref is not None and ref != NONE for ref in drafters.values())
-    config = settings.engine_config(draft=drafting, device=device)
-    widths = config.step_widths if drafting else (1,)
-    if drafting:  # a host drafter's (or a prediction's) short proposal rounds up to a K bucket
-        widths = tuple(sorted({*widths, *(k + 1 for k in config.k_buckets if k <= config.k_max)}))
-    refs = [r for r in drafters.values() if is_model_ref(r)]
-    tokenizer, target_model, by_ref = load_models(
-        settings, target, refs, load_target=verifier is None,
-        each_draft=lambda draft: prepare_kernels(settings, [], [draft], widths),
-    )  # fmt: skip
-    kernels = prepare_kernels(settings, [target_model] if target_model is not None else [], [], widths)
-    built = {name: (by_ref[ref] if is_model_ref(ref) else settings.host_drafter(ref) if ref in HOST_DRAFTERS else None)
-             for name, ref in drafters.items()}  # fmt: skip
-    if drafting and "prediction" not in built:  # the engine's drafter of requests with a prediction, as configured
-        built["prediction"] = settings.host_drafter("prediction")
-    engine = SpeculativeEngine(verifier or target_model, tokenizer, config=config, drafters=built, default_drafter=default)
-    drafts = {name: by_ref[ref] for name, ref in drafters.items() if is_model_ref(ref)}
-    return LoadedEngine(tokenizer, target_model, drafts, engine, kernels)
+    max_batch_size: int = 1
+    max_len: int | None = None
+    k: int | str = 4
+    k_buckets: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
+    compile_backend: str | None = None
+    draft_confidence: float | None = None
+    draft_stop: str = "token"
+    batch_buckets: tuple[int, ...] | None = None
+    host_k: int = 0
+    request_k_max: int = 0
+    reuse_prefill: bool = False
+    step_k: str = "rows"
+    cuda_graphs: bool = False
 
+    def __post_init__(self) -> None:
+        self.k_buckets = check_steps(self.max_batch_size, self.k, self.k_buckets, target_only=True)
+        if self.step_k not in STEP_KS:
+            raise ValueError(f"step_k={self.step_k!r} must be one of {', '.join(STEP_KS)}")
+        if self.draft_stop not in DRAFT_STOPS:
+            raise ValueError(f"draft_stop={self.draft_stop!r} must be 'token' or 'cumulative'")
+        for name in ("host_k", "request_k_max"):
+            if not 0 <= getattr(self, name) <= self.k_buckets[-1]:
+                raise ValueError(f"{name}={getattr(self, name)} must be in 0..{self.k_buckets[-1]}, the largest of k_buckets")
+        if self.batch_buckets is None:
+            powers = [1 << i for i in range(self.max_batch_size.bit_length()) if 1 << i < self.max_batch_size]
+            self.batch_buckets = (*powers, self.max_batch_size)
+        buckets = tuple(sorted({*self.batch_buckets, self.max_batch_size}))
+        if min(buckets) < 1 or max(buckets) > self.max_batch_size:
+            raise ValueError(f"batch_buckets={self.batch_buckets} must be sizes from 1 to max_batch_size={self.max_batch_size}")
+        self.batch_buckets = buckets
 
-def load_models(
-    settings: EngineSettings,
-    target: str,
-    drafts: Iterable[str] = (),
-    *,
-    load_target: bool = True,
-    each_draft: Callable[[PreTrainedModel], object] | None = None,
-) -> tuple[PreTrainedTokenizerBase, PreTrainedModel | None, dict[str, PreTrainedModel]]:
-    """The target's tokenizer, the target (unless ``load_target`` is false: a remote target) and
-    each distinct draft reference, loaded once on the settings' device, dtype and quantization;
-    a draft whose tokenizer differs from the target's is refused before it loads.
-    ``each_draft`` runs on every draft as soon as it has loaded, before the next one loads: an
-    int8 conversion there keeps one fp32 draft in memory at a time, not all of them."""
-    import torch
+    @property
+    def k_max(self) -> int:
+        if self.k == "auto":
+            return max(self.k_buckets)
+        return max(int(self.k), self.host_k, self.request_k_max) if self.k else 0
 
-    from serving.engine.devices import resolve_device
-    from serving.engine.models import check_same_tokenizer, load_model, load_tokenizer
+    @property
+    def verify_widths(self) -> tuple[int, ...]:
+        """Input widths of the target's verification: K+1 for every K a step can use."""
+        ks = self.k_buckets if self.k == "auto" else (int(self.k),)
+        if self.draft_confidence is not None:  # an early stop can leave any shorter block
+            ks = range(1, max(ks) + 1)
+        return tuple(sorted({k + 1 for k in ks}))
 
-    if settings.threads is not None:
-        torch.set_num_threads(settings.threads)
-    device = resolve_device(settings.device)
-    tokenizer = load_tokenizer(target)
-    refs = list(dict.fromkeys(drafts))
-    for ref in refs:
-        check_same_tokenizer(tokenizer, load_tokenizer(ref), draft_name=f"draft {ref!r}")
-    load = lambda ref: load_model(ref, dtype=settings.dtype, device=device, quantize=settings.quantize)  # noqa: E731
-    target_model = load(target) if load_target else None
-    models = {}
-    for ref in refs:
-        models[ref] = load(ref)
-        if each_draft is not None:
-            each_draft(models[ref])
-    return tokenizer, target_model, models
-
-
-def prepare_kernels(
-    settings: EngineSettings,
-    targets: Iterable[PreTrainedModel],
-    drafts: Iterable[PreTrainedModel],
-    widths: Iterable[int],
-    *,
-    device: torch.device | None = None,
-    dtype: str | torch.dtype | None = None,
-    own_draft_tensors: bool = True,
-) -> bool:
-    """Install Choral's CPU kernels for every step width in ``widths`` where the settings ask for
-    them and they apply (CPU, fp32, no quantize), drafts in ``draft_weights``; returns whether
-    they were installed. Models are changed in place: prepare each once, for all its widths.
-    ``device`` and ``dtype``: where the models are, when they were not loaded by these settings
-    (train-draft's evaluation runs the models training holds; it also passes
-    ``own_draft_tensors=False``, see ``serving.engine.cpu_kernels.prepare_for_cpu``)."""
-    from serving.engine.core import use_cpu_kernels
-    from serving.engine.devices import resolve_device
-
-    if not settings.uses_cpu_kernels:
-        return False
-    # auto, unresolved here, is fp32: models handed over already loaded keep their weights
-    # (load_engine resolves auto for a target it loads by name first: EngineSettings.resolved).
-    target_weights = "fp32" if settings.target_weights == "auto" else settings.target_weights
-    return use_cpu_kernels(
-        list(targets), drafts=list(drafts), draft_weights=settings.draft_weights, target_weights=target_weights,
-        device=device if device is not None else resolve_device(settings.device),
-        dtype=dtype if dtype is not None else settings.dtype, widths=tuple(sorted(set(widths))), quantize=settings.quantize,
-        own_draft_tensors=own_draft_tensors, weights_cache=settings.weights_cache,
-    )  # fmt: skip
+    @property
+    def step_widths(self) -> tuple[int, ...]:
+        """Input widths of all decode forwards: 1 and 2 (draft) and the verification widths."""
+        return tuple(sorted({1, 2, *self.verify_widths}))

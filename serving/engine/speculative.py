@@ -245,3 +245,20 @@ def start_row(state: DecodeState, slot: int, prompt: torch.Tensor, first: int, m
     done = max_new_tokens == 1 or bool((state.eos_ids == first).any())
     state.done[slot] = done
     return done
+
+
+def step_uniforms(generators: list[torch.Generator | None], k_rows: list[int], k: int, device) -> StepRandom:
+    """The uniforms of one step, [B, K] padded. Row b takes 2 * k_rows[b] + 1 draws from its own
+    generator, in a fixed order: its draft tokens, its accept tests, then the correction or bonus
+    draw. What a row consumes depends only on its own K, never on the step's K or on the other
+    rows, so a seeded request's output does not depend on what else is in the batch. The accept
+    tests must be draws of their own: reusing the ones that drew the draft tokens would correlate
+    each test with its token and bias sampled output. Empty slots (None) get zeros."""
+    B = len(generators)
+    draft, accept, nxt = torch.zeros(B, k), torch.zeros(B, k), torch.zeros(B)  # [B, K], [B, K], [B]
+    for b, (g, kb) in enumerate(zip(generators, k_rows)):
+        if g is None:
+            continue
+        u = torch.rand(2 * kb + 1, generator=g)
+        draft[b, :kb], accept[b, :kb], nxt[b] = u[:kb], u[kb : 2 * kb], u[2 * kb]
+    return StepRandom(draft=draft.to(device), accept=accept.to(device), next=nxt.to(device))

@@ -33,7 +33,7 @@ from serving.engine.speculative import DecodeState, StepRandom, first_token, ver
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from serving.engine.core import EngineConfig
+    from serving.engine.engine_settings import EngineConfig
 
 
 class VerifierError(RuntimeError):

@@ -28,10 +28,13 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from serving.engine.bundled import choral_home
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +59,6 @@ _CODE = _code_digest()
 
 
 def prepared_dir() -> Path:
-    from serving.engine.bundled import choral_home
-
     return Path(os.environ.get("CHORAL_PREPARED_DIR") or choral_home() / "prepared").expanduser()
 
 
@@ -95,14 +96,14 @@ def entry(model: nn.Module, weights: str, layers: list[tuple[str, nn.Linear]]) -
     return prepared_dir() / f"{Path(info[0]).name}-{folder}-{weights}-{key}.safetensors"
 
 
-def load(path: Path) -> dict[str, nn.Module] | None:
-    """The cached layers at ``path`` by their module names, or None (no entry, or unreadable)."""
+def load(path: Path, build: Callable[[str, str, int, int, dict[str, torch.Tensor]], nn.Module]) -> dict[str, nn.Module] | None:
+    """The cached layers at ``path`` by their module names, or None (no entry, or unreadable).
+    ``build(name, kind, in_features, out_features, tensors)`` makes a layer of its stored kind from
+    the file's tensors (the kernels' module, ``serving.engine.cpu_kernels``, knows the kinds)."""
     if not path.exists():
         return None
     from safetensors import safe_open
     from safetensors.torch import load_file
-
-    from serving.engine.cpu_kernels import Int8Linear, Q4Linear
 
     try:
         with safe_open(str(path), "pt") as f:
@@ -110,15 +111,7 @@ def load(path: Path) -> dict[str, nn.Module] | None:
         tensors = load_file(str(path))
         built: dict[str, nn.Module] = {}
         for name, (kind, in_features, out_features) in layers.items():
-            bias = tensors.get(f"{name}.bias")
-            if kind == "Q4Linear":
-                built[name] = Q4Linear.from_buffers(in_features, out_features, tensors[f"{name}.qweight"], tensors[f"{name}.step"],
-                                                    tensors[f"{name}.minimum"], bias)  # fmt: skip
-            elif kind == "Int8Linear":
-                built[name] = Int8Linear.from_buffers(in_features, tensors[f"{name}.qweight"], tensors[f"{name}.scale"], bias,
-                                                      tensors[f"{name}.row_sums"])  # fmt: skip
-            else:
-                raise ValueError(f"unknown layer kind {kind!r}")
+            built[name] = build(name, kind, in_features, out_features, tensors)
             if built[name].out_features != out_features:
                 raise ValueError(f"{name}: {built[name].out_features} rows stored, {out_features} expected")
     except Exception as exc:  # noqa: BLE001 - a damaged entry is converted again, not fatal

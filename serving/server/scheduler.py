@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from serving.engine import Completion, Request, RequestFailed, StepOutput
-from serving.engine.core import NONE, Fallback
+from serving.engine.drafters.base import NONE
+from serving.engine.request import Fallback
 from serving.server.metrics import ServerMetrics
 from serving.server.openai_api import APIError
 from serving.server.serve_config import RoutingSettings

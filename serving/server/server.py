@@ -40,8 +40,9 @@ from starlette.requests import Request as HTTPRequest
 
 from serving.server.detokenize import IncrementalDetokenizer
 from serving.engine import Request
-from serving.engine.core import PREDICTION
-from serving.engine.engine_settings import HOST_DRAFTERS, load_engine
+from serving.engine.drafters.base import PREDICTION
+from serving.engine.engine_settings import HOST_DRAFTERS
+from serving.engine.loader import load_engine
 from serving.server.metrics import CONTENT_TYPE, ServerMetrics
 from serving.engine.models import load_tokenizer
 from serving.server.openai_api import (

@@ -26,7 +26,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from tqdm import tqdm
@@ -35,7 +35,8 @@ from serving.cli import Command, Flag
 from serving.config import ConfigError
 from serving.engine import Request, SpeculativeEngine
 from serving.engine.cpu_kernels import set_enabled
-from serving.engine.engine_settings import HOST_DRAFTERS, EngineSettings, load_models, prepare_kernels
+from serving.engine.engine_settings import EngineSettings, HOST_DRAFTERS
+from serving.engine.loader import build_engine, load_models, prepare_kernels
 from serving.engine.models import load_model
 from serving.prompts import DOMAINS, encode_prompt, load_prompts, resolve_domains
 from serving.workload import FAMILIES, load_family
@@ -305,15 +306,31 @@ def main(argv: list[str] | None = None) -> int:
     return CLI.main(argv, lambda cfg, args: run(cfg, args, argv))
 
 
-def run(cfg: BenchConfig, args: argparse.Namespace, argv: list[str] | None = None) -> int:
-    out_dir = Path(cfg.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if args.from_json:
-        report = json.loads(Path(args.from_json).read_text())
-        report["config"]["profile"] = cfg.profile
-        report["summary"] = {d: summarize(rows) for d, rows in report["rows"].items()}
-        report["summary"]["all"] = summarize([r for rows in report["rows"].values() for r in rows])
-        return write_report(report, out_dir)
+@dataclass
+class _Setup:
+    """What a run loads once: the settings that run (never auto), the tokenizer, the target, the
+    draft Choral runs and the one transformers runs beside it."""
+
+    cfg: BenchConfig
+    e: EngineSettings
+    host: bool  # ngram or suffix: no draft model; HF's peer is prompt lookup
+    tokenizer: Any
+    target: Any
+    choral_draft: Any  # the draft model, or for a host drafter its k
+    hf_draft: Any
+    cpu_kernels: bool
+
+    def settings(self, k: int) -> EngineSettings:
+        """The settings of the engine at ``k`` (0: the target alone); every K of the sweep is a bucket."""
+        top = max([k, *self.cfg.k_sweep])
+        return dataclasses.replace(self.e, k=max(k, 1), k_buckets=tuple(range(1, top + 1)) if k else (1,))
+
+    def engine(self, k: int) -> SpeculativeEngine:
+        drafter = self.cfg.draft if self.host else self.choral_draft
+        return build_engine(self.settings(k), self.tokenizer, self.target, {self.cfg.draft: drafter} if k else {})
+
+
+def _setup(cfg: BenchConfig) -> _Setup:
     e = cfg.engine
     if e.target_weights == "auto" and cfg.hf:
         # The comparison, transformers' assisted generation, runs the fp32 weights its users load;
@@ -321,7 +338,7 @@ def run(cfg: BenchConfig, args: argparse.Namespace, argv: list[str] | None = Non
         e = dataclasses.replace(e, target_weights="fp32")
     e = e.resolved(cfg.target)  # what runs, never auto
     print(e.precision_line(cfg.target), file=sys.stderr, flush=True)
-    host = cfg.draft in HOST_DRAFTERS  # ngram or suffix: no draft model; HF's peer is prompt lookup
+    host = cfg.draft in HOST_DRAFTERS
     tokenizer, target, drafts = load_models(e, cfg.target, [] if host else [cfg.draft])
     draft = e.k if host else drafts[cfg.draft]
     device = target.device
@@ -335,27 +352,28 @@ def run(cfg: BenchConfig, args: argparse.Namespace, argv: list[str] | None = Non
     hf_draft = draft if cfg.hf_kernels == "stock" else choral_draft
     if hf_int8 and not host:
         hf_draft = load_model(cfg.draft, dtype=e.dtype, device=device, quantize=cfg.hf_draft_weights)
-    sweep = list(cfg.k_sweep)
-
-    def engine_settings(k: int) -> EngineSettings:
-        return dataclasses.replace(e, k=max(k, 1), k_buckets=tuple(range(1, max([k, *sweep]) + 1)) if k else (1,))
-
+    setup = _Setup(cfg, e, host, tokenizer, target, choral_draft, hf_draft, False)
     # Every K of the run and the sweep is a step width the kernels must know.
-    every_k = engine_settings(max([e.k, *sweep])).engine_config(draft=True, device=device, k="auto")
+    widths = setup.settings(max([e.k, *cfg.k_sweep])).engine_config(draft=True, device=device, k="auto").step_widths
     try:
-        cpu_kernels = prepare_kernels(e, [target], [] if host else [choral_draft], every_k.step_widths)
+        setup.cpu_kernels = prepare_kernels(e, [target], [] if host else [choral_draft], widths)
     except ValueError as error:  # int8 drafts where the kernels do not apply
         raise ConfigError(f"engine.{error}") from None
-    draft_weights = e.draft_weights if cpu_kernels else "fp32"
-    hf_stock = cfg.hf_kernels == "stock"
+    return setup
 
-    def engine(k: int) -> SpeculativeEngine:
-        settings = engine_settings(k)
-        config = settings.engine_config(draft=bool(k), device=device)
-        drafter = settings.host_drafter(cfg.draft) if host else choral_draft
-        return SpeculativeEngine(target, tokenizer, config=config, drafters={cfg.draft: drafter} if k else {})
 
-    target_engine, spec_engine = engine(0), engine(e.k)
+def run(cfg: BenchConfig, args: argparse.Namespace, argv: list[str] | None = None) -> int:
+    out_dir = Path(cfg.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.from_json:
+        report = json.loads(Path(args.from_json).read_text())
+        report["config"]["profile"] = cfg.profile
+        report["summary"] = {d: summarize(rows) for d, rows in report["rows"].items()}
+        report["summary"]["all"] = summarize([r for rows in report["rows"].values() for r in rows])
+        return write_report(report, out_dir)
+    setup = _setup(cfg)
+    e, tokenizer = setup.e, setup.tokenizer
+    target_engine, spec_engine = setup.engine(0), setup.engine(e.k)
     eos = sorted(target_engine._eos)
     if cfg.families:  # the routing workload's families, from one split
         domains = list(FAMILIES) if "all" in cfg.families else list(dict.fromkeys(cfg.families))
@@ -366,48 +384,50 @@ def run(cfg: BenchConfig, args: argparse.Namespace, argv: list[str] | None = Non
     settings = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "engine"} | dataclasses.asdict(e)
     report: dict = {
         # Flat, as bench.json always was: the run's settings (engine ones included) and where it ran.
-        "config": settings | {"draft_weights": draft_weights, "no_hf": not cfg.hf,
+        "config": settings | {"draft_weights": e.draft_weights if setup.cpu_kernels else "fp32", "no_hf": not cfg.hf,
                               "machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads".strip(),
                               "command": " ".join(["spec-bench", *(argv if argv is not None else sys.argv[1:])]),
-                              "torch": torch.__version__, "choral_cpu_kernels": cpu_kernels},  # fmt: skip
+                              "torch": torch.__version__, "choral_cpu_kernels": setup.cpu_kernels},  # fmt: skip
         "rows": {},
         "summary": {},
     }
+    engines, models, stock = (target_engine, spec_engine), (setup.target, setup.hf_draft), cfg.hf_kernels == "stock"
     # One untimed pass of each decoder first: allocator, thread pools and lazy inits warm up.
-    warm = encode_prompt(tokenizer, prompts[domains[0]][0])
-    bench_prompt((target_engine, spec_engine), (target, hf_draft), warm, 8, eos, 0, cfg.hf, hf_stock)
-    total = sum(len(p) for p in prompts.values())
-    with tqdm(total=total, desc="spec-bench", unit="prompt") as bar:
+    bench_prompt(engines, models, encode_prompt(tokenizer, prompts[domains[0]][0]), 8, eos, 0, cfg.hf, stock)
+    with tqdm(total=sum(len(p) for p in prompts.values()), desc="spec-bench", unit="prompt") as bar:
         for d in domains:
             rows = []
             for i, prompt in enumerate(prompts[d]):
-                ids = encode_prompt(tokenizer, prompt)
-                row = bench_prompt(
-                    (target_engine, spec_engine), (target, hf_draft), ids, cfg.max_new_tokens, eos, i, cfg.hf, hf_stock
-                )
+                row = bench_prompt(engines, models, encode_prompt(tokenizer, prompt), cfg.max_new_tokens, eos, i, cfg.hf, stock)
                 rows.append(row | {"id": prompt.id})
                 bar.update(1)
                 bar.set_postfix(domain=d, identical=row["choral_check"]["identical"])
             report["rows"][d] = rows
             report["summary"][d] = summarize(rows)
     report["summary"]["all"] = summarize([r for rows in report["rows"].values() for r in rows])
+    report["k_sweep"] = k_sweep(setup, domains, prompts, report["rows"])
+    return write_report(report, out_dir)
 
-    report["k_sweep"] = []
-    for k in tqdm(sweep, desc="K sweep"):
-        sweep_engine = engine(k)
+
+def k_sweep(setup: _Setup, domains: list[str], prompts: dict, rows_by_domain: dict) -> list[dict]:
+    """Acceptance, tokens per target call and speedup over the target alone at each K of the sweep,
+    on each domain's first ``sweep_prompts`` prompts (the target's times from the main pass)."""
+    cfg, out = setup.cfg, []
+    for k in tqdm(cfg.k_sweep, desc="K sweep"):
+        sweep_engine = setup.engine(k)
         for d in domains:
-            rows = report["rows"][d][: cfg.sweep_prompts]
-            stats = [run_engine(sweep_engine, encode_prompt(tokenizer, prompts[d][i]), cfg.max_new_tokens)[1] for i in range(len(rows))]
+            rows = rows_by_domain[d][: cfg.sweep_prompts]
+            stats = [run_engine(sweep_engine, encode_prompt(setup.tokenizer, prompts[d][i]), cfg.max_new_tokens)[1]
+                     for i in range(len(rows))]  # fmt: skip
             spec_s = sum(s["total_time_s"] for s in stats)
-            report["k_sweep"].append({
+            out.append({
                 "k": k, "domain": d,
                 "acceptance_rate": sum(s["accepted"] for s in stats) / max(1, sum(s["drafted"] for s in stats)),
                 "tokens_per_target_call": sum(s["new_tokens"] - 1 for s in stats) / max(1, sum(s["target_calls"] for s in stats)),
                 "speedup": (sum(r["target_s"] for r in rows) / sum(r["target_tokens"] for r in rows))
                 / (spec_s / sum(s["new_tokens"] for s in stats)),
             })  # fmt: skip
-
-    return write_report(report, out_dir)
+    return out
 
 
 def write_report(report: dict, out_dir: Path) -> int:

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(cfg: GenerateConfig, args: argparse.Namespace) -> int:
     from serving.engine import Request
-    from serving.engine.engine_settings import load_engine
+    from serving.engine.loader import load_engine
     from serving.prompts import read_prompt_file
 
     texts = [cfg.prompt] if cfg.prompt is not None else [p.text for p in read_prompt_file(cfg.prompt_file)]

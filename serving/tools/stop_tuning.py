@@ -20,7 +20,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from serving.engine.core import DRAFT_STOPS, EngineConfig, Request, SpeculativeEngine, use_cpu_kernels
+from serving.engine.core import DRAFT_STOPS, SpeculativeEngine
+from serving.engine.cpu_kernels import use_cpu_kernels
+from serving.engine.engine_settings import EngineConfig
+from serving.engine.request import Request
 from serving.engine.models import load_model, load_tokenizer
 from serving.prompts import DOMAINS, encode_prompt, load_prompts
 

@@ -1,23 +1,33 @@
-"""The drafter interface: what proposes a request's next tokens before the target checks them.
+"""The drafter protocol: what proposes a request's next tokens before the target checks them.
 
-A drafter proposes up to K tokens for a row, with the distributions q they were drawn from. Two
-kinds exist, and one engine runs any mix of them in one batch:
+A drafter proposes up to K tokens for a row, with the distributions q they were drawn from. One
+engine runs any mix of drafters in one batch, each over its own rows:
 
-* A **model** drafter (``serving.engine.drafters.model``) is a causal LM on the target's tokenizer. It runs
-  on the device over the whole static batch, as the first half of the speculative step, and gives
-  q from its logits under the request's sampling settings.
-* A **host** drafter (this module's ``HostDrafter``: ``ngram``, ``suffix``, ``prediction``) reads the
-  request's tokens on the host and proposes tokens without a model. Its proposal is a point mass,
-  q = one-hot at each token, so the acceptance rule (``serving.engine.acceptance``) accepts token x with
-  probability min(1, p(x)) and on rejection draws from norm(max(0, p - q)): the target's own
+* A **host** drafter (``HostDrafter``: ``ngram``, ``suffix``, ``prediction``) reads the request's
+  tokens on the host and proposes tokens without a model. Its proposal is a point mass, q =
+  one-hot at each token, so the acceptance rule (``serving.engine.acceptance``) accepts token x
+  with probability min(1, p(x)) and on rejection draws from norm(max(0, p - q)): the target's own
   distribution with x taken out. The output follows p exactly, sampled or greedy, whatever the
   drafter proposes; a proposal only changes how many tokens a target call yields.
+* A **batch** drafter (``BatchDrafter``: the draft model, ``serving.engine.drafters.model``) runs
+  on the device over all its rows at once, as the first half of the speculative step, and gives q
+  from its logits under each request's sampling settings.
 
 ``none`` (the target alone) is the absence of a drafter: its rows verify one token per step.
 
-A host drafter is called on the engine's thread only, once per row and step, between the step's
-single host sync and the next step: it must be cheap next to a target forward (microseconds to a
-millisecond per row). It sees a request only through the calls below, keyed by the engine's slot.
+Life cycle, keyed by the engine's slot (``row``), all on the engine's thread:
+
+    bind(...)                        once, when the engine is built (a batch drafter sizes its cache)
+    start(row, ctx)                  a request entered the slot (a draft model prefills its prompt)
+    propose(row, tokens, k)          host: up to k tokens, per row and step
+    propose_rows(batch) -> Proposal  batch: every row of this drafter at once
+    observe(row, new_tokens)         what the target committed to the row, every step, proposed or not
+    stop(row, finished)              the request left the slot (finished, aborted, failed, fell back)
+
+A drafter that reads the target's own features (EAGLE-3) names the layers in ``target_layers``;
+the verifier then hands their hidden states to ``start`` (every prompt position) and ``observe``
+(every committed position). A host drafter must be cheap next to a target forward (microseconds
+to a millisecond per row).
 """
 
 from __future__ import annotations
@@ -25,35 +35,104 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+NONE = "none"  # the drafter name of the target alone
+PREDICTION = "prediction"  # the built-in drafter of requests that carry a prediction
 
 
 @dataclass(frozen=True)
 class RowContext:
-    """What a host drafter knows of a request at admission."""
+    """What a drafter knows of a request at admission."""
 
     request_id: int  # the engine's id for the request (unique for the engine's lifetime)
     prompt: Sequence[int]  # the prompt's token ids
     prediction: Sequence[int] | None  # token ids of the text the client expects (OpenAI's Predicted Outputs)
     private: bool  # seeded sampled request: draft from its own tokens only, never from other requests'
+    hidden: torch.Tensor | None = None  # [L, len(target_layers) * H] the target's features, for drafters that ask
 
 
-class HostDrafter(ABC):
-    """A model-free drafter. ``k``: its own draft budget per step (vLLM's ``num_speculative_tokens``);
-    None takes the engine's K."""
+@dataclass
+class DraftBatch:
+    """What a batch drafter drafts from in one step. ``budgets[b]``: the K of engine row b (0: the
+    row is not this drafter's, or drafts nothing this step)."""
 
-    kind: str = "host"
+    budgets: list[int]  # [B] per engine row
+    state: Any  # serving.engine.speculative.DecodeState, all B rows
+    sampling: Any  # serving.engine.sampling.SamplingTensors, all B rows
+    rand: Any  # serving.engine.speculative.StepRandom, all B rows
+    vocab_size: int
+    batch_buckets: tuple[int, ...]  # the batch sizes a forward may run at (compiled shapes)
+    draft_confidence: float | None = None  # stop a row's drafting below this top probability
+    draft_stop: str = "token"  # "token" or "cumulative" (see draft_half)
+
+
+@dataclass
+class Proposal:
+    """A batch drafter's proposal over the engine's B rows (rows not its own: ``n`` 0)."""
+
+    tokens: torch.Tensor  # [B, K] long
+    q: torch.Tensor  # [B, K, V] the distributions the tokens were drawn from
+    n: torch.Tensor  # [B] long: real draft tokens per row, the rest of K is padding
+    confidence: torch.Tensor | None = None  # [B, K] the drafter's probability q(x) of each proposed x (None: not given)
+    forwards: int = 0  # device forwards it ran (what the engine times as draft cost)
+
+
+class Drafter(ABC):
+    """What every drafter has. ``k``: its own draft budget per step (vLLM's ``num_speculative_tokens``);
+    None takes the engine's K. ``target_layers``: target layers whose hidden states it reads."""
+
+    kind: str = "drafter"
     k: int | None = None
+    target_layers: tuple[int, ...] = ()
+
+    def bind(self, *, batch_size: int, max_len: int, vocab_size: int) -> None:
+        """The engine that holds this drafter was built with these shapes."""
 
     def start(self, row: int, ctx: RowContext) -> None:
         """A request entered slot ``row``."""
+
+    def observe(self, row: int, new_tokens: Sequence[int]) -> None:
+        """The step committed ``new_tokens`` to the row (after the acceptance, cut at stops)."""
+
+    def stop(self, row: int, finished: bool) -> None:
+        """The request left slot ``row``: ``finished`` normally, or aborted, failed or fell back."""
+
+    # Compiled shapes: a drafter that runs device forwards compiles and warms them up with the engine.
+    def compile(self, backend: str, shapes: int) -> None:
+        """Compile its forwards (``shapes``: the graphs torch may keep)."""
+
+    def use_cuda_graphs(self) -> None:
+        """Capture its step shapes as CUDA graphs at the next warm-up."""
+
+    def warmup(self, rows: int, widths: tuple[int, ...] = (1, 2)) -> None:
+        """Run each of its step shapes once at batch size ``rows``."""
+
+    @property
+    def forward_shapes(self) -> int:
+        """Compiled forward widths it uses per batch bucket (0 for a host drafter)."""
+        return 0
+
+
+class HostDrafter(Drafter):
+    """A model-free drafter, proposing on the host for one row at a time."""
+
+    kind = "host"
 
     @abstractmethod
     def propose(self, row: int, tokens: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` tokens to follow ``tokens`` (the row's prompt then every committed token).
         Fewer, or none, when the drafter has nothing it trusts: the row then verifies fewer."""
 
-    def observe(self, row: int, new_tokens: Sequence[int]) -> None:
-        """The step committed ``new_tokens`` to the row (after the acceptance, cut at stops)."""
 
-    def stop(self, row: int, finished: bool) -> None:
-        """The request left slot ``row``: ``finished`` normally, or aborted or failed."""
+class BatchDrafter(Drafter):
+    """A drafter that proposes for all its rows at once on the device."""
+
+    kind = "batch"
+
+    @abstractmethod
+    def propose_rows(self, batch: DraftBatch) -> Proposal | None:
+        """Its rows' proposals, or None when none of its rows drafts this step."""

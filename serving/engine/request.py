@@ -1,0 +1,87 @@
+"""What a caller hands the engine and gets back: a ``Request``, its ``Completion`` and the
+``StepOutput`` of each step, with the ``Fallback`` rule that ends a request's drafting mid-way."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scipy.special import betaincinv
+
+from serving.engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """When a request's drafter stops paying, mid-request: once ``after_drafted`` tokens were
+    drafted, the row switches to the target alone for the rest of the request if the evidence says
+    its acceptance is below ``min_acceptance``: the one-sided Clopper-Pearson upper bound (at
+    ``confidence``) on its acceptance, from accepted / drafted so far, is below the floor. A bare
+    running rate would drop a drafter on a few unlucky tokens, and misses come in runs: ``ngram``
+    proposes nothing right until the answer starts to copy (a quoted-context prompt, int8 target:
+    0 of its first 16 drafts accepted, 0.67 over the whole answer). With a floor near 0 (a drafter
+    that costs almost nothing) no short run of misses is evidence enough; with a floor of 0.3
+    (a draft model) 0 of 12 is. Its output does not change (every token is the target's either
+    way); only the drafting it no longer pays for stops."""
+
+    min_acceptance: float
+    after_drafted: int = 16
+    confidence: float = 0.95
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.min_acceptance <= 1.0:
+            raise ValueError(f"fallback min_acceptance={self.min_acceptance} must be in [0, 1]")
+        if self.after_drafted < 1:
+            raise ValueError(f"fallback after_drafted={self.after_drafted} must be >= 1")
+        if not 0.5 <= self.confidence < 1.0:
+            raise ValueError(f"fallback confidence={self.confidence} must be in [0.5, 1) (0.95: one chance in 20 "
+                             "that a drafter paying its way is dropped)")
+
+    def fires(self, accepted: int, drafted: int) -> bool:
+        """Whether ``accepted`` of ``drafted`` tokens show the acceptance below the floor."""
+        if drafted < self.after_drafted or accepted >= drafted:
+            return False
+        upper = float(betaincinv(accepted + 1, drafted - accepted, self.confidence))  # Clopper-Pearson
+        return upper < self.min_acceptance
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    max_new_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    drafter: str | None = None  # a drafter name of the engine; None: "prediction" with a prediction, else the default
+    prediction: list[int] | None = None  # token ids of the text the client expects (Predicted Outputs)
+    k: int | None = None  # this request's K (num_speculative_tokens), up to the engine's k_max; None: the engine's
+    fallback: Fallback | None = None  # switch to the target alone when the drafter stops paying
+    expected_acceptance: float | None = None  # predicted accepted / drafted at its K (the router's): step_k's prior
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]  # generated tokens, EOS included when one ended the request
+    text: str  # decoded without special tokens, cut before a stop string
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    stats: dict
+
+
+@dataclass
+class StepOutput:
+    request_id: int
+    new_token_ids: list[int]  # tokens this step committed for the request (stop strings applied)
+    finished: Completion | None  # set on the step the request finished
+
+
+class RequestFailed(RuntimeError):
+    """Requests that failed alone: their admission or their row of a step raised. ``errors``:
+    request id -> the exception. ``step`` drops them, hands out the other requests' outputs on
+    the next call and raises this with their ids in ``request_ids``; the engine goes on."""
+
+    def __init__(self, errors: dict[int, BaseException]) -> None:
+        super().__init__(describe_errors(errors))
+        self.errors = errors
+        self.request_ids = sorted(errors)
+
+
+def describe_errors(errors: dict[int, BaseException]) -> str:
+    return "; ".join(f"request {i}: {type(e).__name__}: {e}" for i, e in sorted(errors.items()))
