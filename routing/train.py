@@ -21,10 +21,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from routing.config import MLPConfig, RouterTrainConfig
+from routing.cost_model import calibrated_verify_cost, fill_of, fit_shift_scale
 from routing.dataset import Table, join_tables, load_served, load_table, second_k, split_prompts, step_table
 from routing.evaluate import evaluate, metric_values, objective_metric, options, write_report
 from routing.features import Featurizer
-from routing.router import DEFAULT_K_BUCKETS, NONE, Router, RouterMLP, calibrated_verify_cost, fill_of, fit_shift_scale
+from routing.router import DEFAULT_K_BUCKETS, NONE, Router, RouterMLP
 from routing.select import cross_validate, folds, grid
 
 
@@ -210,7 +211,7 @@ def train(cfg: RouterTrainConfig) -> dict:
     x = (raw - mean) / std  # [P, F]
 
     steps = step_table(cfg.step_profile, table.target_weights) if cfg.step_profile else None  # verifies under load
-    # Whole requests are priced with their prefills where the rows measured them (routing.router).
+    # Whole requests are priced with their prefills where the rows measured them (routing.cost_model).
     prefill = table.prefill if cfg.prefill and table.prompt_tokens is not None else None
     costs = {d: dict(c) for d, c in table.costs.items()}
     if prefill is None:  # the prompt's length prices nothing (table.lengths is then ignored): one fill per drafter
@@ -249,7 +250,7 @@ def train(cfg: RouterTrainConfig) -> dict:
         )
 
     if cfg.curve_data:  # the wider verify's cost, from the training prompts' speedups at a second K
-        probe = make_router(cfg.mlp, None)
+        probe = make_router(cfg.mlp, None).cost_model
         for d, got in second_k(cfg.data, cfg.curve_data, {table.prompt_ids[i] for i in fit_idx}, table.k, cfg.mode).items():
             if d not in costs:
                 continue
