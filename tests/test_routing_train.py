@@ -2,7 +2,8 @@
 training is organised (its steps, their order) that changes the router shows here. The values were
 recorded from train-router before it became a recipe; the rows exercise every step (the cost
 calibration, the wider verify's scale from rows at K = 8, a step table, prefills, served requests,
-cross-validation)."""
+cross-validation). And the recipe's steps before ``evaluate`` never read the held-out prompts'
+measurements."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 from routing.config import RouterTrainConfig
 from routing.router import NONE, Router
-from routing.train import train
+from routing.train import TrainRouterRecipe, train
 
 pytestmark = pytest.mark.integration
 
@@ -111,3 +112,25 @@ def test_the_choices_and_the_scores_are_what_train_router_gave_before(trained):
     assert [(c.draft, c.k) for c in router.choose_batch(test, 8, lengths)] == PINNED_CHOICES_AT_8
     key = report["objective_metric"]
     assert {name: r[key] for name, r in report["policies"].items()} == pytest.approx(PINNED_SCORES, abs=1e-6)
+
+
+def test_the_held_out_prompts_measurements_change_nothing_before_evaluate(tmp_path):
+    """Two runs whose test prompts measured differently: the same split, costs, settings and MLP."""
+    data = _rows(tmp_path / "rows.jsonl", range(8), 1)
+    fitted = []
+    for seed in (2, 7):
+        cfg = RouterTrainConfig(data=[data], test_data=[_rows(tmp_path / f"test{seed}.jsonl", range(8, 11), seed)],
+                                objective="speedup", output=str(tmp_path / f"router{seed}"))  # fmt: skip
+        cfg.mlp.epochs = 10
+        recipe = TrainRouterRecipe(cfg)
+        recipe.setup()
+        recipe.price()
+        recipe.select()
+        recipe.fit()
+        fitted.append(recipe)
+    a, b = fitted
+    assert a.test_idx == b.test_idx and a.fit_idx == b.fit_idx and a.costs == b.costs and a.mlp_cfg == b.mlp_cfg
+    assert not torch.equal(a.table.acceptance[a.test_idx], b.table.acceptance[b.test_idx])
+    for name, weight in a.router.mlp.state_dict().items():
+        assert torch.equal(weight, b.router.mlp.state_dict()[name]), name
+    assert not (tmp_path / "router2" / "router.pt").exists()  # save() writes, no step before it
