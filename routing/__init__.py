@@ -14,12 +14,15 @@ from typing import TYPE_CHECKING, Any
 __all__ = ["Choice", "Router", "RouterError"]
 
 if TYPE_CHECKING:
-    from routing.router import Choice, Router, RouterError
+    from routing.router import Choice, Router
+    from routing.router_file import RouterError
+
+_HOME = {"Choice": "routing.router", "Router": "routing.router", "RouterError": "routing.router_file"}
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from routing import router
+    if name in _HOME:
+        import importlib
 
-        return getattr(router, name)
+        return getattr(importlib.import_module(_HOME[name]), name)
     raise AttributeError(f"module 'routing' has no attribute {name!r}")

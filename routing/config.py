@@ -216,12 +216,12 @@ class RouterTrainConfig:
     prefill: bool = field(default=True, metadata=doc(
         "price each request by its prompt's length, fitted to the collected rows: its prefills (a long prompt "
         "dilutes every drafter's speedup, and a draft model pays its own prefill too) and each drafter's fill "
-        "(ngram and suffix copy from the prompt, so they fill more slots the longer it is) (routing.router); "
+        "(ngram and suffix copy from the prompt, so they fill more slots the longer it is) (routing.cost_model); "
         "false: the per-call ratio with one fill per drafter, as routers before it"))
     curve_data: list[str] = field(default_factory=list, metadata=doc(
         "collected JSONL files of the same drafters at another K (collect-router-data engine.k=8) on the training "
         "prompts: each drafter found there gets its wider verify's cost scaled so that the router's mean speedup at "
-        "that K matches the measured one (routing.router.fit_shift_scale); [] : the step table's cost as it is"))
+        "that K matches the measured one (routing.cost_model.fit_shift_scale); [] : the step table's cost as it is"))
     step_profile: str | None = field(default=None, metadata=doc(
         "a profile_step.py profile.json measured with --batch-rows (the target at the serving precision, "
         "rows x tokens per row up to the server's batch x (K+1)): the router prices a verify under load from "

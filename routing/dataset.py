@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from routing.router import NONE, measured_fill, measured_fill_line
+from routing.cost_model import measured_fill, measured_fill_line
+from routing.router import NONE
 from routing.rows import read_rows
 
 
@@ -42,7 +43,7 @@ class Table:
     splits: list[str | None] | None = None  # per prompt, the workload's fixed split (serving.workload), if any
     step_model: dict[str, float] | None = None  # target forward ms = base_ms + per_token_ms * tokens (batch 1)
     prompt_tokens: torch.Tensor | None = None  # [P] each prompt's length in the target's tokens (None: not recorded)
-    prefill: dict | None = None  # the prefill model of routing.router (``_prefill_model``); None: not measurable
+    prefill: dict | None = None  # the prefill model of routing.cost_model (``_prefill_model``); None: not measurable
 
     def lengths(self, idx: list[int]) -> torch.Tensor | None:
         """The prompts' lengths [len(idx)] for the router's rule, None where not recorded (a router
@@ -185,7 +186,7 @@ def _line(xs: list[float], ys: list[float]) -> list[float] | None:
 
 
 def _prefill_model(rows: list[dict], drafts: list[str]) -> dict | None:
-    """The prefill model of ``routing.router`` from collected rows, in target steps (each prompt's
+    """The prefill model of ``routing.cost_model`` from collected rows, in target steps (each prompt's
     ``none`` row's ``target_step_ms``): the target's prefill against the prompt's length from the
     ``none`` rows, each drafter's own prefill on top (its row's ``prefill_ms`` minus the ``none``
     row's, which a drafting row also pays) the same way, and the answers' median length. None when
@@ -253,7 +254,7 @@ def _mean(rows: list[dict], key: str) -> float:
 def _costs(rows: list[dict], drafts: list[str], has_none: bool) -> dict[str, dict[str, float]]:
     """Medians over all rows: c = draft step / target step; v = verification step / target step
     (1 when the target alone was not collected: then c is relative to the verification); and each
-    draft's fill (``routing.router.measured_fill``) where its rows record tokens per call."""
+    draft's fill (``routing.cost_model.measured_fill``) where its rows record tokens per call."""
     step = defaultdict(list)
     for r in rows:
         step[(r["draft"], "draft")].append(r["draft_step_ms"])

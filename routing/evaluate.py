@@ -37,7 +37,7 @@ def metric_values(table: Table, idx: list[int], router: Router) -> dict[str, tor
     """Measured value [N, O] of each option for every metric."""
     opts = options(table, router)
     acc = table.acceptance[idx]  # [N, D]
-    model, _ = router.speedups(acc, 1, table.lengths(idx))  # [N, D]
+    model, _ = router.cost_model.speedups(acc, 1, table.lengths(idx))  # [N, D]
     extra = len(opts) - len(table.drafts)  # the "none" column, if any
     values = {
         "acceptance": torch.cat([acc, torch.zeros(len(idx), extra)], 1),

@@ -5,6 +5,10 @@ regressing acceptance) trained on the same features, split and labels (each trai
 measurement shrunk toward its domain's mean, ``shrink``). The held-out prompts are a split of
 ``data``, or with ``test_data`` other prompts collected apart. With ``select.folds`` each
 family's settings are first chosen by cross-validation on the training prompts (``routing.select``).
+
+One run is a ``TrainRouterRecipe``: ``setup`` (rows, split, features), ``price`` (the drafters'
+costs), ``select`` (settings), ``fit`` (the MLP), ``evaluate`` (held-out scores), ``save``
+(router.pt and the report). ``train(cfg)`` runs them in order.
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from routing.config import MLPConfig, RouterTrainConfig
+from routing.cost_model import CostModel, calibrated_verify_cost, fill_of, fit_shift_scale
 from routing.dataset import Table, join_tables, load_served, load_table, second_k, split_prompts, step_table
-from routing.evaluate import evaluate, metric_values, objective_metric, options, write_report
+from routing.evaluate import evaluate as score_policies
+from routing.evaluate import metric_values, objective_metric, options, write_report
 from routing.features import Featurizer
-from routing.router import DEFAULT_K_BUCKETS, NONE, Router, RouterMLP, calibrated_verify_cost, fill_of, fit_shift_scale
+from routing.router import DEFAULT_K_BUCKETS, NONE, Router, RouterMLP
 from routing.select import cross_validate, folds, grid
 
 
@@ -172,145 +178,246 @@ def select_settings(cfg: RouterTrainConfig, policies: Policies, table: Table, fi
     return out
 
 
-def train(cfg: RouterTrainConfig) -> dict:
-    """Train, evaluate and write router.pt, eval.json, eval.md and eval.png under cfg.output."""
-    out = Path(cfg.output)
-    out.mkdir(parents=True, exist_ok=True)
-    table = load_table(cfg.data, cfg.mode)
-    if cfg.objective == "speedup" and not table.has_none:
-        print(f"train-router: the target alone ({NONE!r}) was not collected: speedups come from the cost model")
-    fixed = table.splits is not None and all(s in ("train", "val") for s in table.splits)
-    if table.splits is not None and "test" in table.splits:
-        raise ValueError(f"{cfg.data} hold prompts of the workload's test split: collect them apart and pass them as "
-                         "test_data, so that nothing is fit or tuned on them")  # fmt: skip
-    if fixed and not cfg.test_data:
-        raise ValueError("the rows are workload rows (train and val splits): pass the test split's rows as test_data")
-    if fixed:  # the workload's fixed split: train and val as collected, test from test_data
-        train_idx = [i for i, s in enumerate(table.splits) if s == "train"]
-        val_idx = [i for i, s in enumerate(table.splits) if s == "val"]
+class TrainRouterRecipe:
+    """One train-router run, in the shape of ``training.train.TrainDraftRecipe``:
+
+        recipe = TrainRouterRecipe(cfg)
+        recipe.setup()              # the rows, their train/val/test split, the prompts' features
+        recipe.price()              # each drafter's costs, fitted on the training prompts
+        recipe.select()             # the MLP's and the baselines' settings (cross-validated with select.folds)
+        recipe.fit()                # the MLP on the training prompts and served requests -> recipe.router
+        report = recipe.evaluate()  # the router and the baselines scored on the held-out prompts
+        recipe.save()               # router.pt, eval.json, eval.md and eval.png under cfg.output
+
+    Each step reads what the steps before it left on the recipe. Only ``evaluate`` reads the
+    held-out prompts' measurements: nothing is fit or tuned on them.
+    """
+
+    def __init__(self, cfg: RouterTrainConfig) -> None:
+        self.cfg = cfg
+        self.out = Path(cfg.output)
+
+    # ---- setup ---------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        """The collected rows as one table, the prompts' split, and their features normalised
+        with the training prompts' statistics."""
+        cfg = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.table = load_table(cfg.data, cfg.mode)
+        if cfg.objective == "speedup" and not self.table.has_none:
+            print(f"train-router: the target alone ({NONE!r}) was not collected: speedups come from the cost model")
+        self.table, self.train_idx, self.val_idx, self.test_idx = self._split(self.table)
+        print(f"train-router: {len(self.table.prompt_ids)} prompts x {len(self.table.drafts)} drafts {self.table.drafts}; "
+              f"train {len(self.train_idx)}, val {len(self.val_idx)}, test {len(self.test_idx)}")  # fmt: skip
+        # With cross-validation the val prompts join the training prompts: folds replace them.
+        self.cv = cfg.select.folds > 0
+        self.fit_idx = sorted(self.train_idx + self.val_idx) if self.cv else self.train_idx
+        self.featurizer = Featurizer(cfg.features.embedder, cheap=cfg.features.cheap)
+        self.raw = self.featurizer(self.table.texts)  # [P, F]
+        self.mean, self.std = normalisation(self.raw[self.fit_idx])  # [F] each
+        self.x = (self.raw - self.mean) / self.std  # [P, F]
+
+    def _split(self, table: Table) -> tuple[Table, list[int], list[int], list[int]]:
+        """The table with ``test_data``'s prompts joined after ``data``'s, and the train, val and
+        test prompts' indices: workload rows keep their fixed train and val split (the test split
+        must come as ``test_data``), other rows are split by ``split`` (all but val train when
+        ``test_data`` is given)."""
+        cfg = self.cfg
+        fixed = table.splits is not None and all(s in ("train", "val") for s in table.splits)
+        if table.splits is not None and "test" in table.splits:
+            raise ValueError(f"{cfg.data} hold prompts of the workload's test split: collect them apart and pass them as "
+                             "test_data, so that nothing is fit or tuned on them")  # fmt: skip
+        if fixed and not cfg.test_data:
+            raise ValueError("the rows are workload rows (train and val splits): pass the test split's rows as test_data")
+        if not cfg.test_data:
+            return table, *split_prompts(table, cfg.split.test_fraction, cfg.split.val_fraction, cfg.split.seed)
+        if fixed:  # the workload's fixed split: train and val as collected
+            train_idx = [i for i, s in enumerate(table.splits) if s == "train"]
+            val_idx = [i for i, s in enumerate(table.splits) if s == "val"]
+        else:  # a test set collected apart: every data prompt trains (but the val ones)
+            train_idx, val_idx, _ = split_prompts(table, 0.0, cfg.split.val_fraction, cfg.split.seed)
         n_data = len(table.prompt_ids)
         table = join_tables(table, load_table(cfg.test_data, cfg.mode))
-        test_idx = list(range(n_data, len(table.prompt_ids)))
-    elif cfg.test_data:  # a test set collected apart: every data prompt trains (but the val ones)
-        train_idx, val_idx, _ = split_prompts(table, 0.0, cfg.split.val_fraction, cfg.split.seed)
-        n_data = len(table.prompt_ids)
-        table = join_tables(table, load_table(cfg.test_data, cfg.mode))
-        test_idx = list(range(n_data, len(table.prompt_ids)))
-    else:
-        train_idx, val_idx, test_idx = split_prompts(table, cfg.split.test_fraction, cfg.split.val_fraction, cfg.split.seed)
-    print(f"train-router: {len(table.prompt_ids)} prompts x {len(table.drafts)} drafts {table.drafts}; "
-          f"train {len(train_idx)}, val {len(val_idx)}, test {len(test_idx)}")  # fmt: skip
+        return table, train_idx, val_idx, list(range(n_data, len(table.prompt_ids)))
 
-    # With cross-validation the val prompts join the training prompts: folds replace them.
-    cv = cfg.select.folds > 0
-    fit_idx = sorted(train_idx + val_idx) if cv else train_idx
-    featurizer = Featurizer(cfg.features.embedder, cheap=cfg.features.cheap)
-    raw = featurizer(table.texts)  # [P, F]
-    mean, std = normalisation(raw[fit_idx])
-    x = (raw - mean) / std  # [P, F]
+    def _info(self) -> dict:
+        """router.pt's ``info``: where the router came from, and the measurements its cost model
+        reads (``routing.cost_model``)."""
+        cfg, t = self.cfg, self.table
+        return {"trained": True, "data": list(cfg.data), "served": list(cfg.served), "test_data": list(cfg.test_data),
+                "mode": cfg.mode, "collected_k": t.k, "target_weights": t.target_weights, "draft_weights": t.draft_weights,
+                "step_model": t.step_model, "step_table": self.steps, "step_profile": cfg.step_profile,
+                "curve_data": list(cfg.curve_data), "prefill": self.prefill}  # fmt: skip
 
-    steps = step_table(cfg.step_profile, table.target_weights) if cfg.step_profile else None  # verifies under load
-    # Whole requests are priced with their prefills where the rows measured them (routing.router).
-    prefill = table.prefill if cfg.prefill and table.prompt_tokens is not None else None
-    costs = {d: dict(c) for d, c in table.costs.items()}
-    if prefill is None:  # the prompt's length prices nothing (table.lengths is then ignored): one fill per drafter
-        for c in costs.values():
-            c.pop("fill_line", None)
-    if cfg.calibrate_costs and table.speedup is not None:
-        for j, d in enumerate(table.drafts):  # training prompts only: the test split stays unseen
-            v = calibrated_verify_cost(table.acceptance[fit_idx, j], table.speedup[fit_idx, j], table.k, costs[d]["draft_cost"],
-                                       fill_of(costs[d], table.lengths(fit_idx)), prompt_tokens=table.lengths(fit_idx), prefill=prefill,
-                                       draft=d)  # fmt: skip
+    def _router(self, m: MLPConfig, state: dict | None) -> Router:
+        """A router with this run's drafts, costs and features; ``state``: the MLP's weights (None:
+        untrained, for the decision rule alone)."""
+        cfg, t = self.cfg, self.table
+        return Router(
+            draft_names=t.drafts + ([NONE] if t.has_none else []),
+            draft_refs={**t.draft_refs, NONE: None},
+            target_ref=t.target_ref,
+            objective=cfg.objective,
+            embedder=cfg.features.embedder,
+            cheap_features=cfg.features.cheap,
+            mean=self.mean,
+            std=self.std,
+            mlp_config={"hidden": m.hidden, "layers": m.layers, "dropout": m.dropout},
+            state_dict=state,
+            costs=self.costs,
+            k_buckets=list(cfg.k_buckets or DEFAULT_K_BUCKETS),
+            info=self._info(),
+        )
+
+    # ---- pricing -------------------------------------------------------------------------------
+
+    def price(self) -> None:
+        """Each drafter's costs for the cost model (``routing.cost_model``), from the rows of the
+        training prompts only: the measured steps, the per-call cost fitted to the measured speedups
+        (``calibrate_costs``), the wider verify's scale from rows at a second K (``curve_data``)."""
+        cfg, table = self.cfg, self.table
+        self.steps = step_table(cfg.step_profile, table.target_weights) if cfg.step_profile else None  # verifies under load
+        # Whole requests are priced with their prefills where the rows measured them.
+        self.prefill = table.prefill if cfg.prefill and table.prompt_tokens is not None else None
+        self.costs = {d: dict(c) for d, c in table.costs.items()}
+        if self.prefill is None:  # the prompt's length prices nothing (table.lengths is then ignored): one fill per drafter
+            for c in self.costs.values():
+                c.pop("fill_line", None)
+        if cfg.calibrate_costs and table.speedup is not None:
+            self._calibrate()
+        if cfg.curve_data:
+            self._scale_wider_verify()
+
+    def _calibrate(self) -> None:
+        """Each drafter's per-call cost v fitted to the training prompts' measured speedups (the
+        bare verify step kept as ``verify_step_cost``, and as v where the fit fails)."""
+        table, fit, costs = self.table, self.fit_idx, self.costs
+        lengths = table.lengths(fit)
+        for j, d in enumerate(table.drafts):
+            v = calibrated_verify_cost(table.acceptance[fit, j], table.speedup[fit, j], table.k, costs[d]["draft_cost"],
+                                       fill_of(costs[d], lengths), prompt_tokens=lengths, prefill=self.prefill, draft=d)  # fmt: skip
             costs[d]["verify_step_cost"] = costs[d]["verify_cost"]
             if math.isfinite(v):
                 costs[d]["verify_cost"] = v
         print("train-router: per-call costs fitted to measured speedups: " + ", ".join(
             f"{d} {c['verify_step_cost']:.2f} -> {c['verify_cost']:.2f}" for d, c in costs.items()))  # fmt: skip
-    names = table.drafts + ([NONE] if table.has_none else [])
 
-    def make_router(m: MLPConfig, state: dict | None) -> Router:
-        return Router(
-            draft_names=names,
-            draft_refs={**table.draft_refs, NONE: None},
-            target_ref=table.target_ref,
-            objective=cfg.objective,
-            embedder=cfg.features.embedder,
-            cheap_features=cfg.features.cheap,
-            mean=mean,
-            std=std,
-            mlp_config={"hidden": m.hidden, "layers": m.layers, "dropout": m.dropout},
-            state_dict=state,
-            costs=costs,
-            k_buckets=list(cfg.k_buckets or DEFAULT_K_BUCKETS),
-            info={"trained": True, "data": list(cfg.data), "served": list(cfg.served), "test_data": list(cfg.test_data), "mode": cfg.mode, "collected_k": table.k,
-                  "target_weights": table.target_weights, "draft_weights": table.draft_weights,
-                  "step_model": table.step_model, "step_table": steps, "step_profile": cfg.step_profile, "curve_data": list(cfg.curve_data),
-                  "prefill": prefill},
-        )
-
-    if cfg.curve_data:  # the wider verify's cost, from the training prompts' speedups at a second K
-        probe = make_router(cfg.mlp, None)
-        for d, got in second_k(cfg.data, cfg.curve_data, {table.prompt_ids[i] for i in fit_idx}, table.k, cfg.mode).items():
-            if d not in costs:
+    def _scale_wider_verify(self) -> None:
+        """The wider verify's cost, from the training prompts' speedups at a second K: each drafter
+        found in ``curve_data`` gets the scale that makes the model's mean speedup there the measured one."""
+        cfg, table = self.cfg, self.table
+        probe = CostModel(table.drafts, table.draft_refs, self.costs, list(cfg.k_buckets or DEFAULT_K_BUCKETS), self._info())
+        fit_prompts = {table.prompt_ids[i] for i in self.fit_idx}
+        for d, got in second_k(cfg.data, cfg.curve_data, fit_prompts, table.k, cfg.mode).items():
+            if d not in self.costs:
                 continue
-            lengths = got["prompt_tokens"] if prefill else None
+            lengths = got["prompt_tokens"] if self.prefill else None
             before = probe.mean_speedup_at(d, got["rates"], got["k"], lengths)
-            costs[d]["verify_shift_scale"] = fit_shift_scale(probe, d, got["rates"], got["speedups"], got["k"], lengths)
-            print(f"train-router: {d}'s wider verify weighed x{costs[d]['verify_shift_scale']:.2f} from its speedups at K = "
+            self.costs[d]["verify_shift_scale"] = fit_shift_scale(probe, d, got["rates"], got["speedups"], got["k"], lengths)
+            print(f"train-router: {d}'s wider verify weighed x{self.costs[d]['verify_shift_scale']:.2f} from its speedups at K = "
                   f"{got['k']} on {len(got['prompts'])} training prompts: measured {float(got['speedups'].mean()):.3f}, "
                   f"predicted {before:.3f} unscaled")  # fmt: skip
 
-    # The decision rule (objective, costs) does not depend on the MLP: the selection and the
-    # baselines use it before the MLP is fit.
-    policies = Policies(cfg, make_router(cfg.mlp, None), table, x)
-    selection = select_settings(cfg, policies, table, fit_idx) if cv else None
-    mlp_params, shrink = policies.split(selection["mlp"]["chosen"] if cv else {})
-    mlp_cfg = cfg.mlp.with_settings(mlp_params)
-    logreg = selection["logreg"]["chosen"] if cv else {"C": cfg.baselines.logreg_c}
-    knn = selection["knn"]["chosen"] if cv else {"k": cfg.baselines.knn_k}
-    if cv:
-        print("train-router: chosen by cross-validation: MLP " + ", ".join(f"{k}={v}" for k, v in selection["mlp"]["chosen"].items())
-              + f"; logistic regression {logreg}; kNN {knn}")  # fmt: skip
-    val = [] if cv else val_idx
-    # The val prompts (epoch pick) are shrunk toward the training prompts' domain means.
-    fit_domains = [table.domains[i] for i in fit_idx]
-    means = domain_means(policies.y[fit_idx], fit_domains)
-    y_fit = shrink_to_domain(policies.y[fit_idx], fit_domains, shrink, means)  # [len(fit), D]
-    y_val = shrink_to_domain(policies.y[val], [table.domains[i] for i in val], shrink, means)  # [len(val), D]
-    x_fit = x[fit_idx]
-    if cfg.served:  # served requests: one measured drafter each, shrunk toward the served rows' mean
-        served = load_served(cfg.served, table, cfg.mode)
+    # ---- settings ------------------------------------------------------------------------------
+
+    def select(self) -> None:
+        """The settings the MLP and the baselines learn with: with ``select.folds``, each family's
+        chosen by cross-validation on the training prompts (``routing.select``), else as configured.
+        The decision rule (objective, costs) does not depend on the MLP: the selection and the
+        baselines use it before the MLP is fit."""
+        cfg = self.cfg
+        self.policies = Policies(cfg, self._router(cfg.mlp, None), self.table, self.x)
+        self.selection = select_settings(cfg, self.policies, self.table, self.fit_idx) if self.cv else None
+        chosen = {family: s["chosen"] for family, s in self.selection.items()} if self.selection else None
+        mlp_params, self.shrink = self.policies.split(chosen["mlp"] if chosen else {})
+        self.mlp_cfg = cfg.mlp.with_settings(mlp_params)
+        self.logreg = chosen["logreg"] if chosen else {"C": cfg.baselines.logreg_c}
+        self.knn = chosen["knn"] if chosen else {"k": cfg.baselines.knn_k}
+        if chosen:
+            print("train-router: chosen by cross-validation: MLP " + ", ".join(f"{k}={v}" for k, v in chosen["mlp"].items())
+                  + f"; logistic regression {self.logreg}; kNN {self.knn}")  # fmt: skip
+
+    # ---- the MLP -------------------------------------------------------------------------------
+
+    def fit(self) -> None:
+        """The MLP on the training prompts' labels (and the served requests', ``served``), shrunk
+        toward their domain's mean; the epoch is picked on the val prompts (without
+        cross-validation). Leaves the trained router in ``self.router``."""
+        table, fit_idx = self.table, self.fit_idx
+        val = [] if self.cv else self.val_idx
+        # The val prompts (epoch pick) are shrunk toward the training prompts' domain means.
+        y = self.policies.y  # [P, D]
+        fit_domains = [table.domains[i] for i in fit_idx]
+        means = domain_means(y[fit_idx], fit_domains)
+        y_fit = shrink_to_domain(y[fit_idx], fit_domains, self.shrink, means)  # [len(fit), D]
+        y_val = shrink_to_domain(y[val], [table.domains[i] for i in val], self.shrink, means)  # [len(val), D]
+        x_fit = self.x[fit_idx]  # [len(fit), F]
+        if self.cfg.served:
+            x_served, y_served = self._served()
+            x_fit, y_fit = torch.cat([x_fit, x_served]), torch.cat([y_fit, y_served])
+        with one_thread():
+            state, self.history = fit_mlp(self.mlp_cfg, x_fit, y_fit, self.x[val], y_val)
+        self.router = self._router(self.mlp_cfg, state)
+        self.router.info["shrink"] = self.shrink
+        if self.cv:
+            self.router.info["selection"] = self.selection
+
+    def _served(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Served requests' normalised features [S, F] and labels [S, D]: one measured drafter each
+        (NaN elsewhere), shrunk toward the served rows' mean."""
+        served = load_served(self.cfg.served, self.table, self.cfg.mode)
         m = torch.nanmean(served.acceptance, dim=0)  # [D]; NaN for a drafter no served request ran
-        y_served = torch.where(torch.isnan(m), served.acceptance, (1 - shrink) * served.acceptance + shrink * m)  # [S, D]
-        x_fit = torch.cat([x_fit, (featurizer(served.texts) - mean) / std])
-        y_fit = torch.cat([y_fit, y_served])
-        print(f"train-router: + {len(served.texts)} served prompts ({int((~torch.isnan(y_served)).sum())} measured entries)")
-    with one_thread():
-        state, history = fit_mlp(mlp_cfg, x_fit, y_fit, x[val], y_val)
-    router = make_router(mlp_cfg, state)
-    router.info["shrink"] = shrink
-    if cv:
-        router.info["selection"] = selection
+        y = torch.where(torch.isnan(m), served.acceptance, (1 - self.shrink) * served.acceptance + self.shrink * m)  # [S, D]
+        x = (self.featurizer(served.texts) - self.mean) / self.std  # [S, F]
+        print(f"train-router: + {len(served.texts)} served prompts ({int((~torch.isnan(y)).sum())} measured entries)")
+        return x, y
 
-    choices = {"router (MLP)": [c.draft for c in router.decide(router.predict_from_features(raw[test_idx]), 1, table.lengths(test_idx))]}
-    choices["logistic regression"] = policies.logreg(logreg, fit_idx, test_idx)
-    choices[f"knn (k={min(int(knn['k']), len(fit_idx))})"] = policies.knn(knn, fit_idx, test_idx)
-    # The objective's rule fed the measured acceptance instead of a prediction: what a perfect
-    # acceptance predictor would get, so the report separates prediction error from cost-model error.
-    choices["hindsight acceptance"] = [c.draft for c in router.decide(table.acceptance[test_idx], 1, table.lengths(test_idx))]
+    # ---- evaluation ----------------------------------------------------------------------------
 
-    report = evaluate(table, fit_idx, test_idx, router, choices)
-    report["mlp"] = {"best_epoch": history["best_epoch"], "final_train_loss": history["train_loss"][-1],
-                     "best_val_loss": min(history["val_loss"]), "settings": dataclasses.asdict(mlp_cfg)}  # fmt: skip
-    report["shrink"] = {"mlp": shrink, "logistic regression": policies.split(logreg)[1], "knn": policies.split(knn)[1]}
-    if selection is not None:
-        report["selection"] = selection
-    report["test_prompt_ids"] = [table.prompt_ids[i] for i in test_idx]
-    report["test_data"] = list(cfg.test_data)
-    router.info["eval"] = {name: {k: v for k, v in r.items() if not k.endswith("_by_domain")} for name, r in report["policies"].items()}
-    router.save(out / "router.pt")
-    write_report(report, out)
-    r, key = report["policies"], report["objective_metric"]
-    print(f"train-router: {key} on held-out prompts: " + ", ".join(f"{n} {v[key]:.3f}" for n, v in r.items()))
-    print(f"train-router: wrote {out / 'router.pt'}, eval.json, eval.md, eval.png")
+    def evaluate(self) -> dict:
+        """The router, the baselines and the objective's rule fed the measured acceptance, scored
+        on the held-out prompts (``routing.evaluate``); the scores also go into router.pt's ``info``."""
+        table, router, fit_idx, test_idx = self.table, self.router, self.fit_idx, self.test_idx
+        lengths = table.lengths(test_idx)
+        choices = {"router (MLP)": [c.draft for c in router.decide(router.predict_from_features(self.raw[test_idx]), 1, lengths)]}
+        choices["logistic regression"] = self.policies.logreg(self.logreg, fit_idx, test_idx)
+        choices[f"knn (k={min(int(self.knn['k']), len(fit_idx))})"] = self.policies.knn(self.knn, fit_idx, test_idx)
+        # The objective's rule fed the measured acceptance instead of a prediction: what a perfect
+        # acceptance predictor would get, so the report separates prediction error from cost-model error.
+        choices["hindsight acceptance"] = [c.draft for c in router.decide(table.acceptance[test_idx], 1, lengths)]
+
+        report = score_policies(table, fit_idx, test_idx, router, choices)
+        h = self.history
+        report["mlp"] = {"best_epoch": h["best_epoch"], "final_train_loss": h["train_loss"][-1],
+                         "best_val_loss": min(h["val_loss"]), "settings": dataclasses.asdict(self.mlp_cfg)}  # fmt: skip
+        report["shrink"] = {"mlp": self.shrink, "logistic regression": self.policies.split(self.logreg)[1],
+                            "knn": self.policies.split(self.knn)[1]}  # fmt: skip
+        if self.selection is not None:
+            report["selection"] = self.selection
+        report["test_prompt_ids"] = [table.prompt_ids[i] for i in test_idx]
+        report["test_data"] = list(self.cfg.test_data)
+        router.info["eval"] = {name: {k: v for k, v in r.items() if not k.endswith("_by_domain")} for name, r in report["policies"].items()}
+        self.report = report
+        return report
+
+    def save(self) -> None:
+        """router.pt, eval.json, eval.md and eval.png under ``cfg.output``."""
+        self.router.save(self.out / "router.pt")
+        write_report(self.report, self.out)
+        r, key = self.report["policies"], self.report["objective_metric"]
+        print(f"train-router: {key} on held-out prompts: " + ", ".join(f"{n} {v[key]:.3f}" for n, v in r.items()))
+        print(f"train-router: wrote {self.out / 'router.pt'}, eval.json, eval.md, eval.png")
+
+
+def train(cfg: RouterTrainConfig) -> dict:
+    """Train, evaluate and write router.pt, eval.json, eval.md and eval.png under cfg.output;
+    returns the report (eval.json's contents)."""
+    recipe = TrainRouterRecipe(cfg)
+    recipe.setup()
+    recipe.price()
+    recipe.select()
+    recipe.fit()
+    report = recipe.evaluate()
+    recipe.save()
     return report

@@ -43,7 +43,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from routing.router import NONE, Router, read_router_file
+from routing.router import NONE, Router
+from routing.router_file import read_router_file
 from serving.engine import Request
 from serving.engine.request import Fallback
 from serving.engine.engine_settings import EngineSettings, HOST_DRAFTERS

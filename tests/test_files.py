@@ -47,10 +47,11 @@ def test_a_checkpoint_folder_on_a_full_disk_leaves_nothing(tmp_path):
 
 
 def test_router_save_on_a_full_disk_leaves_no_temporary(tmp_path, monkeypatch):
-    from routing import router as router_mod
+    from routing import router_file
+    from routing.router import Router
 
-    router = router_mod.Router.create({"d": "models/d"}, "t", seed=0)
-    monkeypatch.setattr(router_mod.os, "fsync", full)
+    router = Router.create({"d": "models/d"}, "t", seed=0)
+    monkeypatch.setattr(router_file.os, "fsync", full)
     with pytest.raises(OSError, match="router.pt"):
         router.save(tmp_path / "router.pt")
     assert list(tmp_path.iterdir()) == []

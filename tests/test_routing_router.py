@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from routing import Choice, Router, RouterError
-from routing.router import read_router_file
-from routing.router import (calibrated_verify_cost, committed_tokens, expected_tokens, measured_fill, per_token_acceptance,
-                            speedup_model, step_ms)
+from routing.cost_model import calibrated_verify_cost, measured_fill, speedup_model
+from routing.router_file import read_router_file
+from serving.engine.goodput import committed_tokens, expected_tokens, per_token_acceptance, step_ms
 
 REFS = {"code": "models/code", "math": "models/math", "none": None}
 
@@ -246,7 +246,7 @@ def test_a_drafter_that_fills_few_slots_is_worth_less_at_the_same_acceptance():
     r.info |= {"collected_k": 4}
     choice = r.decide(torch.tensor([[0.6, 0.6]]))[0]  # columns in r.drafts order
     assert choice.draft == "full" and choice.predicted_speedup["sparse"] < choice.predicted_speedup["full"]
-    assert r.break_even("sparse", 4) > r.break_even("full", 4)
+    assert r.cost_model.break_even("sparse", 4) > r.cost_model.break_even("full", 4)
 
 
 @pytest.mark.unit
@@ -268,8 +268,8 @@ def test_a_measured_step_table_prices_a_full_batch_verify_as_measured():
     r = Router.create({"a": "draft-a", "none": None}, "target", objective="speedup",
                       costs={"a": {"draft_cost": 0.0, "verify_cost": 1.5}})  # fmt: skip
     r.info |= {"collected_k": 4, "step_table": table}
-    assert float(r.verify_shift(torch.tensor([4.0]), 1)[0]) == pytest.approx(0.0, abs=1e-6)
-    assert float(r.verify_shift(torch.tensor([4.0]), 8)[0]) == pytest.approx(340 / 140 - 75 / 60, rel=1e-5)
+    assert float(r.cost_model.verify_shift(torch.tensor([4.0]), 1)[0]) == pytest.approx(0.0, abs=1e-6)
+    assert float(r.cost_model.verify_shift(torch.tensor([4.0]), 8)[0]) == pytest.approx(340 / 140 - 75 / 60, rel=1e-5)
     alone, full = r.decide(torch.tensor([[0.3]]), 1)[0], r.decide(torch.tensor([[0.3]]), 8)[0]
     assert alone.draft == "a" and full.draft == "none"  # 0.3 pays alone, not in a batch of 8
     alone, full = r.decide(torch.tensor([[0.4]]), 1)[0], r.decide(torch.tensor([[0.4]]), 8)[0]
@@ -315,8 +315,8 @@ def test_a_long_prompt_costs_a_draft_model_its_own_prefill_and_a_copying_drafter
     r.info |= {"collected_k": 4, "prefill": {"target": [0.5, 0.04], "drafts": {"model": [0.2, 0.02]}, "new_tokens": 48.0}}
     acc = torch.tensor([[0.8, 0.5], [0.8, 0.5]])  # [N, D] in r.drafts order: model, copy
     lengths = torch.tensor([50.0, 300.0])
-    whole, _ = r.speedups(acc, 1, lengths)  # [N, D]
-    per_call, _ = r.speedups(acc)
+    whole, _ = r.cost_model.speedups(acc, 1, lengths)  # [N, D]
+    per_call, _ = r.cost_model.speedups(acc)
     a = per_token_acceptance(acc, 4)
     k = torch.tensor(4.0)
     for i, length in enumerate(lengths.tolist()):
@@ -331,7 +331,7 @@ def test_a_long_prompt_costs_a_draft_model_its_own_prefill_and_a_copying_drafter
     assert r.decide(acc, 1, lengths)[0].draft == "model" and r.decide(acc, 1, lengths)[1].draft == "copy"
     assert torch.allclose(per_call[:, 1], committed_tokens(a[:, 1], k, 0.6) / 1.0)  # no lengths: the one fill
     with pytest.raises(ValueError, match="1 prompt lengths for 2 prompts"):
-        r.speedups(acc, 1, [50])
+        r.cost_model.speedups(acc, 1, [50])
 
 
 @pytest.mark.integration
@@ -354,7 +354,7 @@ def test_the_fill_line_and_the_prefill_calibration_recover_what_produced_the_row
     """measured_fill_line gives back the line that generated each row's tokens per call;
     calibrated_verify_cost, told the prefill model, gives back the per-call cost that produced
     whole-request speedups."""
-    from routing.router import measured_fill_line, with_prefill
+    from routing.cost_model import measured_fill_line, with_prefill
 
     rates = [0.2, 0.4, 0.6, 0.8, 0.5, 0.7]
     lengths = [40.0, 90.0, 150.0, 220.0, 300.0, 60.0]
@@ -380,25 +380,25 @@ def test_the_wider_verify_is_scaled_to_speedups_measured_at_a_second_k():
     """Speedups 'measured' at K = 8 by a router whose ngram verify shift is half the step model's
     give that half back; past the model's range the scale is clamped; the scale prices batch one
     only (the rows are collected there), and a cheaper width sends ngram to a longer K."""
-    from routing.router import fit_shift_scale
+    from routing.cost_model import fit_shift_scale
 
     costs = {"ngram": {"draft_cost": 0.01, "verify_cost": 1.1}, "base": {"draft_cost": 0.3, "verify_cost": 1.1}}
     r = Router.create({"ngram": "ngram", "base": "draft", "none": None}, "target", objective="speedup", costs=costs)
     r.info |= {"collected_k": 4, "step_model": {"base_ms": 60.0, "per_token_ms": 6.0}}
     rates = torch.tensor([0.2, 0.5, 0.8])
-    full = r.mean_speedup_at("ngram", rates, 8)
+    full = r.cost_model.mean_speedup_at("ngram", rates, 8)
     r.costs["ngram"]["verify_shift_scale"] = 0.5
-    half = r.mean_speedup_at("ngram", rates, 8)
+    half = r.cost_model.mean_speedup_at("ngram", rates, 8)
     del r.costs["ngram"]["verify_shift_scale"]
     assert half > full
-    assert fit_shift_scale(r, "ngram", rates, torch.full((3,), half), 8) == pytest.approx(0.5, abs=1e-4)
+    assert fit_shift_scale(r.cost_model, "ngram", rates, torch.full((3,), half), 8) == pytest.approx(0.5, abs=1e-4)
     assert "verify_shift_scale" not in r.costs["ngram"]  # the probe's costs are left as they were
-    assert fit_shift_scale(r, "ngram", rates, torch.full((3,), 10.0), 8) == 0.0
-    assert fit_shift_scale(r, "ngram", rates, torch.full((3,), 0.1), 8) == 4.0
+    assert fit_shift_scale(r.cost_model, "ngram", rates, torch.full((3,), 10.0), 8) == 0.0
+    assert fit_shift_scale(r.cost_model, "ngram", rates, torch.full((3,), 0.1), 8) == 4.0
     acc = torch.tensor([[0.6, 0.3]])  # columns in r.drafts order
-    _, k_before = r.speedups(acc)
-    at_8_before = r.speed_table(acc, torch.tensor([8.0]), 8)
+    _, k_before = r.cost_model.speedups(acc)
+    at_8_before = r.cost_model.speed_table(acc, torch.tensor([8.0]), 8)
     r.costs["ngram"]["verify_shift_scale"] = 0.0
-    _, k_after = r.speedups(acc)
+    _, k_after = r.cost_model.speedups(acc)
     assert int(k_after[0, r.drafts.index("ngram")]) == 8 > int(k_before[0, r.drafts.index("ngram")])
-    torch.testing.assert_close(r.speed_table(acc, torch.tensor([8.0]), 8), at_8_before)  # a full batch: the step model
+    torch.testing.assert_close(r.cost_model.speed_table(acc, torch.tensor([8.0]), 8), at_8_before)  # a full batch: the step model

@@ -14,8 +14,9 @@ import torch
 from routing.collect import load_sources
 from routing.config import CollectConfig, RouterTrainConfig, SourceConfig
 from routing.dataset import load_served, load_table
-from routing.router import NONE, Router, committed_tokens, per_token_acceptance
+from routing.router import NONE, Router
 from routing.train import train
+from serving.engine.goodput import committed_tokens, per_token_acceptance
 from serving.workload import FAMILIES, SPLITS, load_family, load_workload, split_of
 from tests.conftest import load_script
 
@@ -100,20 +101,20 @@ def test_a_draft_models_own_work_weighs_on_the_whole_batch():
     r = Router.create({"model": "m", "copy": "c", NONE: None}, "target", objective="speedup", costs=costs)
     table = [[1, 1, 70.0], [1, 5, 72.0], [8, 1, 88.0], [8, 2, 113.0], [8, 5, 213.0]]
     r.info |= {"collected_k": 4, "step_table": table}
-    assert r.draft_share(1) == 1.0
-    assert r.draft_share(8) == pytest.approx(8 * 70.0 / 88.0)
+    assert r.cost_model.draft_share(1) == 1.0
+    assert r.cost_model.draft_share(8) == pytest.approx(8 * 70.0 / 88.0)
     rates = torch.tensor([[0.95, 0.3]])  # [1, D]: the model drafter accepts far more
     alone, full = r.decide(rates, 1)[0], r.decide(rates, 8)[0]
     assert alone.draft == "model" and full.draft == "copy"
     # Exactly the batch-one cost with c scaled by the share (the verify shift unchanged).
     bare = Router.create({"model": "m", "copy": "c", NONE: None}, "target", objective="speedup",
-                         costs={**costs, "model": {"draft_cost": 0.25 * r.draft_share(8), "verify_cost": 1.1}})  # fmt: skip
+                         costs={**costs, "model": {"draft_cost": 0.25 * r.cost_model.draft_share(8), "verify_cost": 1.1}})  # fmt: skip
     bare.info |= {"collected_k": 4, "step_table": table}
-    bare.draft_share = lambda occupancy: 1.0
-    assert r.speedups(rates, 8)[0][0, 0] == pytest.approx(bare.speedups(rates, 8)[0][0, 0])
+    bare.cost_model.draft_share = lambda occupancy: 1.0
+    assert r.cost_model.speedups(rates, 8)[0][0, 0] == pytest.approx(bare.cost_model.speedups(rates, 8)[0][0, 0])
     # Without a step table or model the target's step is taken not to grow: the share is b.
     plain = Router.create({"model": "m", NONE: None}, "target", objective="speedup", costs={"model": costs["model"]})
-    assert plain.draft_share(8) == 8.0
+    assert plain.cost_model.draft_share(8) == 8.0
 
 
 @pytest.mark.unit
@@ -124,25 +125,25 @@ def test_a_drafter_that_proposes_only_on_a_match_pays_the_wider_verify_only_then
     r = Router.create({"model": "m", "copy": "ngram", NONE: None}, "target", objective="speedup",
                       costs={"model": dict(cost), "copy": dict(cost)}, k_buckets=(8,))  # fmt: skip
     r.info |= {"collected_k": 4, "step_table": [[1, 1, 70.0], [1, 5, 70.0], [1, 9, 105.0]]}
-    speed, _ = r.speedups(torch.tensor([[0.7, 0.7]]), 1)  # [1, D]
+    speed, _ = r.cost_model.speedups(torch.tensor([[0.7, 0.7]]), 1)  # [1, D]
     e = float(committed_tokens(per_token_acceptance(torch.tensor(0.7), 4), torch.tensor(8.0), 0.5))
     assert float(speed[0, 0]) == pytest.approx(e / (8 * 0.003 + 1.0 + 0.5))  # the whole shift, 105 / 70 - 1
     assert float(speed[0, 1]) == pytest.approx(e / (8 * 0.003 + 1.0 + 0.25))  # half of it
-    assert r.break_even("copy", 8) < r.break_even("model", 8)
+    assert r.cost_model.break_even("copy", 8) < r.cost_model.break_even("model", 8)
 
 
 @pytest.mark.unit
 def test_break_even_is_where_the_cost_model_ties_with_the_target_alone(costed_router):
     r = costed_router
     for occupancy in (1, 4, 8):
-        rate = r.break_even("a", 4, occupancy)
-        r.k_buckets = [4]
+        rate = r.cost_model.break_even("a", 4, occupancy)
+        r.cost_model.k_buckets = [4]
         try:
-            speed, _ = r.speedups(torch.tensor([[rate]]), occupancy)
+            speed, _ = r.cost_model.speedups(torch.tensor([[rate]]), occupancy)
         finally:
-            r.k_buckets = list(range(1, 9))
+            r.cost_model.k_buckets = list(range(1, 9))
         assert float(speed) == pytest.approx(1.0, abs=2e-3)
-    assert r.break_even("a", 4, 8) > r.break_even("a", 4, 1)
+    assert r.cost_model.break_even("a", 4, 8) > r.cost_model.break_even("a", 4, 1)
 
 
 @pytest.mark.unit
@@ -442,7 +443,7 @@ def test_the_table_measures_each_drafters_fill_from_its_tokens_per_call(tmp_path
     """A drafter whose calls committed a third of what its acceptance predicts for full K slots
     (ngram and suffix propose fewer tokens where they find no match) gets fill 1/3 in the costs;
     rows without tokens per call (collected before the field) leave the plain model."""
-    from routing.router import expected_tokens, per_token_acceptance
+    from serving.engine.goodput import expected_tokens
 
     extra = float(expected_tokens(per_token_acceptance(torch.tensor([0.5]), 4), torch.tensor(4.0))[0]) - 1
     rows = []
@@ -500,7 +501,7 @@ def test_the_table_fits_the_prefills_and_each_drafters_fill_to_the_prompts_lengt
     length (the none rows), each drafter's own prefill on top (its row's prefill_ms minus the none
     row's), the answers' median length; and a fill line per drafter. Rows without prefill times
     or prompt lengths give neither."""
-    from routing.router import expected_tokens, per_token_acceptance
+    from serving.engine.goodput import expected_tokens
 
     rows = []
     for i, (n, rate) in enumerate([(40, 0.3), (120, 0.5), (200, 0.6), (320, 0.4)]):

@@ -10,7 +10,7 @@
 cost of a model does not depend on its weights, so a GPU machine that cannot hold the bundled
 weights still measures real shapes. Acceptance does depend on the weights, so the predicted
 speedups use per-token acceptance rates measured elsewhere (``--alphas``) in the router's cost model
-(``routing.router.speedup_model``, Leviathan et al.'s formula): a call drafts K tokens and verifies
+(``routing.cost_model.speedup_model``, Leviathan et al.'s formula): a call drafts K tokens and verifies
 K+1, and yields (1 - a^(K+1)) / (1 - a) tokens on average.
 
 Prints a markdown table and writes JSON (default runs/gpu_steps.json).
@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from routing.router import speedup_model  # noqa: E402
+from routing.cost_model import speedup_model  # noqa: E402
 from serving.engine.devices import resolve_device, resolve_dtype, synchronize  # noqa: E402
 from serving.engine.models import load_model, resolve_model_ref  # noqa: E402
 from serving.engine.runner import ModelRunner  # noqa: E402

@@ -6,13 +6,13 @@ speedup, by family and drafter, and how the error follows the prompt's length.
     python scripts/experiments/router_residuals.py --router runs/workload-int8/router/router.pt \\
         --rows runs/workload-int8/rows-trainval.jsonl
 
-The router's model prices a call as ``committed_tokens(a, K, fill) / (K c + v)`` (``routing.router``):
+The router's model prices a call as ``committed_tokens(a, K, fill) / (K c + v)`` (``routing.cost_model``):
 no prefill, and one fill per drafter. Measured speedups are whole requests, prefill included, so a
 long prompt dilutes every drafter's speedup and a draft model also pays its own prefill; and a host
 drafter's fill differs by family. A residual (measured - predicted) that follows the prompt's length
 or the family, not noise, is what the model lacks. Prints one markdown table (mean residual per
 family and drafter, with the family's mean prompt tokens) and each drafter's correlation between
-residual and prompt tokens; then each drafter's fill per family (``routing.router.measured_fill`` over
+residual and prompt tokens; then each drafter's fill per family (``routing.cost_model.measured_fill`` over
 the family's rows: the share of its slots it filled, against the one fill the router had).
 """
 
@@ -28,8 +28,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from routing.router import NONE, Router, measured_fill, per_token_acceptance, speedup_model  # noqa: E402
+from routing.cost_model import measured_fill, speedup_model  # noqa: E402
+from routing.router import NONE, Router  # noqa: E402
 from routing.rows import read_rows  # noqa: E402
+from serving.engine.goodput import per_token_acceptance  # noqa: E402
 
 
 def predicted(router: Router, draft: str, rate: float, k: int) -> float:
@@ -37,7 +39,7 @@ def predicted(router: Router, draft: str, rate: float, k: int) -> float:
     c = router.costs[draft]
     a = per_token_acceptance(torch.tensor([rate]), int(router.info.get("collected_k") or k))
     kt = torch.tensor([float(k)])
-    return float(speedup_model(a, kt, c["draft_cost"], c["verify_cost"] + router.verify_shift(kt, 1), c.get("fill", 1.0)))
+    return float(speedup_model(a, kt, c["draft_cost"], c["verify_cost"] + router.cost_model.verify_shift(kt, 1), c.get("fill", 1.0)))
 
 
 def correlation(xs: list[float], ys: list[float]) -> float:

@@ -22,7 +22,8 @@ from collections import defaultdict
 import torch
 
 from routing.dataset import read_collected
-from routing.router import NONE, Router, expected_tokens, per_token_acceptance, step_ms
+from routing.router import NONE, Router
+from serving.engine.goodput import expected_tokens, per_token_acceptance, step_ms
 
 
 def rows_of(path: str) -> dict[tuple[str, str], dict]:
@@ -38,8 +39,9 @@ def main(argv: list[str] | None = None) -> None:
     router = Router.load(args.router)
     at_k, curve = rows_of(args.rows), rows_of(args.curve)
     k2 = {int(r["k"]) for r in curve.values() if r["draft"] != NONE}.pop()
-    kc = router.collected_k
-    unscaled = copy.deepcopy(router)
+    scaled = router.cost_model
+    kc = scaled.collected_k
+    unscaled = copy.deepcopy(scaled)
     for c in unscaled.costs.values():
         c.pop("verify_shift_scale", None)
     print(f"router {args.router}; K = {kc} rows {args.rows}, K = {k2} rows {args.curve}\n")
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
             cells = [statistics.fmean(at_k[(ids[i], d)]["speedup"] for i in ix),
                      statistics.fmean(curve[(ids[i], d)]["speedup"] for i in ix),
                      unscaled.mean_speedup_at(d, sub, kc, n), unscaled.mean_speedup_at(d, sub, k2, n),
-                     router.mean_speedup_at(d, sub, k2, n),
+                     scaled.mean_speedup_at(d, sub, k2, n),
                      statistics.fmean(curve[(ids[i], d)]["mean_accepted_length"] - 1 for i in ix),
                      float(geometric[ix].mean())]  # fmt: skip
             print(f"| {d} | {f} | {len(ix)} | " + " | ".join(f"{x:.2f}" for x in cells) + " |")

@@ -60,7 +60,7 @@ def _serve_target(cfg: ServeConfig) -> int:
     if target_ref is None:
         # Only the target's name is needed here: router.pt read and checked as every role reads
         # it, without loading the router's embedder.
-        from routing.router import read_router_file
+        from routing.router_file import read_router_file
 
         target_ref = read_router_file(cfg.router)["target_ref"]
     e = cfg.engine.resolved(target_ref)
@@ -86,7 +86,7 @@ def _check(cfg: ServeConfig) -> None:
     if cfg.router is not None and not Path(cfg.router).is_file():
         raise ConfigError(f"router file {cfg.router} does not exist; build one with train-router")
     if cfg.router is not None:
-        from routing.router import RouterError, read_router_file
+        from routing.router_file import RouterError, read_router_file
 
         try:  # every role: the same checks and messages, before any model loads
             saved = read_router_file(cfg.router)
@@ -143,7 +143,8 @@ def _check_fleet(cfg: ServeConfig) -> None:
 
     load_fleet_profile(fleet)  # a profile that is missing, or lacks a pool's draft, fails here
     if cfg.router is not None and Path(cfg.router).is_file():
-        from routing.router import NONE, RouterError, read_router_file
+        from routing.router import NONE
+        from routing.router_file import RouterError, read_router_file
 
         try:
             known = set(read_router_file(cfg.router)["draft_names"]) | {NONE}

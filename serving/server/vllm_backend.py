@@ -111,7 +111,7 @@ def pool_tokens(pool: PoolSettings, acceptance_rate: float, collected_k: int) ->
     the target alone."""
     import torch
 
-    from routing.router import expected_tokens, per_token_acceptance
+    from serving.engine.goodput import expected_tokens, per_token_acceptance
 
     if pool.drafter == NONE:
         return 1.0
