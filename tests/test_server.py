@@ -88,14 +88,14 @@ class StepGate:
         self.held = self.submits = self.aborts = 0
         step, submit, abort = scheduler._step, scheduler.submit, scheduler.abort
 
-        def gated_step(key):
+        def gated_step():
             with self._cond:
                 self.held += 1
                 self._cond.notify_all()
                 self._cond.wait_for(lambda: self._free or self._permits > 0)
                 if not self._free:
                     self._permits -= 1
-            step(key)
+            step()
 
         def counting(call, name):
             def counted(ticket):

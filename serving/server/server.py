@@ -13,9 +13,10 @@ until the target, the drafts and the router are loaded and warmed up, then 200. 
   header forces a draft name or ``none`` (the target alone).
 * ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
 
-``build_engines`` turns a config into the engine with ``serving.engine.engine_settings.load_engine``,
+``load_served_engine`` turns a config into the engine with ``serving.engine.engine_settings.load_engine``,
 as every command does: one ``SpeculativeEngine`` holding every drafter, on the target model in
-fused mode, on a ``serving.distributed.remote.RemoteVerifier`` in the draft role.
+fused mode, on a ``serving.distributed.remote.RemoteVerifier`` in the draft role. The scheduler
+thread owns it; a drafter a request forces is valid when the engine has it.
 """
 
 from __future__ import annotations
@@ -57,24 +58,24 @@ NONE = "none"  # the draft name of the target alone
 
 @dataclass
 class Backend:
-    """Everything loaded: the engines (one per draft name), the router, and a tokenizer of the
-    HTTP side's own (the engines' tokenizer is used on the scheduler thread; HF fast tokenizers
+    """Everything loaded: the engine (it holds every drafter), the router, and a tokenizer of the
+    HTTP side's own (the engine's tokenizer is used on the scheduler thread; HF fast tokenizers
     must not be shared between threads)."""
 
-    engines: dict[str, Engine]
+    engine: Engine
     router: Any  # routing.Router
     tokenizer: Any
     model_name: str
     max_len: int
-    reserve: dict[str, int]  # per engine: context kept free for speculation (K + 1)
+    reserve: int  # context kept free for speculation: K + 1 of the largest K a row may draft (1 without drafting)
     unavailable: tuple[type[BaseException], ...] = ()  # step() errors that mean "target down"
 
 
-def build_engines(cfg: ServeConfig, router: Any) -> tuple[Any, dict[str, Engine], tuple[type[BaseException], ...]]:
-    """The tokenizer, the drafter names mapped to their engine, and the exceptions that mean the
-    target is unreachable. One engine (one target, one KV cache, one batch) holds every drafter
-    the router names, the built-in model-free ones (``ngram``, ``suffix``, ``prediction``) and
-    ``none``; each request's row drafts with its own. role=draft: it verifies on ``cfg.target_address``."""
+def load_served_engine(cfg: ServeConfig, router: Any) -> tuple[Any, Engine, tuple[type[BaseException], ...]]:
+    """The tokenizer, the engine and the exceptions that mean the target is unreachable. One
+    engine (one target, one KV cache, one batch) holds every drafter the router names, the
+    built-in model-free ones (``ngram``, ``suffix``, ``prediction``) and ``none``; each request's
+    row drafts with its own. role=draft: it verifies on ``cfg.target_address``."""
     drafters = {name: router.draft_refs.get(name) for name in router.draft_names if name != NONE}
     for builtin in HOST_DRAFTERS:
         drafters.setdefault(builtin, builtin)
@@ -98,11 +99,11 @@ def build_engines(cfg: ServeConfig, router: Any) -> tuple[Any, dict[str, Engine]
     table = router.info.get("step_table")
     if settings.step_k == "goodput" and table:  # the profiled steps price a shape the engine has not timed
         engine.step_costs.set_table(table)
-    return loaded.tokenizer, {name: engine for name in engine.drafter_names}, unavailable
+    return loaded.tokenizer, engine, unavailable
 
 
 def load_backend(cfg: ServeConfig) -> Backend:
-    """Load the router and the models, build the engines and warm everything up."""
+    """Load the router and the models, build the engine and warm every drafter up."""
     from routing.router import Router
 
     if cfg.router is None:
@@ -120,22 +121,20 @@ def load_backend(cfg: ServeConfig) -> Backend:
         log.warning("router %s was trained on rows whose drafts ran at draft_weights=%s, and this server runs them at %s: "
                     "its draft cost and acceptance predictions describe the other precision", cfg.router, drafts_at,
                     served_at)  # fmt: skip
-    tokenizer, engines, unavailable = build_engines(cfg, router)
+    tokenizer, engine, unavailable = load_served_engine(cfg, router)
     target_ref = cfg.target_model or router.target_ref
-    configs = {name: getattr(e, "config", None) for name, e in engines.items()}
-    max_len = next(c.max_len for c in configs.values() if c is not None and c.max_len)
     # Context kept free for speculation (K + 1): every row of the one engine may draft.
-    reserve = {name: c.k_max + 1 if c.k else 1 for name, c in configs.items()}
+    reserve = engine.config.k_max + 1 if engine.config.k else 1
     if cfg.warmup:
         router.choose("warm up")
         ids = tokenizer.encode("def add(a, b):", add_special_tokens=False)
-        for name, engine in engines.items():  # every drafter once: its first-use costs are paid here
-            engine.add_request(Request(ids, max_new_tokens=4, drafter=name if name in getattr(engine, "drafter_names", ()) else None))
+        for name in engine.drafter_names:  # every drafter once: its first-use costs are paid here
+            engine.add_request(Request(ids, max_new_tokens=4, drafter=name))
             while engine.has_unfinished_requests():
                 engine.step()
     # A model id, never a filesystem path: /v1/models is public (a folder's name stands for it).
     model_name = cfg.model_name or (Path(target_ref).name if Path(target_ref).exists() else target_ref)
-    return Backend(engines, router, load_tokenizer(target_ref), model_name, max_len, reserve, unavailable)
+    return Backend(engine, router, load_tokenizer(target_ref), model_name, engine.config.max_len, reserve, unavailable)
 
 
 def create_app(
@@ -242,7 +241,7 @@ class _Server:
         return self.backend.model_name
 
     def model_info(self) -> dict:
-        return {"drafts": list(self.backend.engines), "max_len": self.backend.max_len}
+        return {"drafts": list(self.scheduler.drafter_names), "max_len": self.backend.max_len}
 
     async def start(self, load: Callable[[ServeConfig], Backend], on_error: Callable[[BaseException], None] | None) -> None:
         """Load the models on a background thread: /health answers "loading" meanwhile."""
@@ -269,13 +268,13 @@ class _Server:
                 request_log = RequestLog(self.cfg.routing.log_requests, target=backend.router.target_ref,
                                          target_weights=self.cfg.engine.target_weights, draft_refs=backend.router.draft_refs,
                                          draft_weights=self.cfg.engine.drafts_weights())  # fmt: skip
-            scheduler = Scheduler(backend.engines, backend.router, self.metrics, max_batch_size=self.cfg.engine.max_batch_size,
+            scheduler = Scheduler(backend.engine, backend.router, self.metrics, max_batch_size=self.cfg.engine.max_batch_size,
                                   queue_limit=self.cfg.queue_limit, unavailable=backend.unavailable, routing=self.cfg.routing,
                                   request_log=request_log)  # fmt: skip
             scheduler.start()
             self.backend, self.scheduler, self.ready = backend, scheduler, True
-            log.info("choral: ready in %.1f s: model %r, engines %s", time.perf_counter() - t0, backend.model_name,
-                     ", ".join(backend.engines))  # fmt: skip
+            log.info("choral: ready in %.1f s: model %r, drafters %s", time.perf_counter() - t0, backend.model_name,
+                     ", ".join(scheduler.drafter_names))  # fmt: skip
         except BaseException as e:
             self.error = f"{type(e).__name__}: {e}"
             log.error("choral: loading failed: %s", self.error)
@@ -285,7 +284,7 @@ class _Server:
     async def _target_up(self, always_probe: bool = False) -> bool:
         """Whether the target answers: always in fused mode; on a draft node, what its last call
         saw, asked again (an ``Info`` call, off the event loop) when that failed or ``always_probe``."""
-        verifier = getattr(next(iter(self.backend.engines.values())), "verifier", None)
+        verifier = getattr(self.backend.engine, "verifier", None)
         probe = getattr(verifier, "probe", None)  # a RemoteVerifier's; a local target is always up
         if probe is None or (verifier.available and not always_probe):
             return True
@@ -330,11 +329,7 @@ class _Server:
         if body.model != b.model_name:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {b.model_name!r}",
                            param="model", code="model_not_found")  # fmt: skip
-        forced = body.draft if body.draft is not None else http.headers.get("x-choral-draft")
-        if forced is not None and forced not in b.engines:
-            raise APIError(400, f"unknown draft {forced!r}; choose one of {', '.join(b.engines)}", param="draft",
-                           code="unknown_draft")  # fmt: skip
-        return forced
+        return self.scheduler.check_draft(body.draft if body.draft is not None else http.headers.get("x-choral-draft"))
 
     def _encode_request(self, body: Any, chat: bool) -> tuple[list[int], str, str, list[int] | None]:
         """(prompt ids, the text the router reads, the field to blame, prediction ids): the
@@ -345,9 +340,9 @@ class _Server:
     def _ticket(self, body: Any, forced: str | None, prompt_ids: list[int], route_text: str, param: str,
                 prediction: list[int] | None) -> Ticket:  # fmt: skip
         b = self.backend
-        if prediction is not None and forced is None and PREDICTION in b.engines:
+        reserve = b.reserve
+        if prediction is not None and forced is None and PREDICTION in self.scheduler.drafter_names:
             forced = PREDICTION  # OpenAI's Predicted Outputs: the client's expected text is the draft
-        reserve = b.reserve[forced] if forced is not None else max(b.reserve.values())
         room = b.max_len - len(prompt_ids) - reserve
         if room < 1:
             raise APIError(400, f"{param}: the prompt has {len(prompt_ids)} tokens, more than the context allows: max_len="
