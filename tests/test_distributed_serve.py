@@ -63,7 +63,7 @@ def test_serve_target_and_draft_roles_end_to_end(model_dirs, router_file):
         draft = LiveServer([f"router={router_file}", "role=draft", f"target_address={target.address}",
                             f"engine.max_len={MAX_LEN}", "engine.max_batch_size=2", "engine.k=4", "grpc.deadline_s=20"])  # fmt: skip
         draft.wait_ready(90)
-        engine = next(iter(draft.app.state.server.backend.engines.values()))
+        engine = draft.backend.models.engine
         assert engine.verifier.timeout_s == 20  # grpc.deadline_s: the deadline of every call to the target
         settings = EngineSettings(device="cpu", max_batch_size=1, max_len=MAX_LEN, k=4)
         fused = load_engine(settings, str(model_dirs["target"]), {"draft": str(model_dirs["draft"])}).engine
@@ -76,9 +76,9 @@ def test_serve_target_and_draft_roles_end_to_end(model_dirs, router_file):
 
         # Mid-stream: the target dies after the first tokens; the stream ends with an error event.
         # The draft node steps only when the gate lets it, so the stream cannot finish before the kill.
-        reserve = draft.app.state.server.backend.reserve["none"]  # K + 1 of the largest K a request may draft
+        reserve = draft.backend.models.reserve  # K + 1 of the largest K a request may draft
         budget = MAX_LEN - len(ids) - reserve - 1
-        gate = StepGate(draft.app.state.server.scheduler)
+        gate = StepGate(draft.backend.scheduler)
         stream = draft.client.completions.create(model=draft.model, prompt=prompt, max_tokens=budget, temperature=0,
                                                  stream=True, extra_body={"draft": "none"})  # fmt: skip
         gate.allow(1)

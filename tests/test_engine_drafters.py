@@ -381,7 +381,7 @@ def test_the_scheduler_fails_only_the_request_that_raised(tiny_target, tiny_draf
 
     async def run():
         loop = asyncio.get_running_loop()
-        scheduler = Scheduler({name: engine for name in drafters})
+        scheduler = Scheduler(engine)
         tickets = [Ticket(Request(a, max_new_tokens=12), "a", loop, forced_draft="small"),
                    Ticket(Request([_Poisoned.POISON, *b], max_new_tokens=12), "b", loop, forced_draft="poison"),
                    Ticket(Request(c, max_new_tokens=12), "c", loop, forced_draft="none")]  # fmt: skip

@@ -268,16 +268,16 @@ def test_the_scheduler_applies_the_routers_k_and_fallback_floor(costed_router):
     from serving.server.scheduler import Scheduler
     from serving.server.serve_config import RoutingSettings
 
-    engine = SimpleNamespace(config=SimpleNamespace(k_max=6))
+    engine = SimpleNamespace(config=SimpleNamespace(k_max=6), drafter_names=("a", NONE))
     choice = costed_router.decide(torch.tensor([[0.8]]), 1)[0]  # K 8: more than the engine verifies
-    sched = Scheduler({"a": engine}, routing=RoutingSettings(fallback_ratio=0.5, fallback_after=12, fallback_confidence=0.9))
+    sched = Scheduler(engine, routing=RoutingSettings(fallback_ratio=0.5, fallback_after=12, fallback_confidence=0.9))
     request = Request([1, 2, 3])
-    sched._apply_choice(request, engine, choice)
+    sched._apply_choice(request, choice)
     assert request.k == 6 and request.fallback.after_drafted == 12 and request.fallback.confidence == 0.9
     assert request.fallback.min_acceptance == pytest.approx(choice.fallback_floor(0.5))
-    off = Scheduler({"a": engine}, routing=RoutingSettings(apply_k=False, fallback_ratio=None))
+    off = Scheduler(engine, routing=RoutingSettings(apply_k=False, fallback_ratio=None))
     request = Request([1, 2, 3])
-    off._apply_choice(request, engine, choice)
+    off._apply_choice(request, choice)
     assert request.k is None and request.fallback is None
 
 
@@ -305,7 +305,7 @@ def test_exploration_sends_a_share_of_routed_requests_to_the_other_drafters():
         ids = itertools.count()
         engine = SimpleNamespace(config=SimpleNamespace(k_max=8), drafter_names=tuple(router.draft_names), num_running=0,
                                  num_waiting=0, add_request=lambda request: next(ids))  # fmt: skip
-        sched = Scheduler({name: engine for name in router.draft_names}, router, max_batch_size=n, queue_limit=n,
+        sched = Scheduler(engine, router, max_batch_size=n, queue_limit=n,
                           routing=RoutingSettings(explore=explore, explore_seed=seed))  # fmt: skip
         tickets = [Ticket(Request([1, 2, 3]), "text", loop, forced_draft=forced) for _ in range(n)]
         sched._admit(tickets)
@@ -351,7 +351,7 @@ def test_a_seeded_sampled_request_is_routed_as_if_alone():
     ids = itertools.count()
     engine = SimpleNamespace(config=SimpleNamespace(k_max=8), drafter_names=("a", NONE), num_running=3, num_waiting=0,
                              add_request=lambda request: next(ids))  # fmt: skip
-    sched = Scheduler({"a": engine, NONE: engine}, router, max_batch_size=8, queue_limit=8)
+    sched = Scheduler(engine, router, max_batch_size=8, queue_limit=8)
     loop = asyncio.new_event_loop()
     try:
         params = [SamplingParams(), SamplingParams(temperature=1.0, seed=7), SamplingParams(temperature=1.0)]

@@ -22,8 +22,9 @@ from routing.router import Router
 from serving.config import load_config
 from serving.engine import EngineSettings, Request, load_engine
 from serving.server import cli_serve
+from serving.server.app import create_app
 from serving.server.serve_config import ServeConfig
-from serving.server.server import create_app, load_backend
+from serving.server.server import EngineServer, load_models
 from serving.tools import cli_generate
 
 MAX_LEN = 128
@@ -31,11 +32,18 @@ CHAT = [{"role": "user", "content": "What is 12 + 30?"}]
 
 
 class LiveServer:
-    """``serving.server.server.create_app`` under a real uvicorn on a free loopback port."""
+    """``serving.server.app.create_app`` under a real uvicorn on a free loopback port, over the
+    backend the config names (``load``: how the engine backend loads its models)."""
 
-    def __init__(self, overrides: list[str], load=load_backend) -> None:
+    def __init__(self, overrides: list[str], load=load_models) -> None:
         self.cfg = load_config(ServeConfig, None, ["engine.device=cpu", "log_level=warning", *overrides])
-        self.app = create_app(self.cfg, load=load)
+        if self.cfg.backend == "vllm":
+            from serving.server.vllm_backend import FleetServer  # httpx: only the fleet's tests need it
+
+            self.backend = FleetServer(self.cfg)
+        else:
+            self.backend = EngineServer(self.cfg, load)
+        self.app = create_app(self.backend, self.cfg)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -88,14 +96,14 @@ class StepGate:
         self.held = self.submits = self.aborts = 0
         step, submit, abort = scheduler._step, scheduler.submit, scheduler.abort
 
-        def gated_step(key):
+        def gated_step():
             with self._cond:
                 self.held += 1
                 self._cond.notify_all()
                 self._cond.wait_for(lambda: self._free or self._permits > 0)
                 if not self._free:
                     self._permits -= 1
-            step(key)
+            step()
 
         def counting(call, name):
             def counted(ticket):
@@ -143,7 +151,7 @@ def live(router_file):
 
     def gated_load(cfg):
         assert gate.wait(60)
-        return load_backend(cfg)
+        return load_models(cfg)
 
     srv = LiveServer([f"router={router_file}", f"engine.max_len={MAX_LEN}", "engine.max_batch_size=4", "engine.k=4"], load=gated_load)
     srv.early = {path: srv.request(method, path, body) for method, path, body in (
@@ -199,7 +207,7 @@ def test_completion_greedy_matches_spec_generate(live, model_dirs, capsys):
 
 
 def model_tokens(live, text: str) -> list[int]:
-    return live.app.state.server.backend.tokenizer.encode(text, add_special_tokens=False)
+    return live.backend.models.tokenizer.encode(text, add_special_tokens=False)
 
 
 @pytest.mark.e2e
@@ -607,7 +615,7 @@ def test_full_queue_429_disconnect_frees_slot_and_timeout(router_file):
     srv = LiveServer([f"router={router_file}", "engine.max_len=512", "engine.max_batch_size=1", "queue_limit=0", "warmup=false"])
     try:
         srv.wait_ready()
-        gate = StepGate(srv.app.state.server.scheduler)
+        gate = StepGate(srv.backend.scheduler)
         # Greedy throughout: sampled, the random tiny model ends "hi" at EOS after one token now and then.
         long = dict(model=srv.model, prompt="hi", max_tokens=480, temperature=0, extra_body={"draft": "none"})  # no EOS
         short = dict(model=srv.model, prompt="hi", max_tokens=2, temperature=0)
@@ -647,7 +655,7 @@ def test_full_queue_429_disconnect_frees_slot_and_timeout(router_file):
         assert srv.metrics()[("choral_running_requests", ())] == 0
 
         # Past request_timeout_s: each request is held at its first step until its time is up.
-        srv.app.state.server.cfg.request_timeout_s = 0.05
+        srv.backend.cfg.request_timeout_s = 0.05
         for streamed in (False, True):
             gate.close()
             held = gate.held
@@ -666,7 +674,7 @@ def test_full_queue_429_disconnect_frees_slot_and_timeout(router_file):
                     with pytest.raises(openai.APIStatusError) as info:
                         answer.result()
                     assert info.value.status_code == 504 and "request_timeout_s" in info.value.body["message"]
-        srv.app.state.server.cfg.request_timeout_s = 60
+        srv.backend.cfg.request_timeout_s = 60
         assert srv.client.completions.create(**short).usage.completion_tokens == 2
     finally:
         srv.stop()
@@ -747,8 +755,7 @@ def test_predicted_outputs_and_model_free_drafters_give_the_same_answer(live, re
 def test_a_huge_prediction_is_cut_to_the_context_before_it_is_tokenized(live, reference, monkeypatch):
     """A prediction of 1.5 MB (under the body limit): only what max_len tokens can hold is
     tokenized, and the answer is still the target's."""
-    server = live.app.state.server
-    tok = server.backend.tokenizer
+    tok = live.backend.models.tokenizer
     encoded, original = [], tok.encode
 
     def spy(text, *args, **kwargs):
@@ -761,7 +768,7 @@ def test_a_huge_prediction_is_cut_to_the_context_before_it_is_tokenized(live, re
     out = live.client.chat.completions.create(model=live.model, messages=CHAT, max_tokens=8, temperature=0,
                                               prediction={"type": "content", "content": big})  # fmt: skip
     assert out.choices[0].message.content == ref.text
-    cap = MAX_LEN * server._longest_token()
+    cap = MAX_LEN * live.backend._longest_token()
     assert encoded and max(encoded) <= cap < len(big)
 
 
@@ -774,7 +781,7 @@ def test_forced_requests_skip_the_router(live, monkeypatch):
         calls.append(texts)
         raise RuntimeError("router down")
 
-    monkeypatch.setattr(live.app.state.server.scheduler.router, "choose_batch", broken)
+    monkeypatch.setattr(live.backend.scheduler.router, "choose_batch", broken)
     forced = live.client.completions.create(model=live.model, prompt="def f(x):", max_tokens=4, temperature=0,
                                             extra_body={"draft": "code"})  # fmt: skip
     assert forced.usage.completion_tokens == 4 and forced.model_extra["choral"]["draft"] == "code"
@@ -793,7 +800,6 @@ def test_cancelled_handler_aborts_its_ticket():
     from serving.engine import Request
     from serving.server.scheduler import Ticket
     from serving.server.serve_config import ServeConfig
-    from serving.server.server import _Server
 
     class Scheduler:
         aborted: list = []
@@ -806,7 +812,7 @@ def test_cancelled_handler_aborts_its_ticket():
             await asyncio.sleep(3600)  # the client never disconnects on its own
 
     async def run():
-        server = _Server(ServeConfig())
+        server = EngineServer(ServeConfig())
         server.scheduler = Scheduler()
         ticket = Ticket(Request([1, 2, 3]), "hi", asyncio.get_running_loop())
         counted = []

@@ -8,9 +8,9 @@ import pytest
 from starlette.requests import ClientDisconnect
 
 from serving.server import cli_serve
+from serving.server.http import read_body
 from serving.server.openai_api import APIError, CompletionRequest, parse_request
 from serving.server.serve_config import ServeConfig
-from serving.server.server import read_body
 
 pytestmark = pytest.mark.unit
 

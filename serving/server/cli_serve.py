@@ -9,6 +9,10 @@
 
 Flags are shorthands for config keys (``--router X`` is ``router=X``, ``--target`` is
 ``target_address``); ``key=value`` overrides come last and win.
+
+This module is the one place in the server layer that imports lazily: torch and what imports it
+(the router, the models, the gRPC roles, the HTTP app and its backends) load inside the function
+that needs them, so ``serve --describe`` prints the settings without loading torch.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import sys
 from pathlib import Path
 
 from serving.cli import Command, Flag
-from serving.config import ConfigError
+from serving.config import ConfigError, load_config
+from serving.fleet.fleet_file import FleetConfig
 from serving.server.serve_config import ServeConfig
 
 log = logging.getLogger(__name__)
@@ -134,14 +139,9 @@ def _check(cfg: ServeConfig) -> None:
 
 
 def _check_fleet(cfg: ServeConfig) -> None:
-    """backend=vllm: the fleet file parses and its pools' drafters are names the router knows."""
-    from serving.config import load_config
-    from serving.fleet.fleet_file import FleetConfig
-
+    """backend=vllm: the fleet file parses and its pools' drafters are names the router knows
+    (its profile is checked when the fleet front is made, before the app starts)."""
     fleet = load_config(FleetConfig, cfg.fleet)  # a ConfigError names the file and the key
-    from serving.server.vllm_backend import load_fleet_profile
-
-    load_fleet_profile(fleet)  # a profile that is missing, or lacks a pool's draft, fails here
     if cfg.router is not None and Path(cfg.router).is_file():
         from routing.router import NONE
         from routing.router_file import RouterError, read_router_file
@@ -157,17 +157,28 @@ def _check_fleet(cfg: ServeConfig) -> None:
 
 
 def _serve_http(cfg: ServeConfig) -> int:
+    # The HTTP side is imported here, when it serves, and nowhere else in this module: it imports
+    # torch (the engine backend, the request types' bounds), which `serve --describe` must not
+    # load, and the fleet front needs httpx, the optional [vllm] extra.
     import uvicorn
 
-    from serving.server.server import create_app
+    from serving.server.app import create_app
 
+    if cfg.backend == "vllm":
+        from serving.server.vllm_backend import FleetServer
+
+        backend = FleetServer(cfg)  # a fleet profile that is missing, or lacks a pool's draft, fails here
+    else:
+        from serving.server.server import EngineServer
+
+        backend = EngineServer(cfg)
     failed: list[BaseException] = []
 
     def on_load_error(e: BaseException) -> None:
         failed.append(e)
         server.should_exit = True
 
-    app = create_app(cfg, on_load_error=on_load_error)
+    app = create_app(backend, cfg, on_load_error)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level))
     server.run()
     if failed:

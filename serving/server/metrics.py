@@ -37,7 +37,7 @@ class ServerMetrics:
                                      ["draft", "forced"], registry=r)  # fmt: skip
         self.finished = Counter("choral_finished_requests", "requests that ended, by how",
                                 ["reason"], registry=r)  # fmt: skip
-        self.engine_steps = Counter("choral_engine_steps", "speculative steps run, by engine (its drafter names, or engine when one holds them all)", ["draft"], registry=r)
+        self.engine_steps = Counter("choral_engine_steps", "speculative steps run (draft=engine: the one engine, which holds every drafter)", ["draft"], registry=r)
         self.queue_depth = Gauge("choral_queue_depth", "requests waiting for a slot", registry=r)
         self.running = Gauge("choral_running_requests", "requests holding a slot", registry=r)
         self.ttft = Histogram("choral_time_to_first_token_seconds", "request arrival to its first token",

@@ -1,23 +1,25 @@
 """Continuous batching over the engine: one thread owns it and steps it.
 
-    scheduler = Scheduler({name: engine for name in engine.drafter_names}, router, metrics)
+    scheduler = Scheduler(engine, router, metrics)
     scheduler.start()
-    ticket = Ticket(request, route_text="def add(a, b):", loop=asyncio.get_running_loop())
+    forced = scheduler.check_draft(name)   # a drafter a client names: refused unless the engine has it
+    ticket = Ticket(request, route_text="def add(a, b):", loop=asyncio.get_running_loop(), forced_draft=forced)
     scheduler.submit(ticket)           # from any thread; events arrive on ticket.events
     await ticket.events.get()          # Routed(draft, choice) or Failed(error)
 
-The scheduler maps drafter names to engines. Served, every name maps to the one engine (one
-target, one KV cache, one batch), whose rows each draft with their request's drafter: routing a
-request to a drafter sets its ``Request.drafter``. (Several engines, e.g. one per draft, also
-work: they take turns.) Engines are not thread-safe, so everything that touches them happens on
-the scheduler's thread; asyncio handlers talk to it through a thread-safe inbox and get events
-back via ``loop.call_soon_threadsafe``.
+One engine (one target, one KV cache, one batch) holds every drafter; each row drafts with its
+request's: routing a request to a drafter sets its ``Request.drafter``. The valid drafter names
+are the engine's (``engine.drafter_names``, ``none`` the target alone): a name a client forces is
+checked against them by ``check_draft``, and the router's names once, when the scheduler is made.
+The engine is not thread-safe, so everything that touches it happens on the scheduler's thread;
+asyncio handlers talk to it through a thread-safe inbox and get events back via
+``loop.call_soon_threadsafe``.
 
 Between steps the thread routes new requests (one ``choose_batch`` for all that arrived, for the
 batch they join), checks the queue limit, aborts cancelled and timed-out requests, then runs one
-step of the next engine with work and hands each request its new tokens. A routed request drafts
-with the router's drafter and K and carries its fallback floor (``RoutingSettings``); when it
-finishes, its row goes to the request log, if there is one.
+engine step and hands each request its new tokens. A routed request drafts with the router's
+drafter and K and carries its fallback floor (``RoutingSettings``); when it finishes, its row goes
+to the request log, if there is one.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import queue
 import random
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -39,10 +42,13 @@ from serving.server.openai_api import APIError
 from serving.server.serve_config import RoutingSettings
 
 log = logging.getLogger("choral.scheduler")
+ENGINE = "engine"  # the label of the engine's step metrics (the one engine holds every drafter)
 
 
 class Engine(Protocol):
     """The incremental API of ``SpeculativeEngine`` (fused, or with its target behind gRPC) that the scheduler uses."""
+
+    drafter_names: Sequence[str]  # every drafter a row may draft with, "none" (the target alone) included
 
     def add_request(self, request: Request) -> int: ...
     def step(self) -> list[StepOutput]: ...
@@ -114,7 +120,7 @@ class Ticket:
 class Scheduler:
     def __init__(
         self,
-        engines: dict[str, Engine],
+        engine: Engine,
         router: Any = None,
         metrics: ServerMetrics | None = None,
         *,
@@ -124,14 +130,16 @@ class Scheduler:
         routing: RoutingSettings | None = None,
         request_log: Any = None,
     ) -> None:
-        """engines: drafter name -> engine ("none": the target alone); names may share an engine.
-        router: a routing.Router whose choices name drafters (None: every request goes to the
-        first name unless forced).
+        """engine: holds every drafter (``engine.drafter_names``).
+        router: a routing.Router whose choices name the engine's drafters (None: every request
+        drafts with the engine's first drafter unless forced).
         unavailable: exceptions of ``step`` that mean the remote target is down (HTTP 503).
         routing: how a choice applies (K, load, fallback); request_log: a ``RequestLog`` or None."""
-        if not engines:
-            raise ValueError("the scheduler needs at least one engine")
-        self.engines = engines
+        self.engine = engine
+        self.drafter_names = tuple(engine.drafter_names)
+        if router is not None and (unknown := [d for d in router.draft_names if d not in self.drafter_names]):
+            raise ValueError(f"the router chooses drafters {unknown} that the engine does not have (it has "
+                             f"{', '.join(self.drafter_names)}): build the engine from the router's drafters")  # fmt: skip
         self.router = router
         self.metrics = metrics or ServerMetrics()
         self.max_batch_size = max_batch_size
@@ -142,17 +150,7 @@ class Scheduler:
         self.request_log = request_log
         self._drift: dict[str, float] = {}  # per draft: moving average of live - predicted acceptance
         self._inbox: queue.SimpleQueue[tuple[str, Ticket | None]] = queue.SimpleQueue()
-        self._tickets: dict[tuple[int, int], Ticket] = {}  # (id of the engine, request id) -> ticket
-        self._order = list(engines)
-        # The distinct engines, each labelled by its names, stepped in turn.
-        self._distinct: dict[int, tuple[str, Engine]] = {}
-        for name, engine in engines.items():
-            label, _ = self._distinct.get(id(engine), ("", engine))
-            self._distinct[id(engine)] = (f"{label},{name}" if label else name, engine)
-        if len(self._distinct) == 1:
-            self._distinct = {k: ("engine", e) for k, (_, e) in self._distinct.items()}
-        self._turns = list(self._distinct)
-        self._next = 0
+        self._tickets: dict[int, Ticket] = {}  # the engine's request id -> ticket
         self._thread: threading.Thread | None = None
         self._stopping = False
 
@@ -168,6 +166,15 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def check_draft(self, name: str | None) -> str | None:
+        """The one check of a drafter name a request forces: ``name`` if the engine has that drafter
+        (or None: the router chooses); otherwise a 400 naming the bad value and the valid names.
+        Reads only what never changes: safe from any thread, before the request is tokenized."""
+        if name is not None and name not in self.drafter_names:
+            raise APIError(400, f"unknown draft {name!r}; choose one of {', '.join(self.drafter_names)}", param="draft",
+                           code="unknown_draft")  # fmt: skip
+        return name
+
     def submit(self, ticket: Ticket) -> None:
         self._inbox.put(("add", ticket))
 
@@ -180,15 +187,12 @@ class Scheduler:
     def _run(self) -> None:
         while not self._stopping:
             try:
-                engines = [e for _, e in self._distinct.values()]
-                busy = any(e.has_unfinished_requests() for e in engines)
-                self._drain_inbox(block=not busy)
+                self._drain_inbox(block=not self.engine.has_unfinished_requests())
                 self._expire()
-                key = self._next_engine()
-                if key is not None:
-                    self._step(key)
-                self.metrics.queue_depth.set(sum(e.num_waiting for e in engines))
-                self.metrics.running.set(sum(e.num_running for e in engines))
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self.metrics.queue_depth.set(self.engine.num_waiting)
+                self.metrics.running.set(self.engine.num_running)
             except Exception as e:
                 # A dead scheduler thread would leave every request hanging: fail what is in
                 # flight with the cause and keep serving.
@@ -224,7 +228,7 @@ class Scheduler:
         routed = [i for i, t in enumerate(tickets) if t.forced_draft is None]
         occupancy = 1
         if self.routing.load_aware:  # the batch these requests join: what runs and waits, and themselves
-            load = sum(e.num_running + e.num_waiting for _, e in self._distinct.values())
+            load = self.engine.num_running + self.engine.num_waiting
             occupancy = max(1, min(self.max_batch_size, load + len(routed)))
         # A seeded sampled request is routed as if alone: its drafter and K shape its draws, which must
         # not depend on what else is in the batch (the engine never caps its K for the same reason).
@@ -248,31 +252,26 @@ class Scheduler:
                 keep = [i for i in range(len(tickets)) if i not in set(routed)]
                 tickets, choices = [tickets[i] for i in keep], [None] * len(keep)
         for ticket, choice in zip(tickets, choices):
-            draft = ticket.forced_draft or (choice.draft if choice is not None else self._order[0])
+            draft = ticket.forced_draft or (choice.draft if choice is not None else self.drafter_names[0])
             if choice is not None and ticket.forced_draft is None:
                 draft = self._explore(draft)
                 ticket.explored = draft != choice.draft
-            engine = self.engines.get(draft)
-            if engine is None:
-                self._fail(ticket, APIError(500, f"the router chose draft {draft!r}, which has no engine"), "error")
-                continue
-            if not self._has_room(engine):
+            if not self._has_room():
                 self._fail(ticket, APIError(
                     429, f"the server is full: {self.queue_limit} requests are already waiting for a slot "
                     "(queue_limit); retry later", code="queue_full"), "rejected")  # fmt: skip
                 continue
-            if draft in getattr(engine, "drafter_names", ()):
-                ticket.request.drafter = draft  # the row drafts with it inside the shared batch
+            ticket.request.drafter = draft  # the row drafts with it inside the shared batch
             if choice is not None and ticket.forced_draft is None and draft == choice.draft != NONE:
-                self._apply_choice(ticket.request, engine, choice)  # an explored drafter drafts the engine's K
+                self._apply_choice(ticket.request, choice)  # an explored drafter drafts the engine's K
             ticket.choice, ticket.occupancy = choice, routed_at(ticket)
             try:
-                ticket.request_id = engine.add_request(ticket.request)
+                ticket.request_id = self.engine.add_request(ticket.request)
             except ValueError as e:
                 self._fail(ticket, APIError(400, str(e), param="max_tokens"), "rejected")
                 continue
             ticket.draft = draft
-            self._tickets[(id(engine), ticket.request_id)] = ticket
+            self._tickets[ticket.request_id] = ticket
             self.metrics.draft_choices.labels(draft, str(ticket.forced_draft is not None).lower()).inc()
             if ticket.explored:
                 self.metrics.explored.labels(choice.draft).inc()
@@ -286,19 +285,20 @@ class Scheduler:
         so train-router has nothing to learn from it."""
         if not self.routing.explore or self._explore_rng.random() >= self.routing.explore:
             return chosen
-        others = [d for d in self.router.draft_names if d not in (chosen, NONE) and d in self.engines]
+        others = [d for d in self.router.draft_names if d not in (chosen, NONE)]
         if not others:
             return chosen
         return others[self._explore_rng.randrange(len(others))]
 
-    def _apply_choice(self, request: Request, engine: Engine, choice: Any) -> None:
+    def _apply_choice(self, request: Request, choice: Any) -> None:
         """The router's K (within what the engine can verify) and the fallback floor: the lower of
         the drafter's break-even acceptance and ``fallback_ratio`` of its prediction."""
-        k_max = getattr(getattr(engine, "config", None), "k_max", 0)
+        config = getattr(self.engine, "config", None)
+        k_max = getattr(config, "k_max", 0)
         if self.routing.apply_k and choice.k and k_max:
             request.k = min(int(choice.k), k_max)
         # step_k goodput's prior for the row: the predicted rate at the K the row will draft.
-        engine_k = getattr(getattr(engine, "config", None), "k", None)
+        engine_k = getattr(config, "k", None)
         k = request.k or (engine_k if isinstance(engine_k, int) and engine_k else choice.k)
         rate = (getattr(choice, "predicted_acceptance", None) or {}).get(choice.draft)
         rate_at = getattr(self.router, "rate_at", None)
@@ -312,34 +312,21 @@ class Scheduler:
                 request.fallback = Fallback(min_acceptance=floor, after_drafted=self.routing.fallback_after,
                                             confidence=self.routing.fallback_confidence)
 
-    def _has_room(self, engine: Engine) -> bool:
-        """A request may join if its engine has a free slot for it or fewer than ``queue_limit``
-        requests wait beyond the free slots (across all engines)."""
-        def beyond(e: Engine) -> int:
-            return max(0, e.num_waiting - (self.max_batch_size - e.num_running))
+    def _has_room(self) -> bool:
+        """A request may join if the engine has a free slot for it or fewer than ``queue_limit``
+        requests wait beyond the free slots."""
+        free = self.max_batch_size - self.engine.num_running
+        return self.engine.num_waiting < free or self.engine.num_waiting - free < self.queue_limit
 
-        if engine.num_waiting < self.max_batch_size - engine.num_running:
-            return True
-        return sum(beyond(e) for _, e in self._distinct.values()) < self.queue_limit
-
-    def _next_engine(self) -> int | None:
-        for i in range(len(self._turns)):
-            key = self._turns[(self._next + i) % len(self._turns)]
-            if self._distinct[key][1].has_unfinished_requests():
-                self._next = (self._next + i + 1) % len(self._turns)
-                return key
-        return None
-
-    def _step(self, key: int) -> None:
-        name, engine = self._distinct[key]
+    def _step(self) -> None:
         started = time.perf_counter()
         try:
-            outputs = engine.step()
+            outputs = self.engine.step()
         except RequestFailed as e:
             # Requests that failed alone (the engine found their rows); the others go on next step.
-            log.error("engine %r: %s", name, e)
+            log.error("engine: %s", e)
             for rid, error in e.errors.items():
-                ticket = self._tickets.get((key, rid))
+                ticket = self._tickets.get(rid)
                 if ticket is not None:
                     self._fail(ticket, APIError(500, f"the request failed in the engine: {type(error).__name__}: {error}",
                                                 code="request_failed"), "error")  # fmt: skip
@@ -348,17 +335,17 @@ class Scheduler:
             # The engine names the requests its remote target failed (the others go on next step); a
             # failure that names none takes the whole engine's requests with it.
             error = APIError(503, f"the target is unavailable: {e}", code="target_unavailable")
-            self._fail_engine(key, error, getattr(e, "request_ids", None))
+            self._fail_running(error, getattr(e, "request_ids", None))
             return
         except Exception as e:
-            log.exception("engine %r failed a step", name)
-            self._fail_engine(key, APIError(500, f"engine {name!r} failed: {type(e).__name__}: {e}"))
+            log.exception("the engine failed a step")
+            self._fail_running(APIError(500, f"the engine failed a step: {type(e).__name__}: {e}"))
             return
         now = time.perf_counter()
-        self.metrics.engine_steps.labels(name).inc()
-        self.metrics.step_time.labels(name).observe(now - started)
+        self.metrics.engine_steps.labels(ENGINE).inc()
+        self.metrics.step_time.labels(ENGINE).observe(now - started)
         for out in outputs:
-            ticket = self._tickets.get((key, out.request_id))
+            ticket = self._tickets.get(out.request_id)
             if ticket is None:
                 continue
             if out.new_token_ids:
@@ -381,7 +368,7 @@ class Scheduler:
         ticket.last_token = now
 
     def _finish(self, ticket: Ticket, completion: Completion, now: float) -> None:
-        self._tickets.pop((id(self.engines[ticket.draft]), ticket.request_id), None)
+        self._tickets.pop(ticket.request_id, None)
         ticket.done = True
         s, m, draft = completion.stats, self.metrics, ticket.draft
         m.generated_tokens.labels(draft).inc(len(completion.token_ids))
@@ -424,24 +411,24 @@ class Scheduler:
     def _cancel(self, ticket: Ticket) -> None:
         if ticket.done or ticket.request_id is None:
             return
-        self.engines[ticket.draft].abort_request(ticket.request_id)
-        self._tickets.pop((id(self.engines[ticket.draft]), ticket.request_id), None)
+        self.engine.abort_request(ticket.request_id)
+        self._tickets.pop(ticket.request_id, None)
         ticket.done = True
         self.metrics.finished.labels("cancelled").inc()
 
     def _fail(self, ticket: Ticket, error: APIError, reason: str) -> None:
         if ticket.request_id is not None and not ticket.done:
-            self.engines[ticket.draft].abort_request(ticket.request_id)
-            self._tickets.pop((id(self.engines[ticket.draft]), ticket.request_id), None)
+            self.engine.abort_request(ticket.request_id)
+            self._tickets.pop(ticket.request_id, None)
         ticket.done = True
         self.metrics.finished.labels(reason).inc()
         ticket.send(Failed(error))
 
-    def _fail_engine(self, key: int, error: APIError, request_ids: list[int] | None = None) -> None:
+    def _fail_running(self, error: APIError, request_ids: list[int] | None = None) -> None:
         """The engine's requests (or only ``request_ids``) get the error; their slots are freed
         so the engine serves new requests once the cause (e.g. a restarting target) is gone."""
-        for (engine, rid), ticket in list(self._tickets.items()):
-            if engine == key and (request_ids is None or rid in request_ids):
+        for rid, ticket in list(self._tickets.items()):
+            if request_ids is None or rid in request_ids:
                 self._fail(ticket, error, "error")
 
     def _expire(self) -> None:

@@ -11,6 +11,7 @@ served requests that ``train-router`` can learn from.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -92,8 +93,6 @@ class GrpcSettings:
         "role=draft: the deadline of every call to the target (a frozen target fails its requests after this)"))
 
     def resolved_token(self) -> str | None:
-        import os
-
         return self.token or os.environ.get("CHORAL_GRPC_TOKEN") or None
 
     def __post_init__(self) -> None:
@@ -175,8 +174,6 @@ class ServeConfig:
 
     def resolved_api_key(self) -> str | None:
         """``api_key``, else CHORAL_API_KEY, else None (no key)."""
-        import os
-
         return self.api_key or os.environ.get("CHORAL_API_KEY") or None
 
     def __post_init__(self) -> None:

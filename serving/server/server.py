@@ -1,81 +1,73 @@
-"""The OpenAI-compatible HTTP server (FastAPI): routing, continuous batching, metrics.
+"""The Choral engine's backend of ``serve`` (``backend=choral``): loading, and the request path.
 
-    app = create_app(load_config(ServeConfig, "configs/serve.yaml"))
-    uvicorn.run(app, host="127.0.0.1", port=8000)
+    app = create_app(EngineServer(cfg), cfg)    # serving.server.app
 
-Models load on a background thread after the app starts, so ``/health`` answers 503 ("loading")
-until the target, the drafts and the router are loaded and warmed up, then 200. Endpoints:
-
-* ``POST /v1/completions``, ``POST /v1/chat/completions``: OpenAI's request and response
-  formats, streamed as server-sent events with ``stream: true``. Each response carries an extra
-  ``choral`` object (the draft used, acceptance rate, tokens per target call, the router's
-  predictions); OpenAI clients ignore it. A ``draft`` body field or an ``X-Choral-Draft``
-  header forces a draft name or ``none`` (the target alone).
-* ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
-
-``build_engines`` turns a config into the engine with ``serving.engine.engine_settings.load_engine``,
-as every command does: one ``SpeculativeEngine`` holding every drafter, on the target model in
-fused mode, on a ``serving.distributed.remote.RemoteVerifier`` in the draft role.
+``load_models`` reads the router, builds the engine with ``serving.engine.engine_settings.load_engine``
+as every command does (one ``SpeculativeEngine`` holding every drafter the router names, the
+built-in model-free ones and ``none``; on the target model in fused mode, on a
+``serving.distributed.remote.RemoteVerifier`` in the draft role), and warms every drafter up.
+``EngineServer`` loads on a background thread after the app starts, so ``/health`` answers 503
+("loading") until then, and 200 after. A request is parsed and checked (the model, a forced
+drafter, the context) and tokenized off the event loop, then handed to the ``Scheduler`` thread
+that owns the engine; its tokens come back as events, streamed or collected, and its ``choral``
+object says what speculation did for it.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import asyncio
-import hmac
+import dataclasses
 import logging
 import threading
 import time
-from contextlib import asynccontextmanager
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
-from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 
-from serving.server.detokenize import IncrementalDetokenizer
+from routing.router import Router
+from serving.distributed.remote import RemoteVerifier, TargetUnavailable
 from serving.engine import Request
-from serving.engine.drafters.base import PREDICTION
+from serving.engine.drafters.base import NONE, PREDICTION
 from serving.engine.engine_settings import HOST_DRAFTERS
 from serving.engine.loader import load_engine
-from serving.server.metrics import CONTENT_TYPE, ServerMetrics
 from serving.engine.models import load_tokenizer
+from serving.engine.sampling import SamplingParams
+from serving.server.detokenize import IncrementalDetokenizer
+from serving.server.http import check_model, json_error, not_ready, read_body, requested_draft, wait_disconnect
+from serving.server.metrics import ServerMetrics
 from serving.server.openai_api import (
     APIError, ChatCompletionRequest, CompletionRequest, chunk_body, completion_body, new_id, parse_request, sse, usage,
 )  # fmt: skip
-from serving.engine.sampling import SamplingParams
+from serving.server.request_log import RequestLog
 from serving.server.scheduler import Engine, Failed, Finished, Routed, Scheduler, Ticket, Tokens
 from serving.server.serve_config import ServeConfig
 
 log = logging.getLogger("choral.server")
-NONE = "none"  # the draft name of the target alone
 
 
 @dataclass
-class Backend:
-    """Everything loaded: the engines (one per draft name), the router, and a tokenizer of the
-    HTTP side's own (the engines' tokenizer is used on the scheduler thread; HF fast tokenizers
+class LoadedModels:
+    """Everything loaded: the engine (it holds every drafter), the router, and a tokenizer of the
+    HTTP side's own (the engine's tokenizer is used on the scheduler thread; HF fast tokenizers
     must not be shared between threads)."""
 
-    engines: dict[str, Engine]
+    engine: Engine
     router: Any  # routing.Router
     tokenizer: Any
     model_name: str
     max_len: int
-    reserve: dict[str, int]  # per engine: context kept free for speculation (K + 1)
+    reserve: int  # context kept free for speculation: K + 1 of the largest K a row may draft (1 without drafting)
     unavailable: tuple[type[BaseException], ...] = ()  # step() errors that mean "target down"
 
 
-def build_engines(cfg: ServeConfig, router: Any) -> tuple[Any, dict[str, Engine], tuple[type[BaseException], ...]]:
-    """The tokenizer, the drafter names mapped to their engine, and the exceptions that mean the
-    target is unreachable. One engine (one target, one KV cache, one batch) holds every drafter
-    the router names, the built-in model-free ones (``ngram``, ``suffix``, ``prediction``) and
-    ``none``; each request's row drafts with its own. role=draft: it verifies on ``cfg.target_address``."""
+def load_served_engine(cfg: ServeConfig, router: Any) -> tuple[Any, Engine, tuple[type[BaseException], ...]]:
+    """The tokenizer, the engine and the exceptions that mean the target is unreachable. One
+    engine (one target, one KV cache, one batch) holds every drafter the router names, the
+    built-in model-free ones (``ngram``, ``suffix``, ``prediction``) and ``none``; each request's
+    row drafts with its own. role=draft: it verifies on ``cfg.target_address``."""
     drafters = {name: router.draft_refs.get(name) for name in router.draft_names if name != NONE}
     for builtin in HOST_DRAFTERS:
         drafters.setdefault(builtin, builtin)
@@ -85,8 +77,6 @@ def build_engines(cfg: ServeConfig, router: Any) -> tuple[Any, dict[str, Engine]
         settings = dataclasses.replace(settings, request_k_max=max(fits) if fits else None)
     verifier, unavailable = None, ()
     if cfg.role == "draft":  # the same engine, verifying on the target service
-        from serving.distributed.remote import RemoteVerifier, TargetUnavailable
-
         g = cfg.grpc
         verifier = RemoteVerifier(cfg.target_address, timeout_s=g.deadline_s, token=g.resolved_token(),
                                   tls_ca=g.read("tls_ca") if g.tls_ca else None)  # fmt: skip
@@ -99,13 +89,11 @@ def build_engines(cfg: ServeConfig, router: Any) -> tuple[Any, dict[str, Engine]
     table = router.info.get("step_table")
     if settings.step_k == "goodput" and table:  # the profiled steps price a shape the engine has not timed
         engine.step_costs.set_table(table)
-    return loaded.tokenizer, {name: engine for name in engine.drafter_names}, unavailable
+    return loaded.tokenizer, engine, unavailable
 
 
-def load_backend(cfg: ServeConfig) -> Backend:
-    """Load the router and the models, build the engines and warm everything up."""
-    from routing.router import Router
-
+def load_models(cfg: ServeConfig) -> LoadedModels:
+    """Load the router and the models, build the engine and warm every drafter up."""
     if cfg.router is None:
         raise ValueError(f"role={cfg.role} needs a router: pass --router router.pt (or router=... in the config)")
     router = Router.load(cfg.router, device="cpu")
@@ -121,118 +109,32 @@ def load_backend(cfg: ServeConfig) -> Backend:
         log.warning("router %s was trained on rows whose drafts ran at draft_weights=%s, and this server runs them at %s: "
                     "its draft cost and acceptance predictions describe the other precision", cfg.router, drafts_at,
                     served_at)  # fmt: skip
-    tokenizer, engines, unavailable = build_engines(cfg, router)
+    tokenizer, engine, unavailable = load_served_engine(cfg, router)
     target_ref = cfg.target_model or router.target_ref
-    configs = {name: getattr(e, "config", None) for name, e in engines.items()}
-    max_len = next(c.max_len for c in configs.values() if c is not None and c.max_len)
     # Context kept free for speculation (K + 1): every row of the one engine may draft.
-    reserve = {name: c.k_max + 1 if c.k else 1 for name, c in configs.items()}
+    reserve = engine.config.k_max + 1 if engine.config.k else 1
     if cfg.warmup:
         router.choose("warm up")
         ids = tokenizer.encode("def add(a, b):", add_special_tokens=False)
-        for name, engine in engines.items():  # every drafter once: its first-use costs are paid here
-            engine.add_request(Request(ids, max_new_tokens=4, drafter=name if name in getattr(engine, "drafter_names", ()) else None))
+        for name in engine.drafter_names:  # every drafter once: its first-use costs are paid here
+            engine.add_request(Request(ids, max_new_tokens=4, drafter=name))
             while engine.has_unfinished_requests():
                 engine.step()
     # A model id, never a filesystem path: /v1/models is public (a folder's name stands for it).
     model_name = cfg.model_name or (Path(target_ref).name if Path(target_ref).exists() else target_ref)
-    return Backend(engines, router, load_tokenizer(target_ref), model_name, max_len, reserve, unavailable)
+    return LoadedModels(engine, router, load_tokenizer(target_ref), model_name, engine.config.max_len, reserve, unavailable)
 
 
-def create_app(
-    cfg: ServeConfig,
-    load: Callable[[ServeConfig], Backend] = load_backend,
-    on_load_error: Callable[[BaseException], None] | None = None,
-) -> FastAPI:
-    """The FastAPI app; ``load`` runs on a background thread once the app starts."""
-    if cfg.backend == "vllm":  # the same front, forwarding to pools of vLLM replicas
-        from serving.server.vllm_backend import FleetServer
+class EngineServer:
+    """The ``Backend`` (``serving.server.app``) of backend=choral: the models ``load`` loads, the
+    scheduler thread that owns the engine, and the request handling on the asyncio side."""
 
-        server: Any = FleetServer(cfg)
-    else:
-        server = _Server(cfg)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await server.start(load, on_load_error)
-        yield
-        await server.stop()
-
-    # The interactive docs expose every route and schema to whoever can reach the port: off unless asked for.
-    docs = {} if cfg.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(title="Choral", lifespan=lifespan, **docs)
-    app.state.server = server
-    api_key = cfg.resolved_api_key()
-
-    @app.middleware("http")
-    async def check_api_key(request: HTTPRequest, call_next):
-        """vLLM's --api-key: every route but /health and /metrics needs ``Authorization: Bearer KEY``."""
-        if api_key is not None and request.url.path not in OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                if request.url.path in ENDPOINTS:
-                    server.metrics.requests.labels(ENDPOINTS[request.url.path], "401").inc()
-                error = APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' (the "
-                                      "openai client's api_key)", code="invalid_api_key")  # fmt: skip
-                return JSONResponse(error.body(), status_code=401)
-        return await call_next(request)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
-        error = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
-        # Starlette's 405 carries the Allow header the client needs; keep every header it set.
-        return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: HTTPRequest, exc: Exception) -> JSONResponse:
-        log.exception("choral: %s %s failed", request.method, request.url.path)
-        if request.url.path in ENDPOINTS:  # every answered request is counted once, this one too
-            server.metrics.requests.labels(ENDPOINTS[request.url.path], "500").inc()
-        error = APIError(500, f"internal error: {type(exc).__name__}: {exc}")
-        return JSONResponse(error.body(), status_code=500)
-
-    @app.post("/v1/completions")
-    async def completions(request: HTTPRequest) -> Response:
-        return await server.generate(request, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: HTTPRequest) -> Response:
-        return await server.generate(request, chat=True)
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        if not server.ready:
-            return not_ready(server.error)
-        entry = {"id": server.model_name, "object": "model", "created": server.started, "owned_by": "choral",
-                 "choral": server.model_info()}  # fmt: skip
-        return JSONResponse({"object": "list", "data": [entry]})
-
-    @app.get("/health")
-    async def health() -> Response:
-        if server.ready:
-            down = await server.unavailable()
-            if down is not None:
-                return JSONResponse({"status": "error", "error": down}, status_code=503)
-            return JSONResponse({"status": "ok"})
-        if server.error is not None:
-            return JSONResponse({"status": "error", "error": server.error}, status_code=503)
-        return JSONResponse({"status": "loading"}, status_code=503)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
-
-    return app
-
-
-class _Server:
-    """The app's state and request handling (the asyncio side of the scheduler)."""
-
-    def __init__(self, cfg: ServeConfig) -> None:
+    def __init__(self, cfg: ServeConfig, load: Callable[[ServeConfig], LoadedModels] = load_models) -> None:
         self.cfg = cfg
+        self._load_models = load
         self._tokenizing = threading.Lock()
         self.metrics = ServerMetrics()
-        self.backend: Backend | None = None
+        self.models: LoadedModels | None = None
         self.scheduler: Scheduler | None = None
         self.ready = False
         self.error: str | None = None
@@ -240,14 +142,14 @@ class _Server:
 
     @property
     def model_name(self) -> str:
-        return self.backend.model_name
+        return self.models.model_name
 
     def model_info(self) -> dict:
-        return {"drafts": list(self.backend.engines), "max_len": self.backend.max_len}
+        return {"drafts": list(self.scheduler.drafter_names), "max_len": self.models.max_len}
 
-    async def start(self, load: Callable[[ServeConfig], Backend], on_error: Callable[[BaseException], None] | None) -> None:
+    async def start(self, on_error: Callable[[BaseException], None] | None) -> None:
         """Load the models on a background thread: /health answers "loading" meanwhile."""
-        threading.Thread(target=self.load, args=(load, on_error), name="choral-load", daemon=True).start()
+        threading.Thread(target=self._load, args=(on_error,), name="choral-load", daemon=True).start()
 
     async def stop(self) -> None:
         if self.scheduler is not None:
@@ -259,24 +161,22 @@ class _Server:
             return f"the target at {self.cfg.target_address} is unavailable"
         return None
 
-    def load(self, load: Callable[[ServeConfig], Backend], on_error: Callable[[BaseException], None] | None) -> None:
+    def _load(self, on_error: Callable[[BaseException], None] | None) -> None:
         try:
             t0 = time.perf_counter()
-            backend = load(self.cfg)
+            models = self._load_models(self.cfg)
             request_log = None
             if self.cfg.routing.log_requests is not None:
-                from serving.server.request_log import RequestLog
-
-                request_log = RequestLog(self.cfg.routing.log_requests, target=backend.router.target_ref,
-                                         target_weights=self.cfg.engine.target_weights, draft_refs=backend.router.draft_refs,
+                request_log = RequestLog(self.cfg.routing.log_requests, target=models.router.target_ref,
+                                         target_weights=self.cfg.engine.target_weights, draft_refs=models.router.draft_refs,
                                          draft_weights=self.cfg.engine.drafts_weights())  # fmt: skip
-            scheduler = Scheduler(backend.engines, backend.router, self.metrics, max_batch_size=self.cfg.engine.max_batch_size,
-                                  queue_limit=self.cfg.queue_limit, unavailable=backend.unavailable, routing=self.cfg.routing,
+            scheduler = Scheduler(models.engine, models.router, self.metrics, max_batch_size=self.cfg.engine.max_batch_size,
+                                  queue_limit=self.cfg.queue_limit, unavailable=models.unavailable, routing=self.cfg.routing,
                                   request_log=request_log)  # fmt: skip
             scheduler.start()
-            self.backend, self.scheduler, self.ready = backend, scheduler, True
-            log.info("choral: ready in %.1f s: model %r, engines %s", time.perf_counter() - t0, backend.model_name,
-                     ", ".join(backend.engines))  # fmt: skip
+            self.models, self.scheduler, self.ready = models, scheduler, True
+            log.info("choral: ready in %.1f s: model %r, drafters %s", time.perf_counter() - t0, models.model_name,
+                     ", ".join(scheduler.drafter_names))  # fmt: skip
         except BaseException as e:
             self.error = f"{type(e).__name__}: {e}"
             log.error("choral: loading failed: %s", self.error)
@@ -286,7 +186,7 @@ class _Server:
     async def _target_up(self, always_probe: bool = False) -> bool:
         """Whether the target answers: always in fused mode; on a draft node, what its last call
         saw, asked again (an ``Info`` call, off the event loop) when that failed or ``always_probe``."""
-        verifier = getattr(next(iter(self.backend.engines.values())), "verifier", None)
+        verifier = getattr(self.models.engine, "verifier", None)
         probe = getattr(verifier, "probe", None)  # a RemoteVerifier's; a local target is always up
         if probe is None or (verifier.available and not always_probe):
             return True
@@ -316,9 +216,9 @@ class _Server:
                 raise first.error
         except APIError as e:
             self.metrics.requests.labels(endpoint, str(e.status)).inc()
-            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+            return json_error(e)
         # Counted when the response ends (_Context.count), with the status the client saw last.
-        context = _Context(endpoint, self.metrics, new_id("chatcmpl" if chat else "cmpl"), self.backend.model_name, chat, body,
+        context = _Context(endpoint, self.metrics, new_id("chatcmpl" if chat else "cmpl"), self.models.model_name, chat, body,
                            len(ticket.request.prompt_ids), first, ticket.forced_draft is not None)  # fmt: skip
         if body.stream:
             return StreamingResponse(self._stream(ticket, context), media_type="text/event-stream")
@@ -327,15 +227,8 @@ class _Server:
     def _forced_draft(self, http: HTTPRequest, body: Any) -> str | None:
         """The drafter the request forces (body ``draft`` or the X-Choral-Draft header), checked
         with the model name before any tokenizing."""
-        b = self.backend
-        if body.model != b.model_name:
-            raise APIError(404, f"model {body.model!r} does not exist; this server serves {b.model_name!r}",
-                           param="model", code="model_not_found")  # fmt: skip
-        forced = body.draft if body.draft is not None else http.headers.get("x-choral-draft")
-        if forced is not None and forced not in b.engines:
-            raise APIError(400, f"unknown draft {forced!r}; choose one of {', '.join(b.engines)}", param="draft",
-                           code="unknown_draft")  # fmt: skip
-        return forced
+        check_model(body.model, self.models.model_name)
+        return self.scheduler.check_draft(requested_draft(http, body))
 
     def _encode_request(self, body: Any, chat: bool) -> tuple[list[int], str, str, list[int] | None]:
         """(prompt ids, the text the router reads, the field to blame, prediction ids): the
@@ -345,10 +238,10 @@ class _Server:
 
     def _ticket(self, body: Any, forced: str | None, prompt_ids: list[int], route_text: str, param: str,
                 prediction: list[int] | None) -> Ticket:  # fmt: skip
-        b = self.backend
-        if prediction is not None and forced is None and PREDICTION in b.engines:
+        b = self.models
+        reserve = b.reserve
+        if prediction is not None and forced is None and PREDICTION in self.scheduler.drafter_names:
             forced = PREDICTION  # OpenAI's Predicted Outputs: the client's expected text is the draft
-        reserve = b.reserve[forced] if forced is not None else max(b.reserve.values())
         room = b.max_len - len(prompt_ids) - reserve
         if room < 1:
             raise APIError(400, f"{param}: the prompt has {len(prompt_ids)} tokens, more than the context allows: max_len="
@@ -371,7 +264,7 @@ class _Server:
         """An upper bound on the characters one token holds: the longest vocabulary entry (a
         byte-level BPE entry has one character per byte, at least as many as it decodes to)."""
         if getattr(self, "_longest", None) is None:
-            self._longest = max(map(len, self.backend.tokenizer.get_vocab()))
+            self._longest = max(map(len, self.models.tokenizer.get_vocab()))
         return self._longest
 
     def _prediction(self, body: Any) -> list[int] | None:
@@ -384,26 +277,26 @@ class _Server:
         server by 370 MB a request."""
         if body.prediction is None:
             return None
-        max_len = self.backend.max_len
+        max_len = self.models.max_len
         text = body.prediction.text()[: max_len * self._longest_token()]
-        return self.backend.tokenizer.encode(text, add_special_tokens=False)[:max_len] if text else None
+        return self.models.tokenizer.encode(text, add_special_tokens=False)[:max_len] if text else None
 
     def _encode(self, body: Any, chat: bool) -> tuple[list[int], str, str]:
         """Prompt token ids, the text the router reads, and the field to blame if it is too long.
         A text longer than max_len tokens of the longest token in the vocabulary cannot fit, and
         is refused without being tokenized; so is a stop string no answer could hold (each step
         searches the answer's tail for every stop string)."""
-        tok = self.backend.tokenizer
-        longest = self.backend.max_len * self._longest_token()
+        tok = self.models.tokenizer
+        longest = self.models.max_len * self._longest_token()
         too_long = next((i for i, stop in enumerate(body.stops) if len(stop) > longest), None)
         if too_long is not None:
             raise APIError(400, f"stop[{too_long}] is {len(body.stops[too_long]):,} characters: more than max_len="
-                           f"{self.backend.max_len} tokens can hold, so it can never match; send a shorter stop string",
+                           f"{self.models.max_len} tokens can hold, so it can never match; send a shorter stop string",
                            param="stop")  # fmt: skip
         texts = [m.text() for m in body.messages] if chat else [body.prompt] if isinstance(body.prompt, str) else []
         if sum(map(len, texts)) > longest:
             param = "messages" if chat else "prompt"
-            raise APIError(400, f"{param}: {sum(map(len, texts))} characters cannot fit in max_len={self.backend.max_len} "
+            raise APIError(400, f"{param}: {sum(map(len, texts))} characters cannot fit in max_len={self.models.max_len} "
                            "tokens; shorten the prompt", param=param, code="context_length_exceeded")  # fmt: skip
         if chat:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -448,7 +341,7 @@ class _Server:
         return JSONResponse(body)
 
     async def _stream(self, ticket: Ticket, c: "_Context") -> AsyncIterator[bytes]:
-        detok = IncrementalDetokenizer(self.backend.tokenizer, c.body.stops)
+        detok = IncrementalDetokenizer(self.models.tokenizer, c.body.stops)
         created = int(time.time())
 
         def chunk(**kw: Any) -> bytes:
@@ -484,10 +377,6 @@ class _Server:
             if not ticket.done:  # the client went away (or the server is stopping): free the slot
                 self.scheduler.abort(ticket)
             c.count(499)  # no-op once counted
-
-
-ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
-OPEN_PATHS = {"/health", "/metrics"}  # served without the API key (probes and scrapers), as vLLM does
 
 
 @dataclass
@@ -532,48 +421,3 @@ class _Context:
             "explored": self.routed.explored,  # routing.explore drew another drafter than router_choice
             "fallback": stats.get("fallback"),  # {"to": "none", "at_token": n} when the drafter stopped paying
         }
-
-
-async def wait_disconnect(http: HTTPRequest) -> None:
-    """Returns once the client has gone away (the body is already read, so the next ASGI
-    message is the disconnect)."""
-    while (await http.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def read_body(http: HTTPRequest, limit: int, timeout_s: float | None = None) -> bytes:
-    """The request body, refused with 413 past ``max_body_bytes`` before any of it is parsed.
-    The rest of an oversized body is read and dropped (up to 16x the limit), as nginx does, so
-    the client gets to read the 413 instead of a connection reset mid-upload.
-
-    A body still arriving after ``timeout_s`` (``body_timeout_s``) is cut off with a 408: uvicorn
-    closes idle connections but has no deadline for a body that trickles in a byte at a time. A
-    client that disconnects before its body is read gets a 499 (nginx's "client closed request",
-    which no client receives): counted under its own label and logged at INFO, not a 500."""
-    chunks, size = [], 0
-    try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in http.stream():
-                size += len(chunk)
-                if size <= limit:
-                    chunks.append(chunk)
-                elif size > 16 * limit:
-                    break
-    except ClientDisconnect:
-        log.info("%s %s: the client closed the connection after %d bytes of its request body (499)",
-                 http.method, http.url.path, size)  # fmt: skip
-        raise APIError(499, "the client closed the connection before its request was read",
-                       code="client_closed_request") from None  # fmt: skip
-    except TimeoutError:
-        raise APIError(408, f"the request body did not arrive within body_timeout_s={timeout_s:g} s ({size} bytes "
-                       "came); send the whole body at once (or raise body_timeout_s in the server's config)",
-                       code="request_timeout") from None  # fmt: skip
-    if size > limit:
-        raise APIError(413, f"the request body is larger than max_body_bytes={limit}; send a shorter prompt (or "
-                            "raise max_body_bytes in the server's config)", code="request_too_large")  # fmt: skip
-    return b"".join(chunks)
-
-
-def not_ready(error: str | None) -> JSONResponse:
-    why = f"loading failed: {error}" if error else "the server is still loading; retry when /health is 200"
-    return JSONResponse(APIError(503, why, code="not_ready").body(), status_code=503)

@@ -40,19 +40,23 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 import httpx
+import torch
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.requests import Request as HTTPRequest
 
+from routing.router import Router
+from serving.engine.goodput import expected_tokens, per_token_acceptance
 from serving.config import ConfigError, load_config
+from serving.engine.models import resolve_model_ref
 from serving.fleet.fleet_file import NONE, FleetConfig, PoolSettings
 from serving.fleet.profile import Profile, load_profile, step_ms
+from serving.server.http import check_model, json_error, not_ready, read_body, requested_draft, wait_disconnect
 from serving.server.metrics import ServerMetrics
 from serving.server.openai_api import (
     APIError, ChatCompletionRequest, CompletionRequest, OversizedInt, new_id, parse_json, sse, validate_request,
 )  # fmt: skip
 from serving.server.serve_config import ServeConfig
-from serving.server.server import not_ready, read_body, wait_disconnect
 
 log = logging.getLogger("choral.fleet")
 
@@ -109,10 +113,6 @@ def pool_tokens(pool: PoolSettings, acceptance_rate: float, collected_k: int) ->
     """The tokens one step of the pool commits for a request: with the drafter's per-token
     acceptance at the pool's K (the router's rate was measured at ``collected_k`` drafts); 1 for
     the target alone."""
-    import torch
-
-    from serving.engine.goodput import expected_tokens, per_token_acceptance
-
     if pool.drafter == NONE:
         return 1.0
     a = per_token_acceptance(torch.tensor([float(acceptance_rate)]), collected_k)
@@ -168,7 +168,8 @@ class Route:
 
 
 class FleetServer:
-    """The app's state for ``backend=vllm`` (the counterpart of ``server._Server``)."""
+    """The ``Backend`` (``serving.server.app``) of backend=vllm (the counterpart of ``server.EngineServer``):
+    the router, the replicas' state and the forwarding of each request."""
 
     profile: Profile | None = None  # the fleet's measured step costs (FleetConfig.profile)
 
@@ -207,8 +208,6 @@ class FleetServer:
     def _model_ids(ref: str) -> list[str]:
         """The ids a replica serving ``ref`` may list: the reference and, for a bundled name or a
         folder, the folder's absolute path (vLLM lists its --model argument)."""
-        from serving.engine.models import resolve_model_ref
-
         ids = [ref]
         try:
             resolved = resolve_model_ref(ref)
@@ -217,7 +216,7 @@ class FleetServer:
             pass
         return list(dict.fromkeys(ids))
 
-    # ---- the server's interface (create_app) ------------------------------------------------------
+    # ---- the Backend protocol (serving.server.app) --------------------------------------------------
 
     @property
     def ready(self) -> bool:
@@ -237,7 +236,7 @@ class FleetServer:
                      "replicas_up": sum(r.usable for r in self.replicas if r.pool is p), "replicas": len(p.replicas)}
             for p in self.fleet.pools}}  # fmt: skip
 
-    async def start(self, load: Any, on_error: Callable[[BaseException], None] | None) -> None:
+    async def start(self, on_error: Callable[[BaseException], None] | None) -> None:
         """Load the router (a background thread) and start watching the replicas."""
         self._on_error = on_error
         f = self.fleet
@@ -259,8 +258,6 @@ class FleetServer:
     async def _watch(self) -> None:
         try:
             if self.cfg.router is not None:
-                from routing.router import Router
-
                 self.router = await asyncio.to_thread(Router.load, self.cfg.router, "cpu")
                 missing = [p.name for p in self.fleet.pools if p.drafter not in set(self.router.draft_names) | {NONE}]
                 if missing:
@@ -408,10 +405,8 @@ class FleetServer:
             raw = await read_body(http, self.cfg.max_body_bytes, self.cfg.body_timeout_s)
             data = parse_json(raw)
             body = validate_request(data, ChatCompletionRequest if chat else CompletionRequest, implemented=VLLM_IMPLEMENTS)
-            if body.model != self.model_name:
-                raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
-                               param="model", code="model_not_found")  # fmt: skip
-            forced = body.draft if body.draft is not None else http.headers.get("x-choral-draft")
+            check_model(body.model, self.model_name)
+            forced = requested_draft(http, body)
             names = {p.drafter for p in self.fleet.pools} | {p.name for p in self.fleet.pools}
             if forced is not None and forced not in names:
                 raise APIError(400, f"unknown draft {forced!r}; choose a pool's drafter or name: {', '.join(sorted(names))}",
@@ -425,7 +420,7 @@ class FleetServer:
             return await self._send(http, endpoint, chat, body, payload, route, t0)
         except APIError as e:
             self.metrics.requests.labels(endpoint, str(e.status)).inc()
-            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+            return json_error(e)
 
     @staticmethod
     def _route_text(body: Any, chat: bool) -> str:
