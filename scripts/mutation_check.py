@@ -54,7 +54,7 @@ MUTANTS = [
            "                stopped = self._hit_stop(slot, before)\n",
            "                stopped = not done and self._hit_stop(slot, before)\n", STOP_TESTS),
     Mutant("accept-reuses-draft-uniforms", "accept tests reuse the uniforms that drew the draft tokens",
-           "serving/engine/core.py", "draft[b, :kb], accept[b, :kb], nxt[b] = u[:kb], u[kb : 2 * kb], u[2 * kb]",
+           "serving/engine/speculative.py", "draft[b, :kb], accept[b, :kb], nxt[b] = u[:kb], u[kb : 2 * kb], u[2 * kb]",
            "draft[b, :kb], accept[b, :kb], nxt[b] = u[:kb], u[:kb], u[2 * kb]", DISTRIBUTION),
     Mutant("draft-stop-looks-at-token", "drafting stops before a drawn token the draft found unlikely "
            "(a token-dependent stop)", "serving/engine/speculative.py",
@@ -142,11 +142,12 @@ MUTANTS = [
            "serving/engine/drafters/suffix.py", "        return self.cache.propose(self._request[row], k)[0]\n",
            "        return self.cache.propose(self._request[min(self._request)], k)[0]\n", ROW_TESTS),
     Mutant("draft-prefill-slot-row", "a draft model prefills the engine slot's cache row instead of its own draft row",
-           "serving/engine/core.py", "            self.model_drafters[drafter].prefill(ids, draft_row)\n",
-           "            self.model_drafters[drafter].prefill(ids, b)\n", ROW_TESTS),
-    Mutant("fallback-leaks-draft-row", "a fallback clears the row's draft row before stopping its drafter (the row is never freed)",
-           "serving/engine/core.py", "            self._stop_drafter(b, slot, finished=False)\n            slot.routed_drafter",
-           "            slot.draft_row = None\n            self._stop_drafter(b, slot, finished=False)\n            slot.routed_drafter",
+           "serving/engine/drafters/model.py", "        self.runner.prefill(ids, r)\n",
+           "        self.runner.prefill(ids, row)\n", ROW_TESTS),
+    Mutant("fallback-leaks-draft-row", "a fallback switches the row to the target alone before stopping its drafter "
+           "(the drafter is never told: its draft row is never freed)", "serving/engine/core.py",
+           "            self._stop_drafter(b, slot, finished=False)\n            slot.routed_drafter, slot.drafter = slot.drafter, NONE\n",
+           "            slot.routed_drafter, slot.drafter = slot.drafter, NONE\n            self._stop_drafter(b, slot, finished=False)\n",
            ROW_TESTS),
 ]
 
