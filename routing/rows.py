@@ -5,6 +5,10 @@ Each row is written with a single ``write`` of one line, then flushed and fsynce
 leaves at most one partial last line; opening the file again cuts that line off (it is redone),
 which is what makes an interrupted collection resume without losing or duplicating a row.
 Shards are separate files that ``merge`` joins (deduplicated by key, sorted by key).
+
+Each line carries ``crc32``, the checksum of the rest of its row (its JSON with sorted keys): a
+byte flipped on disk (a digit of a measured speed, say) is refused with the file and line named,
+instead of training a router on it. Rows written before the field existed are read as they are.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import zlib
 from pathlib import Path
 from typing import Iterable
 
@@ -26,6 +31,26 @@ TIMING_FIELDS = (
 )  # fmt: skip
 
 Key = tuple[str, str, str, int]
+CHECKSUM = "crc32"  # the field holding a line's checksum
+
+
+def encode_row(row: dict) -> bytes:
+    """One line of the file: the row's JSON (sorted keys) with its checksum."""
+    body = json.dumps({k: v for k, v in row.items() if k != CHECKSUM}, sort_keys=True)
+    return (body[:-1] + f', "{CHECKSUM}": "{zlib.crc32(body.encode()):08x}"}}\n').encode() if body != "{}" else b"{}\n"
+
+
+def decode_row(line: bytes) -> dict:
+    """The row of one line, its checksum checked (and dropped); ``ValueError`` if it does not match."""
+    row = json.loads(line)
+    if not isinstance(row, dict):
+        raise ValueError("not a JSON object")
+    stored = row.pop(CHECKSUM, None)
+    if stored is not None:
+        body = json.dumps(row, sort_keys=True)
+        if f"{zlib.crc32(body.encode()):08x}" != stored:
+            raise ValueError(f"its {CHECKSUM} {stored} does not match its content")
+    return row
 
 
 def row_key(row: dict) -> Key:
@@ -45,7 +70,7 @@ def read_rows(path: str | Path, *, repair: bool = False) -> list[dict]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = decode_row(line)
             row_key(row)
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(
@@ -84,7 +109,7 @@ class RowStore:
         key = row_key(row)
         if key in self.rows:
             raise ValueError(f"row {key} is already in {self.path}")
-        line = (json.dumps(row, sort_keys=True) + "\n").encode()
+        line = encode_row(row)
         # O_APPEND + one write: the line lands whole at the end or (on a crash) partly, never
         # interleaved; fsync makes "written" mean "survives a power cut" before we count it.
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -121,7 +146,7 @@ def write_rows(path: str | Path, rows: list[dict]) -> None:
     """Write a whole JSONL file atomically (temporary file + rename)."""
     with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for row in rows:
-            f.write(json.dumps(row, sort_keys=True) + "\n")
+            f.write(encode_row(row).decode())
         f.flush()
         os.fsync(f.fileno())
 

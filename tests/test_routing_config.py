@@ -144,6 +144,21 @@ def test_row_store_repairs_a_torn_last_line_and_refuses_middle_damage(tmp_path):
         RowStore(path)
 
 
+def test_a_flipped_byte_in_a_collected_row_is_refused_with_its_line(tmp_path):
+    """Each line carries the crc32 of its row: a digit changed on disk is named, not learnt from;
+    rows written before the checksum existed still read."""
+    path = tmp_path / "rows.jsonl"
+    store = RowStore(path)
+    store.append(row("p1", speedup=1.25))
+    store.append(row("p2", speedup=1.5))
+    assert [r.get("crc32") for r in read_rows(path)] == [None, None]  # the checksum is the file's, not the row's
+    path.write_bytes(path.read_bytes().replace(b"1.5", b"1.6"))
+    with pytest.raises(ValueError, match=r"rows.jsonl:2 is not a collected row \(its crc32 [0-9a-f]{8} does not match"):
+        RowStore(path)
+    path.write_text(json.dumps(row("p1", speedup=1.25)) + "\n")  # an older file, no checksums
+    assert read_rows(path) == [row("p1", speedup=1.25)]
+
+
 def test_merge_dedupes_by_key_and_sorts(tmp_path, capsys):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text("".join(json.dumps(r) + "\n" for r in [row("p2", x=1), row("p1", x=2)]))

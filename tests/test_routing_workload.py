@@ -588,7 +588,9 @@ def test_train_router_scales_each_drafters_wider_verify_from_rows_at_a_second_k(
     acc = {"code": {"ngram": 0.6, "model": 0.5}, "chat": {"ngram": 0.2, "model": 0.6}}
     data = _collected(tmp_path / "rows.jsonl", {"code": CODE[:8], "chat": CHAT[:8]}, acc)
     test = _collected(tmp_path / "test.jsonl", {"code": CODE[8:], "chat": CHAT[8:]}, acc, start=8)
-    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    from routing.rows import read_rows
+
+    rows = read_rows(data)
     curve = [r | {"k": 8, "speedup": 3.0} for r in rows if r["draft"] == "ngram"]
     k8 = tmp_path / "k8.jsonl"
     k8.write_text("".join(json.dumps(r) + "\n" for r in curve))
