@@ -4,7 +4,6 @@ official ``openai`` client, on tiny model folders and an untrained router."""
 from __future__ import annotations
 
 import json
-import re
 import socket
 import threading
 import time
@@ -26,6 +25,7 @@ from serving.server.app import create_app
 from serving.server.serve_config import ServeConfig
 from serving.server.server import EngineServer, load_models
 from serving.tools import cli_generate
+from tests.conftest import load_script
 
 MAX_LEN = 128
 CHAT = [{"role": "user", "content": "What is 12 + 30?"}]
@@ -426,95 +426,13 @@ def test_two_hundred_mixed_requests_from_sixteen_clients(live):
     assert delta == tally
 
 
-def _fuzz_value(rng, depth: int = 0):
-    """A JSON value of random type and size: what a broken or hostile client might put anywhere."""
-    kinds = ["int", "bigint", "float", "special", "bool", "null", "str", "longstr", "unicode"] + (["list", "dict"] if depth < 3 else [])
-    kind = rng.choice(kinds)
-    if kind == "int":
-        return rng.choice([0, 1, -1, 2, 7, 2**31, 2**63, -(2**63), 2**64])
-    if kind == "bigint":  # written into the JSON text by _fuzz_body: Python cannot str() 4,301 digits
-        return f"__DIGITS_{rng.choice([20, 400, 4301, 6000])}__"
-    if kind == "float":
-        return rng.choice([0.0, 0.5, 1.0, -0.5, 1e-300, 1e300, 2.5])
-    if kind == "special":
-        return rng.choice([float("nan"), float("inf"), float("-inf")])  # Python's json writes and reads these
-    if kind == "bool":
-        return rng.random() < 0.5
-    if kind == "null":
-        return None
-    if kind == "str":
-        return rng.choice(["", "hi", "MODEL", "text", "none", "ngram", "content", "user", "0.5", "true"])
-    if kind == "longstr":
-        return "word " * rng.choice([10, 1000, 60_000])
-    if kind == "unicode":
-        return rng.choice(["é" * 50, "\u2028", "漢字", "\x00"])
-    if kind == "list":
-        return [_fuzz_value(rng, depth + 1) for _ in range(rng.randint(0, 4))]
-    return {rng.choice(FUZZ_KEYS): _fuzz_value(rng, depth + 1) for _ in range(rng.randint(0, 4))}
-
-
-FUZZ_KEYS = ["model", "prompt", "messages", "role", "content", "type", "text", "max_tokens", "temperature", "top_p",
-             "top_k", "seed", "stop", "stream", "stream_options", "include_usage", "n", "draft", "prediction", "logprobs",
-             "echo", "best_of", "tools", "logit_bias", "response_format", "suffix", "user", "x"]
-
-
-def _fuzz_body(rng, model: str, chat: bool) -> bytes:
-    """A valid body with some fields replaced, dropped or added at random; sometimes not JSON."""
-    body = {"model": model, "max_tokens": 3, "temperature": 0}
-    body.update({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hello"})
-    for _ in range(rng.randint(1, 4)):
-        key = rng.choice(FUZZ_KEYS)
-        action = rng.random()
-        if action < 0.15:
-            body.pop(key, None)
-        elif action < 0.3 and chat:
-            body["messages"] = [{rng.choice(FUZZ_KEYS): _fuzz_value(rng, 1) for _ in range(2)}]
-        else:
-            body[key] = _fuzz_value(rng)
-    raw = re.sub(rb'"__DIGITS_(\d+)__"', lambda m: b"9" * int(m.group(1)), json.dumps(body).encode())
-    if rng.random() < 0.05:
-        raw = raw[: rng.randint(0, len(raw))]  # cut short
-    return raw
-
-
 @pytest.mark.e2e
 def test_two_hundred_fuzzed_bodies_beside_valid_neighbours(live):
     """Seeded random bodies (random fields, types, sizes; a few cut short) beside valid greedy
-    neighbours: no 5xx, every neighbour's answer as it is alone, the counters equal the tally."""
-    import random
-
-    rng = random.Random(61)
-    fuzz = [(chat, _fuzz_body(rng, live.model, chat)) for chat in (rng.random() < 0.5 for _ in range(200))]
-    good = [("completions", {"prompt": "def f(x):", "max_tokens": 6, "temperature": 0}),
-            ("chat", {"messages": CHAT, "max_tokens": 6, "temperature": 0})]  # fmt: skip
-    solo = [_send(live, endpoint, body) for endpoint, body in good]
-
-    def counts() -> dict[tuple[str, str], float]:
-        return {(dict(labels)["endpoint"], dict(labels)["status"]): v for (name, labels), v in live.metrics().items()
-                if name == "choral_requests_total"}  # fmt: skip
-
-    def run(job):
-        if job[0] == "good":
-            endpoint, body = good[job[1]]
-            return endpoint, *_send(live, endpoint, body)
-        chat, raw = fuzz[job[1]]
-        status, text = live.request("POST", "/v1/chat/completions" if chat else "/v1/completions", raw)
-        return ("chat" if chat else "completions"), status, text
-
-    jobs = [("fuzz", i) for i in range(len(fuzz))] + [("good", i % 2) for i in range(40)]
-    random.Random(7).shuffle(jobs)
-    before = counts()
-    with ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(run, jobs))
-    after = counts()
-    tally: dict[tuple[str, str], int] = {}
-    for job, (endpoint, status, text) in zip(jobs, results):
-        assert status < 500, f"a fuzzed body got {status}: {fuzz[job[1]][1][:300]!r} -> {text[:300]}"
-        tally[endpoint, str(status)] = tally.get((endpoint, str(status)), 0) + 1
-        if job[0] == "good":
-            assert (status, text) == solo[job[1]], "a valid neighbour's answer changed beside fuzzed bodies"
-    delta = {key: after.get(key, 0) - before.get(key, 0) for key in after if after.get(key, 0) != before.get(key, 0)}
-    assert delta == tally
+    neighbours: no 5xx, every neighbour's answer as it is alone, the counters equal the tally.
+    ``scripts/fuzz_server.py`` runs the same generator on 2,000."""
+    script = load_script("scripts/fuzz_server.py")
+    assert script.fuzz(live.url, live.model, bodies=200) == []
 
 
 @pytest.mark.e2e
