@@ -96,7 +96,9 @@ class Drafter(ABC):
         """A request entered slot ``row``."""
 
     def observe(self, row: int, new_tokens: Sequence[int]) -> None:
-        """The step committed ``new_tokens`` to the row (after the acceptance, cut at stops)."""
+        """The step committed ``new_tokens`` to the row (after the acceptance, cut at stops). A
+        drafter with ``target_layers`` takes a keyword ``hidden`` too: [len(new_tokens),
+        len(target_layers) * H], the target's features at those positions."""
 
     def stop(self, row: int, finished: bool) -> None:
         """The request left slot ``row``: ``finished`` normally, or aborted, failed or fell back."""
