@@ -15,9 +15,8 @@ of the target alone and the single drafters; the best single drafter is the one 
 mean speedup over all the split's prompts (chosen with hindsight: a generous comparison for the
 router). Every greedy output is checked against the target alone's.
 
-Repeats: one run of 48 tokens is a few seconds, and on a shared 2-core VM the same request measured
-twice can differ by a fifth (the ninth session's single-run report: ``routed`` running ``ngram`` at
-K = 4 made 9.5 tokens/s on a chat prompt where ``ngram`` itself made 13.2). With ``repeats`` R > 1
+Repeats: one run of 48 tokens is a few seconds, and on a shared machine the same request measured
+twice can differ by a fifth or more (docs/experiments/router-workload.md). With ``repeats`` R > 1
 every prompt runs every policy R times (the order rotating between rounds) and a policy's tokens/s
 is its median. The oracle, the fastest policy per prompt, then still profits from what noise is left
 (the maximum of several noisy numbers is biased upwards), so the summary also gives the
@@ -143,8 +142,7 @@ def own_drafters(drafts: dict[str, str], routed: list[str], extra_k: Sequence[in
     """The ``NAME@K`` single policies, policy -> (the engine drafter it runs, K), and the model-free
     drafters each policy owns, engine name -> kind. Every policy that drafts with a model-free drafter
     gets its own instance: a ``suffix`` cache shared between policies would hold this very prompt's
-    answer from the policy that ran it first (a shared one made ``suffix@8`` 3.10x, its K = 4 run
-    2.34x, where ``ngram`` made 2.03x and 1.87x)."""
+    answer from the policy that ran it first, and that policy would look far faster than it is."""
     at_k = {f"{d}@{kk}": (f"{d}@{kk}" if ref in HOST_DRAFTERS else d, kk)
             for kk in extra_k if kk != k for d, ref in drafts.items()}  # fmt: skip
     own = {f"{name}/{h}": h for name in routed for h in HOST_DRAFTERS}

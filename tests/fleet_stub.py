@@ -1,6 +1,8 @@
 """A stand-in for one vLLM replica, for the fleet front's tests where vLLM is not installed: the
 endpoints and metric names the front reads (``/health``, ``/v1/models``, ``/metrics`` with
-``vllm:num_requests_running``/``waiting`` and, when it "drafts", ``vllm:spec_decode_num_drafts``),
+``vllm:num_requests_running``/``waiting`` and, when it "drafts", vLLM's speculative counters, which
+``scripts/experiments/bench_vllm_fleet.py profile`` reads too: every completion of n tokens counts
+as n // 2 accepted draft tokens, all at the first position, in n - n // 2 - 1 steps that drafted 4),
 and completions whose text names the replica, one token per ``--delay`` seconds. With ``--hold
 FILE`` every completion waits, once it is running, until FILE exists: a test decides when answers
 may finish instead of betting on how long they take.
@@ -25,7 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 def create_app(model: str, name: str, spec: bool, delay: float, hold: str | None = None) -> FastAPI:
     app = FastAPI()
-    state = {"running": 0, "served": 0}
+    state = {"running": 0, "served": 0, "drafts": 0, "accepted": 0}
 
     async def held() -> None:
         while hold is not None and not Path(hold).exists():
@@ -45,8 +47,17 @@ def create_app(model: str, name: str, spec: bool, delay: float, hold: str | None
             "# TYPE vllm:num_requests_running gauge", f'vllm:num_requests_running{{model_name="{model}"}} {state["running"]}',
             "# TYPE vllm:num_requests_waiting gauge", f'vllm:num_requests_waiting{{model_name="{model}"}} 0',
         ]  # fmt: skip
-        if spec:
-            lines += ["# TYPE vllm:spec_decode_num_drafts counter", f'vllm:spec_decode_num_drafts_total{{model_name="{model}"}} 0']
+        if spec:  # counters as prometheus_client writes them: TYPE and samples named NAME_total
+            label = f'model_name="{model}"'
+            lines += ["# TYPE vllm:spec_decode_num_drafts_total counter",
+                      f'vllm:spec_decode_num_drafts_total{{{label}}} {state["drafts"]}',
+                      "# TYPE vllm:spec_decode_num_draft_tokens_total counter",
+                      f'vllm:spec_decode_num_draft_tokens_total{{{label}}} {4 * state["drafts"]}',
+                      "# TYPE vllm:spec_decode_num_accepted_tokens_total counter",
+                      f'vllm:spec_decode_num_accepted_tokens_total{{{label}}} {state["accepted"]}',
+                      "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter"]  # fmt: skip
+            lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{label},position="{i}"}} {state["accepted"] if i == 0 else 0}'
+                      for i in range(4)]  # fmt: skip
         return PlainTextResponse("\n".join(lines) + "\n")
 
     async def generate(request: Request, chat: bool):
@@ -59,6 +70,9 @@ def create_app(model: str, name: str, spec: bool, delay: float, hold: str | None
             return JSONResponse({"error": {"message": "max_tokens is too large", "type": "BadRequestError", "param": None,
                                            "code": 400}}, status_code=400)  # fmt: skip
         state["running"] += 1
+        if spec:
+            state["accepted"] += n // 2
+            state["drafts"] += max(0, n - n // 2 - 1)
         words = [f"{name}{i} " for i in range(n)]
         kind = "chat.completion" if chat else "text_completion"
 

@@ -79,58 +79,6 @@ def test_spec_bench_gives_hf_its_own_dynamic_int8_draft(model_dirs, tmp_path, ca
     assert "hf_draft_weights=int8-dynamic goes with hf_kernels=stock" in capsys.readouterr().err
 
 
-def test_tune_draft_stop_compares_stops_losslessly(model_dirs, tmp_path):
-    from serving.tools import stop_tuning as tune
-
-    out = tmp_path / "tune"
-    args = ["--target", str(model_dirs["target"]), "--draft", str(model_dirs["draft"]), "--prompts-per-domain", "1",
-            "--max-new-tokens", "8", "--k", "3", "--settings", "token:0.4", "cumulative:0.4", "--out", str(out)]  # fmt: skip
-    assert tune.main(args) == 0
-    rows = json.loads((out / "tune.json").read_text())
-    assert [(r["stop"], r["confidence"]) for r in rows] == [("token", 0.4), ("cumulative", 0.4)]
-    assert all(r["identical"] == r["prompts"] == 3 for r in rows)
-    assert all(r["tokens_per_second"] > 0 and 0 < r["drafted_per_call"] <= 3 for r in rows)
-    with pytest.raises(SystemExit):
-        tune.main(["--settings", "product:0.4"])
-
-
-def test_agreement_probe_scores_the_target_as_a_perfect_draft(model_dirs, tmp_path):
-    from training import agreement as probe
-
-    out = tmp_path / "probe"
-    args = ["--target", str(model_dirs["target"]), "--first", "3", "--prompts", "2", "--new-tokens", "6", "--out", str(out),
-            str(model_dirs["target"]), str(model_dirs["draft"])]  # fmt: skip
-    assert probe.main(args) == 0
-    rows = json.loads((out / "probe.json").read_text())["rows"]
-    # Teacher-forced on its own greedy continuations, the target agrees everywhere; the other draft not.
-    assert rows[0]["agreement"] == rows[0]["vocab_coverage"] == 1.0 and rows[0]["tokens"] == 12
-    assert 0.0 <= rows[1]["agreement"] < 1.0 and rows[0]["top_misses"] == []
-    assert len(rows[1]["top_misses"]) >= 1
-    cached = (out / "continuations.pt").stat().st_mtime_ns
-    assert probe.main(args) == 0 and (out / "continuations.pt").stat().st_mtime_ns == cached  # reused
-
-
-def test_compare_drafts_measures_a_layer_cut_student_untrained_as_the_cut(model_dirs, tmp_path, monkeypatch):
-    import training.evaluate
-    from serving.engine.models import load_model
-    from training import compare_runs as compare
-    from training.students import derive_student
-
-    run = tmp_path / "run"
-    derive_student(load_model(model_dirs["draft"]), [0]).save_pretrained(run / "final")  # trained as is: 0 steps
-    config = {"model": {"target": str(model_dirs["target"]), "student": str(model_dirs["draft"]), "student_layers": [0]},
-              "data": {"domain": "code"}, "loss": {"kind": "forward_kl", "ce_ratio": 0.0}}  # fmt: skip
-    (run / "metrics.json").write_text(json.dumps({"config": config, "history": []}))
-    layers, real_measure = [], training.evaluate.measure
-    monkeypatch.setattr(training.evaluate, "measure", lambda t, d, *a, **kw: layers.append(d.config.num_hidden_layers) or real_measure(t, d, *a, **kw))
-    out = tmp_path / "out"
-    assert compare.main([str(run), "--measure", "2", "--max-new-tokens", "6", "--k", "2", "--draft-weights", "fp32", "--out", str(out)]) == 0
-    results = json.loads((out / "measured.json").read_text())["results"]
-    assert layers == [1, 1]  # the untrained row is the cut student, not the whole one it was cut from
-    assert results[0]["ref"].endswith("cut to 1 layers")
-    assert results[0]["acceptance_rate"] == results[1]["acceptance_rate"]  # the same weights, greedy
-
-
 @pytest.mark.parametrize("drafter", ["ngram", "suffix"])
 def test_spec_generate_with_a_model_free_drafter_matches_target_greedy(model_dirs, tiny_target, tokenizer, capsys, drafter):
     prompt = "a b c a b c a b c a b"

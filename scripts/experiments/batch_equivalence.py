@@ -22,7 +22,7 @@ from serving.prompts import encode_prompt, load_prompts
 from serving.tools.bench import compare
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--no-cpu-kernels", action="store_true", help="stock PyTorch kernels instead of Choral's")
     ap.add_argument("--out", default="runs/batch_equivalence.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     tokenizer = load_tokenizer(args.target)
     target, draft = load_model(args.target, dtype=args.dtype), load_model(args.draft, dtype=args.dtype)

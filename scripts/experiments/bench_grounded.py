@@ -42,6 +42,7 @@ PATHS = ("target", "ngram", "suffix", "prompt lookup")
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default=TARGET, help="the target model (default: the bundled 1.5B)")
     ap.add_argument("--prompts-per-domain", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--k", type=int, default=4, help="tokens a drafter proposes per step (prompt lookup's num tokens too)")
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     # grounded prompts stay under 1k tokens
     settings = load_config(EngineSettings, None, ["device=cpu", f"k={args.k}", "max_batch_size=1", "max_len=2048",
                                                   f"target_weights={args.target_weights}", *args.engine])  # fmt: skip
-    tokenizer, target, _ = load_models(settings, TARGET, [])
+    tokenizer, target, _ = load_models(settings, args.target, [])
     spec = settings.engine_config(draft=True, device=target.device)
     prepare_kernels(settings, [target], [], spec.step_widths)
     engines = {
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python", "scripts/experiments/bench_grounded.py", *(argv if argv is not None else sys.argv[1:])]),
         "date": datetime.date.today().isoformat(),
         "machine": describe_machine(),
-        "settings": {"target": TARGET, "k": settings.k, "max_new_tokens": args.max_new_tokens, "dtype": settings.dtype,
+        "settings": {"target": args.target, "k": settings.k, "max_new_tokens": args.max_new_tokens, "dtype": settings.dtype,
                      "target_weights": settings.target_weights,
                      "choral_cpu_kernels": settings.cpu_kernels, "prompts_per_domain": args.prompts_per_domain,
                      "offset": args.offset, "ngram": dataclasses.asdict(settings.ngram),

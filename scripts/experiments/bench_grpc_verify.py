@@ -108,7 +108,7 @@ def _measure(target, draft, tokenizer, address, requests, config, sampled, k) ->
     return row
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vocab", type=int, default=384)
     ap.add_argument("--hidden", type=int, default=64)
@@ -120,7 +120,7 @@ def main() -> None:
     ap.add_argument("--batch-window-ms", type=float, default=0.0, help="the target's batching window")
     ap.add_argument("--target-address", help="bench against a running `serve --role target` instead (no local column)")
     ap.add_argument("--out", default="runs/bench_grpc_verify.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 

@@ -7,8 +7,14 @@
 #      weights), eager / inductor, each with and without CUDA graphs, at batch 1 and 8.
 # Logs and JSON go to $OUT (the lease's return folder) or runs/cuda-check. Wheels of packages the
 # GPU image lacks may sit in .whl/; folders holding the pair's config.json in .gpu/target and
-# .gpu/draft.
+# .gpu/draft. $BENCH_ARGS is appended to the step bench's arguments (the tests run it on the CPU).
+#
+# usage: bash scripts/experiments/cuda_check.sh   (PYTEST_S, BENCH_S: each part's time limit in s)
 set -uo pipefail
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then
+    sed -n '2,/^set -uo/{s/^# \{0,1\}//p}' "$0"
+    exit 0
+fi
 out=${OUT:-runs/cuda-check}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -21,5 +27,5 @@ fi
 timeout "${PYTEST_S:-240}" python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py 2>&1 | tee "$out/pytest_cuda.log"
 for b in 1 8; do
     timeout "${BENCH_S:-120}" python3 scripts/experiments/bench_gpu_steps.py --target .gpu/target --draft .gpu/draft \
-        --random-init --batch "$b" --ks 2,4 --json "$out/gpu_steps_b$b.json" 2>&1 | grep -v Warning | tee "$out/bench_b$b.log"
+        --random-init --batch "$b" --ks 2,4 --json "$out/gpu_steps_b$b.json" ${BENCH_ARGS:-} 2>&1 | grep -v Warning | tee "$out/bench_b$b.log"
 done

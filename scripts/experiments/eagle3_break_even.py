@@ -49,10 +49,11 @@ TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 def step_ms(runner: ModelRunner, width: int, prefill: int, steps: int) -> float:
     """Median ms of ``steps`` forwards of ``width`` tokens after a ``prefill``-token prompt."""
     g = torch.Generator().manual_seed(0)
-    runner.prefill(torch.randint(100, 20000, (1, prefill), generator=g), slot=0)
+    high = min(20000, runner.model.config.vocab_size)  # token ids change no cost; a tiny test model has few
+    runner.prefill(torch.randint(high // 200, high, (1, prefill), generator=g), slot=0)
     times, pos = [], prefill
     for i in range(steps + 2):  # two untimed warm-ups
-        tokens = torch.randint(100, 20000, (1, width), generator=g)  # [1, T]
+        tokens = torch.randint(high // 200, high, (1, width), generator=g)  # [1, T]
         positions = torch.arange(pos, pos + width).unsqueeze(0)  # [1, T]
         t0 = time.perf_counter()
         runner.forward(tokens, positions)
@@ -62,7 +63,7 @@ def step_ms(runner: ModelRunner, width: int, prefill: int, steps: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def head_proxy(target_config, vocab: int, folder: Path) -> Path:
+def head_proxy(target_config, vocab: int, folder: Path, target_ref: str = TARGET) -> Path:
     """One decoder layer of the target's shape and a ``vocab``-token LM head, random weights."""
     from transformers import AutoTokenizer, Qwen2ForCausalLM
 
@@ -76,7 +77,7 @@ def head_proxy(target_config, vocab: int, folder: Path) -> Path:
     config.layer_types = config.layer_types[:1] if getattr(config, "layer_types", None) else None
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(resolve_model_ref(TARGET)).save_pretrained(folder)  # the loaders want one
+    AutoTokenizer.from_pretrained(resolve_model_ref(target_ref)).save_pretrained(folder)  # the loaders want one
     return folder
 
 
@@ -95,13 +96,13 @@ def fc_ms(hidden: int, weights: str, steps: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def measure_tau(n: int, k: int, max_new_tokens: int) -> float:
+def measure_tau(n: int, k: int, max_new_tokens: int, target_ref: str = TARGET, draft_ref: str = DRAFT) -> float:
     """The 0.5B's tokens per target call on ``n`` HumanEval prompts at the default precisions."""
     from serving.engine import Request
     from serving.engine.loader import load_engine
     from serving.prompts import encode_prompt, load_prompts
 
-    loaded = load_engine(EngineSettings(device="cpu", k=k), TARGET, {"draft": DRAFT})
+    loaded = load_engine(EngineSettings(device="cpu", k=k), target_ref, {"draft": draft_ref})
     prompts = load_prompts("code", n)
     outs = loaded.engine.generate([Request(encode_prompt(loaded.tokenizer, p), max_new_tokens=max_new_tokens,
                                            drafter="draft") for p in prompts])  # fmt: skip
@@ -110,6 +111,8 @@ def measure_tau(n: int, k: int, max_new_tokens: int) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=TARGET, help="the target (default: the bundled 1.5B)")
+    p.add_argument("--draft", default=DRAFT, help="the draft model the head competes with (default: the bundled 0.5B)")
     p.add_argument("--k", type=int, default=4, help="draft tokens per call")
     p.add_argument("--draft-vocab", type=int, default=32000, help="the head's reduced vocabulary")
     p.add_argument("--prefill", type=int, default=150)
@@ -124,17 +127,17 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("give --draft-tau TAU or --measure-tau N")
     k = args.k
     widths = (1, k + 1)
-    q4 = EngineSettings(device="cpu", target_weights="q4", draft_weights="q4").resolved(TARGET)
-    _, target, _ = load_models(q4, TARGET)
+    q4 = EngineSettings(device="cpu", target_weights="q4", draft_weights="q4").resolved(args.target)
+    _, target, _ = load_models(q4, args.target)
     prepare_kernels(q4, [target], [], widths)
     drafts = {}
     for weights in ("q4", "int8"):  # the draft's default beside a q4 target, and the other choice
         s = EngineSettings(device="cpu", draft_weights=weights)
-        _, drafts[weights], _ = load_models(s, DRAFT)
+        _, drafts[weights], _ = load_models(s, args.draft)
         prepare_kernels(s, [], [drafts[weights]], widths)
     heads = {}
     with tempfile.TemporaryDirectory() as tmp:
-        folder = head_proxy(target.config, args.draft_vocab, Path(tmp) / "head")
+        folder = head_proxy(target.config, args.draft_vocab, Path(tmp) / "head", args.target)
         for weights in ("int8", "q4"):
             s = EngineSettings(device="cpu", draft_weights=weights)
             _, head, _ = load_models(s, str(folder))
@@ -155,7 +158,8 @@ def main(argv: list[str] | None = None) -> dict:
             layer = step_ms(runners[f"head-{w}"], 1, args.prefill, args.steps)
             samples.setdefault(f"h-{w}", []).append(layer + fc_ms(hidden, w, args.steps))
     ms = {name: statistics.median(v) for name, v in samples.items()}
-    tau = args.draft_tau if args.draft_tau is not None else measure_tau(args.measure_tau, k, args.max_new_tokens)
+    tau = (args.draft_tau if args.draft_tau is not None
+           else measure_tau(args.measure_tau, k, args.max_new_tokens, args.target, args.draft))
     t1, tv, d = ms["t1"], ms["tv"], ms[f"d-{q4.draft_weights}"]
     draft_speedup = tau * t1 / (k * d + tv)
     rows = []
@@ -171,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                     "capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__},
         "k": k, "draft_vocab": args.draft_vocab, "ms": ms, "samples_ms": samples, "verify_over_step": tv / t1,
-        "draft": {"ref": DRAFT, "weights": q4.draft_weights, "cost_of_step": d / t1, "tau": tau, "speedup": draft_speedup},
+        "draft": {"ref": args.draft, "weights": q4.draft_weights, "cost_of_step": d / t1, "tau": tau, "speedup": draft_speedup},
         "heads": rows,
     }
     out = Path(args.out)

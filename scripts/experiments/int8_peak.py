@@ -175,13 +175,14 @@ def time_call(mod, rows: int, calls: int) -> float:
     return (time.perf_counter() - t0) / calls
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,5,16,64,256", help="input rows per kernel call")
     ap.add_argument("--threads", type=int, default=0, help="threads (0: torch's default)")
     ap.add_argument("--iterations", type=int, default=100_000_000, help="iterations of the peak loop per thread")
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="the model whose layer shapes are timed")
     ap.add_argument("--out", default="runs/int8-peak")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     from transformers import AutoConfig
 
     from serving.engine.models import resolve_model_ref
@@ -189,7 +190,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
-    cfg = AutoConfig.from_pretrained(resolve_model_ref("qwen2.5-coder-1.5b-instruct"))
+    cfg = AutoConfig.from_pretrained(resolve_model_ref(args.model))
     shapes = layer_shapes(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size)
     token_macs = cfg.num_hidden_layers * sum(o * i for _, o, i in shapes) + cfg.vocab_size * cfg.hidden_size
 
@@ -225,7 +226,7 @@ def main() -> None:
     result = {"threads": threads, "cpu": torch.backends.cpu.get_cpu_capability(), "peak": peak, "amx_peak": amx,
               "int8_on_amx": int8_on_amx, "token_gmac": token_macs / 1e9, "kernels": kernels}  # fmt: skip
     (out / "int8_peak.json").write_text(json.dumps(result, indent=2))
-    lines = [f"Threads: {threads}. One token through the 1.5B target: {token_macs / 1e9:.2f} G multiply-adds "
+    lines = [f"Threads: {threads}. One token through the model: {token_macs / 1e9:.2f} G multiply-adds "
              "(every Linear and the head).", ""]  # fmt: skip
     if peak:
         lines += [f"Machine peak ({peak['isa']}, {peak['threads']} threads): **{peak['gmac_per_s']:.0f} GMAC/s** "

@@ -35,6 +35,7 @@ from serving.workload import FAMILIES, load_family  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", help="DRAFTER:K:STEP_K, e.g. ngram:4:goodput")
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="the target (default: the bundled 1.5B)")
     ap.add_argument("--per-family", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--batch", type=int, default=8)
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [p for group in zip(*[load_family(f, "test", args.per_family) for f in FAMILIES]) for p in group]
     settings = EngineSettings(target_weights=args.weights, draft_weights=args.weights, max_batch_size=args.batch, k=4,
                               step_k="goodput")  # fmt: skip
-    loaded = load_engine(settings, "qwen2.5-coder-1.5b-instruct", {"ngram": "ngram", "suffix": "suffix", "none": None})
+    loaded = load_engine(settings, args.target, {"ngram": "ngram", "suffix": "suffix", "none": None})
     engine, tok = loaded.engine, loaded.tokenizer
     table = None
     if args.profile != "none":

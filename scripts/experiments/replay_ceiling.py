@@ -114,6 +114,8 @@ def model_trace(runner, prompt: list[int], answer: list[int], k: int, chunk: int
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default=TARGET, help="the target (default: the bundled 1.5B)")
+    ap.add_argument("--draft", default=DRAFT, help="the draft model (default: the bundled 0.5B)")
     ap.add_argument("--per-family", type=int, default=5, help="held-out (test split) prompts per workload family")
     ap.add_argument("--grounded", type=int, default=3, help="prompts per grounded domain (edit, extract, summarize, quoted)")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -134,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     from serving.workload import FAMILIES, load_workload
 
     settings = EngineSettings(device="cpu", max_len=2048, k=args.k)
-    loaded = load_engine(settings, TARGET, {"none": None, "ngram": "ngram", "suffix": "suffix", "draft": DRAFT})
+    loaded = load_engine(settings, args.target, {"none": None, "ngram": "ngram", "suffix": "suffix", "draft": args.draft})
     engine, tok = loaded.engine, loaded.tokenizer
     widths = list(engine._verify_widths())  # a host drafter's own k may verify wider than K + 1
     target_runner, draft_runner = engine.verifier.runner, engine.drafters["draft"].runner
@@ -145,16 +147,17 @@ def main(argv: list[str] | None = None) -> int:
             prediction = tok.encode(g.source, add_special_tokens=False) if domain == "edit" else None
             prompts.append((f"grounded-{domain}", g.prompt.id, encode_prompt(tok, g.prompt), prediction))
 
-    # 2. Forward costs, batch 1, after a 256-token prompt in the row.
-    engine.generate([Request(list(range(1000, 1256)), max_new_tokens=2, drafter="none")])  # warm
-    target_runner.prefill(torch.tensor([list(range(1000, 1256))]), 0)
-    draft_runner.prefill(torch.tensor([list(range(1000, 1256))]), 0)
+    # 2. Forward costs, batch 1, after a 256-token prompt in the row (any ids: a tiny test model has few).
+    filler = [i % target_runner.model.config.vocab_size for i in range(1000, 1256)]
+    engine.generate([Request(filler, max_new_tokens=2, drafter="none")])  # warm
+    target_runner.prefill(torch.tensor([filler]), 0)
+    draft_runner.prefill(torch.tensor([filler]), 0)
     verify_fwd = {w: forward_ms(target_runner, w, 256, args.reps) for w in widths}
     # The step's fixed host work (sampling, acceptance, bookkeeping): a target-alone decode's step
     # time less its forward, measured now, on the quiet machine, rather than from the live runs.
     calibration = []
     for _ in range(3):
-        [done] = engine.generate([Request(list(range(1000, 1256)), max_new_tokens=33, drafter="none")])
+        [done] = engine.generate([Request(filler, max_new_tokens=33, drafter="none")])
         calibration.append(1e3 * (done.stats["total_time_s"] - done.stats["prefill_time_s"]) / done.stats["target_calls"])
     overhead = max(statistics.median(calibration) - verify_fwd[1], 0.0)
     draft_fwd = {w: forward_ms(draft_runner, w, 256, args.reps) for w in (1, 2, 3, 4, 5, 8, 16, 32, 64, 128)}

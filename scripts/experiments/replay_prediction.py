@@ -28,8 +28,10 @@ import numpy as np
 from serving.engine.drafters.base import RowContext
 from serving.engine.drafters.prediction import PredictionDrafter
 
+TARGET = "qwen2.5-coder-1.5b-instruct"
 
-def decode_answers(n: int, max_tokens: int, target_weights: str) -> list[dict]:
+
+def decode_answers(n: int, max_tokens: int, target_weights: str, target: str = TARGET) -> list[dict]:
     """The target alone's greedy answers to the first n ``edit`` prompts, as the server would
     encode them (chat template; the prediction is the code being edited)."""
     from serving.engine.request import Request
@@ -38,8 +40,7 @@ def decode_answers(n: int, max_tokens: int, target_weights: str) -> list[dict]:
     from serving.engine.sampling import SamplingParams
     from serving.prompts import load_grounded
 
-    loaded = load_engine(EngineSettings(target_weights=target_weights, max_len=2048), "qwen2.5-coder-1.5b-instruct",
-                         {"none": None})  # fmt: skip
+    loaded = load_engine(EngineSettings(target_weights=target_weights, max_len=2048), target, {"none": None})
     tok, rows = loaded.tokenizer, []
     for g in load_grounded("edit", n):
         text = tok.apply_chat_template([{"role": "user", "content": g.prompt.text}], tokenize=False, add_generation_prompt=True)
@@ -72,6 +73,7 @@ def replay(row: dict, k: int, k_buckets: list[int], confident_n: int, step_ms) -
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default=TARGET, help="the target (default: the bundled 1.5B)")
     ap.add_argument("--n", type=int, default=10, help="edit prompts (the first n of the family)")
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--target-weights", default="q4", choices=["fp32", "int8", "q4"])
@@ -98,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     if max(k_buckets) + 1 > widths[-1]:
         raise SystemExit(f"replay_prediction: the profile's widths end at {widths[-1]}; a K bucket of {max(k_buckets)} "
                          f"verifies {max(k_buckets) + 1} rows: profile --tokens up to {max(k_buckets) + 1}")  # fmt: skip
-    rows = json.loads(Path(args.answers).read_text())["rows"] if args.answers else decode_answers(args.n, args.max_tokens, args.target_weights)
+    rows = (json.loads(Path(args.answers).read_text())["rows"] if args.answers
+            else decode_answers(args.n, args.max_tokens, args.target_weights, args.target))
     settings = sorted({1, *(int(c) for c in args.confident_n.split(","))})  # 1 (always k) is the baseline
     table = {c: [replay(r, args.k, k_buckets, c, step_ms) for r in rows] for c in settings}
     first = defaultdict(lambda: [0, 0])  # aligned tail length -> [proposals, first token accepted] (always k)

@@ -215,9 +215,9 @@ def gguf_parsed_once() -> Iterator[None]:
 
     transformers parses the whole file anew for the tokenizer, the config and the weights. Most of a
     parse is the metadata (Qwen's 151,646-token vocabulary and 151,387 merges, read as a million small
-    slices): about 18 s per parse of the 0.5B here, three parses per model. Each slice of a
-    `np.memmap` pays the subclass's `__array_finalize__`; a plain-array view of the same map does not
-    (6 s a parse). The reader and its tensors are the same bytes either way
+    slices), three parses per model. Each slice of a `np.memmap` pays the subclass's
+    `__array_finalize__`; a plain-array view of the same map does not, and parses in about a third
+    of the time (docs/experiments/test-suite.md). The reader and its tensors are the same bytes either way
     (tests/test_bundled.py::test_gguf_parsed_once_reads_the_same_file).
     """
     with _GGUF_PATCH:  # one patch at a time: two conversions in threads would wrap each other's reader

@@ -1,8 +1,8 @@
 """A lean decoder forward for Llama-family models (Qwen2, Llama) on Choral's CPU kernels.
 
 On a CPU the kernels made the weights cheap enough that the rest of a Hugging Face forward showed:
-a decode step of the bundled 1.5B at q4 spent about 8 of its 37 ms outside the kernels (28 layers
-of about 45 small torch ops each, module calls, mask and cache bookkeeping). This forward runs the
+a fair share of a q4 decode step went outside the kernels (28 layers of about 45 small torch ops
+each, module calls, mask and cache bookkeeping; measured in docs/architecture.md). This forward runs the
 same layers on the same weights in about a dozen calls a layer:
 
     1. RMSNorm (one C++ call)          5. o_proj, residual add

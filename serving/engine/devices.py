@@ -91,9 +91,8 @@ def steady_host_allocator(mmap_threshold: int = 1 << 20) -> bool:
     goes back to the OS when freed. glibc raises its threshold each time such a block is freed (up
     to 32 MB), after which large tensors come from malloc's heap and stay resident as fragments:
     train-draft alternates training steps with engine evaluations, and with the dynamic threshold
-    its resident memory crept up 0.3 GB a step and peaked at 12.2-13.0 GiB on the quick profile;
-    fixed at 1 MiB it stayed flat (scripts/main_job.py, 2026-11-24, AMD EPYC VM). Costs a page
-    fault per fresh page of a large tensor (about 7% on a quick-profile training step). Returns
+    its resident memory crept up at every step; fixed at 1 MiB it stays flat (the measurements:
+    docs/experiments/main-job.md). Costs a page fault per fresh page of a large tensor. Returns
     whether it applied (glibc only)."""
     libc = _libc()
     if libc is None or not hasattr(libc, "mallopt"):

@@ -1,9 +1,9 @@
 """Goodput: how many tokens a step commits, what it costs, and the K a whole batch should verify.
 
 A step verifies every row at one width (the longest proposal's K bucket + 1), so in a full batch
-one row's long proposal makes every row pay for it. On a CPU a verify of 8 rows is bound by
-arithmetic: 8 rows x 5 tokens cost 2.3x 8 rows x 1 token for the q4 target (Intel VM,
-``profile_step.py --batch-rows``), where one row of 5 tokens costs 1.3x one token. SmartSpec
+one row's long proposal makes every row pay for it. On a CPU a verify of a full batch is bound
+by arithmetic, so its cost grows with the width far more than one row's does (the measured tables:
+``scripts/experiments/profile_step.py --batch-rows``, docs/experiments/router-workload.md). SmartSpec
 (Liu et al. 2024) therefore picks the batch's K each step to maximise goodput, the tokens the
 batch is expected to commit per second; ``plan_cap`` is that choice, a pure function:
 

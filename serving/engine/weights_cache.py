@@ -1,8 +1,9 @@
 """A disk cache of the CPU kernels' low-bit layers, so that a model folder is converted once.
 
 Putting the bundled 1.5B target in 4-bit groups (``target_weights=q4``: recovering every Q4_K
-group from the dequantized fp32 weights) took about 60 s on the 2-core VM, and int8 conversion
-5-15 s a model, in every command that loaded them: serve, collect-router-data, spec-bench.
+group from the dequantized fp32 weights) takes about a minute on a small CPU, and int8 conversion
+seconds a model, in every command that loads them: serve, collect-router-data, spec-bench (the
+measurements: docs/architecture.md, "CPU kernels").
 ``prepare_for_cpu`` now stores each converted Linear's buffers under ``$CHORAL_HOME/prepared/``
 (or ``$CHORAL_PREPARED_DIR``) the first time and loads them afterwards.
 

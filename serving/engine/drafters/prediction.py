@@ -10,9 +10,10 @@ nothing is proposed, except at the start, where the prediction's head is.
 How much it proposes depends on how sure the alignment is. A tail of ``confident_n`` tokens or
 more (or an answer that so far is the prediction's head) proposes ``k`` tokens: the answer is
 copying the prediction. A shorter tail of n tokens proposes n + 1: a match of one or two tokens
-is often a coincidence (on the bundled code edits, 42% of one-token alignments had their first
-proposed token accepted, against 100% of eight-token ones), and a 16-token verify costs 2-3
-one-token steps on a CPU. Each accepted token lengthens the next step's tail, so a real
+is often a coincidence (on the bundled code edits a one-token alignment's first proposed token
+was accepted far less often than an eight-token one's: docs/experiments/q4-target.md, from
+``scripts/experiments/replay_prediction.py``), and a wide verify costs several one-token steps on a
+CPU. Each accepted token lengthens the next step's tail, so a real
 alignment reaches ``k`` within a step or two.
 
 Where the answer departs from the prediction the target rejects the proposal and the request
