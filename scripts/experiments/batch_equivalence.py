@@ -13,11 +13,10 @@ import argparse
 import json
 from pathlib import Path
 
-from serving.engine.core import SpeculativeEngine
-from serving.engine.cpu_kernels import use_cpu_kernels
-from serving.engine.engine_settings import EngineConfig
-from serving.engine.request import Request
+from serving.engine.engine_settings import EngineSettings
+from serving.engine.loader import build_engine, prepare_kernels
 from serving.engine.models import load_model, load_tokenizer
+from serving.engine.request import Request
 from serving.prompts import encode_prompt, load_prompts
 from serving.tools.bench import compare
 
@@ -36,14 +35,15 @@ def main(argv: list[str] | None = None) -> None:
 
     tokenizer = load_tokenizer(args.target)
     target, draft = load_model(args.target, dtype=args.dtype), load_model(args.draft, dtype=args.dtype)
-    if not args.no_cpu_kernels:  # as SpeculativeEngine.load does
-        use_cpu_kernels([target, draft], device="cpu", dtype=args.dtype, widths=EngineConfig(k=args.k).step_widths)
+    settings = EngineSettings(device="cpu", dtype=args.dtype, cpu_kernels=not args.no_cpu_kernels, max_len=1024, k=args.k)
+    # both models keep their fp32 numerics on the kernels (the draft too: this compares rows, not precisions)
+    prepare_kernels(settings, [target, draft], [], settings.engine_config(draft=True).step_widths)
     # Ragged on purpose: prompts from different domains have very different lengths.
     per_domain = [load_prompts(d, args.batch) for d in ("code", "chat", "math")]
     prompts = [p for group in zip(*per_domain) for p in group][: args.batch]
     requests = [Request(encode_prompt(tokenizer, p), max_new_tokens=args.max_new_tokens) for p in prompts]
-    batched = SpeculativeEngine(target, tokenizer, draft, EngineConfig(max_batch_size=args.batch, max_len=1024, k=args.k))
-    single = SpeculativeEngine(target, tokenizer, draft, EngineConfig(max_batch_size=1, max_len=1024, k=args.k))
+    batched = build_engine(settings, tokenizer, target, {"draft": draft}, max_batch_size=args.batch)
+    single = build_engine(settings, tokenizer, target, {"draft": draft}, max_batch_size=1)
     outs_b = batched.generate(requests)
     outs_1 = single.generate(requests)
     rows = []

@@ -29,10 +29,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from serving.config import load_config
-from serving.engine import SpeculativeEngine
 from serving.engine.devices import describe_machine
 from serving.engine.engine_settings import EngineSettings
-from serving.engine.loader import load_models, prepare_kernels
+from serving.engine.loader import build_engine, load_models, prepare_kernels
 from serving.prompts import GROUNDED_DOMAINS, encode_prompt, load_prompts
 from serving.tools.bench import hf_assisted, run_engine
 
@@ -77,10 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = settings.engine_config(draft=True, device=target.device)
     prepare_kernels(settings, [target], [], spec.step_widths)
     engines = {
-        "target": SpeculativeEngine(target, tokenizer, config=dataclasses.replace(settings, k=1, k_buckets=(1,)).engine_config(
-            draft=False, device=target.device)),
-        **{name: SpeculativeEngine(target, tokenizer, config=spec, drafters={name: settings.host_drafter(name)})
-           for name in ("ngram", "suffix") if name in paths},
+        "target": build_engine(settings, tokenizer, target, k=1, k_buckets=(1,)),
+        **{name: build_engine(settings, tokenizer, target, {name: name}) for name in ("ngram", "suffix") if name in paths},
     }  # fmt: skip
     eos = sorted(engines["target"]._eos)
 

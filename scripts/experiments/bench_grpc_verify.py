@@ -29,7 +29,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from serving.distributed.remote import RemoteVerifier
 from serving.distributed.verify_service import VerifyServer
-from serving.engine import EngineConfig, Request, SpeculativeEngine
+from serving.engine import EngineSettings, Request, build_engine
 from serving.engine.sampling import SamplingParams
 
 
@@ -62,7 +62,7 @@ def measure(target, draft, tokenizer, address: str | None, batch: int, sampled: 
         Request(torch.randint(0, 300, (16,), generator=g).tolist(), params=params, max_new_tokens=new_tokens)
         for _ in range(batch)
     ]
-    config = EngineConfig(max_batch_size=batch, max_len=new_tokens + 16 + k + 1, k=k)
+    config = EngineSettings(device="cpu", max_batch_size=batch, max_len=new_tokens + 16 + k + 1, k=k)
     server = None
     if address is None:  # same static batch and context as the fused engine: the forwards compare
         server = VerifyServer(target, tokenizer, max_batch_size=batch, max_len=config.max_len, k_buckets=(k,),
@@ -77,9 +77,9 @@ def measure(target, draft, tokenizer, address: str | None, batch: int, sampled: 
 
 def _measure(target, draft, tokenizer, address, requests, config, sampled, k) -> dict:
     batch = config.max_batch_size
-    fused = SpeculativeEngine(target, tokenizer, draft, config) if target is not None else None
+    fused = build_engine(config, tokenizer, target, {"draft": draft}) if target is not None else None
     verifier = RemoteVerifier(address)
-    remote = SpeculativeEngine(verifier, tokenizer, draft, EngineConfig(max_batch_size=batch, max_len=config.max_len, k=k))
+    remote = build_engine(config, tokenizer, verifier, {"draft": draft})
     if fused is not None:
         fused.generate(requests[:1])  # warm-up
     remote.generate(requests[:1])

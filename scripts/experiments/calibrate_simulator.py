@@ -186,9 +186,8 @@ def measure_profile(target: Path, draft: Path, load: dict, a: argparse.Namespace
     import torch
 
     from serving.distributed.remote import RemoteVerifier
-    from serving.engine.core import SpeculativeEngine
-    from serving.engine.cpu_kernels import use_cpu_kernels
-    from serving.engine.engine_settings import EngineConfig
+    from serving.engine.engine_settings import EngineSettings
+    from serving.engine.loader import build_engine, prepare_kernels
     from serving.engine.request import Request
     from serving.engine.models import load_model, load_tokenizer
     from serving.fleet.profile import CostModel, CostPoint, DomainProfile, DraftProfile, Profile, from_load_test
@@ -197,14 +196,15 @@ def measure_profile(target: Path, draft: Path, load: dict, a: argparse.Namespace
     tok = load_tokenizer(str(target))
     cpu = torch.device("cpu")
     d_model = load_model(str(draft), dtype="float32", device=cpu)
-    cfg = EngineConfig(max_batch_size=a.batch, k=a.k)
-    if grpc_address:
-        use_cpu_kernels([d_model], device=cpu, dtype="float32", widths=cfg.step_widths)
-        engine = SpeculativeEngine(RemoteVerifier(grpc_address), tok, d_model, cfg)
+    settings = EngineSettings(device="cpu", max_batch_size=a.batch, k=a.k)
+    widths = settings.engine_config(draft=True).step_widths
+    if grpc_address:  # the draft keeps its fp32 numerics on the kernels, as the target would
+        prepare_kernels(settings, [d_model], [], widths)
+        engine = build_engine(settings, tok, RemoteVerifier(grpc_address), {"draft": d_model})
     else:
         t_model = load_model(str(target), dtype="float32", device=cpu)
-        use_cpu_kernels([t_model, d_model], device=cpu, dtype="float32", widths=cfg.step_widths)
-        engine = SpeculativeEngine(t_model, tok, d_model, cfg)
+        prepare_kernels(settings, [t_model, d_model], [], widths)
+        engine = build_engine(settings, tok, t_model, {"draft": d_model})
     prompts = [p for d in ("code", "chat", "math") for p in load_prompts(d, a.n_prompts)]
     reqs = [Request(encode_prompt(tok, p), max_new_tokens=a.max_tokens) for p in prompts]
     engine.generate(reqs[: a.batch])  # warm-up

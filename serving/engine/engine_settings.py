@@ -24,7 +24,6 @@ Importing this module is cheap (no torch): a command parses and checks its setti
 from __future__ import annotations
 
 import dataclasses
-import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
