@@ -632,7 +632,7 @@ def prepare_for_cpu(
     if cache and weights != "fp32":
         kind = "q4-requantized" if weights == "q4" and requantize else weights
         entry = weights_cache.entry(model, kind, [(full, child) for full, _, _, child in targets])
-    stored = weights_cache.load(entry, _stored_layer) if entry is not None else None
+    stored = weights_cache.load(entry, stored_layer) if entry is not None else None
     converted, fresh = _convert_linears(targets, stored, weights, kernel, max_rows, counts, requantize)
     if entry is not None and converted and fresh:
         weights_cache.save(entry, converted)  # before fuse_linears makes the layers views of shared storage
@@ -711,7 +711,7 @@ def _convert_linears(targets, stored, weights, kernel, max_rows, counts, requant
     return converted, fresh
 
 
-def _stored_layer(name: str, kind: str, in_features: int, out_features: int, tensors: dict[str, torch.Tensor]) -> nn.Module:
+def stored_layer(name: str, kind: str, in_features: int, out_features: int, tensors: dict[str, torch.Tensor]) -> nn.Module:
     """A layer of the prepared-weights cache (``weights_cache.load``) from its stored buffers."""
     bias = tensors.get(f"{name}.bias")
     if kind == "Q4Linear":
