@@ -1,0 +1,38 @@
+"""The experiment scripts that start real servers (``bench_routed_load``, ``calibrate_simulator``),
+apart from tests/test_experiment_scripts.py so that the suite's workers run the two long files side
+by side (pytest-xdist hands out whole files)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.test_experiment_scripts import _run, _serving_env, models  # noqa: F401  (models: a fixture)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_bench_routed_load_serves_each_policy_from_a_fresh_server(models, tmp_path, monkeypatch):
+    from routing.router import Router
+
+    _serving_env(monkeypatch)
+    router = tmp_path / "router.pt"
+    Router.create({"small": models["draft"]}, models["target"], costs={"small": {"draft_cost": 0.05, "verify_cost": 1.2}},
+                  k_buckets=(2, 3)).save(router)  # fmt: skip
+    _run("scripts/experiments/bench_routed_load.py", ["--router", str(router), "--per-family", "1", "--max-tokens", "4", "--concurrency", "2",
+                                  "--policies", "none,routed", "--target-weights", "fp32", "--draft-weights", "fp32",
+                                  "--serve-arg", "engine.max_len=2048", "--out", str(tmp_path / "load")])  # fmt: skip
+    s = json.loads((tmp_path / "load" / "routed_load.json").read_text())["summary"]
+    assert s["identity_reference"] == "none" and s["identical_to_reference"] == {"routed": 6}
+    assert s["errors"] == {"none": 0, "routed": 0} and sum(s["routed_choices"].values()) == 6
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_calibrate_simulator_compares_a_loopback_server_with_its_simulation(tmp_path):
+    _run("scripts/experiments/calibrate_simulator.py", ["--architectures", "fused", "--hidden", "32", "--layers", "2", "--draft-layers", "1",
+                                    "--batch", "2", "--concurrency", "2", "--requests", "4", "--max-tokens", "8",
+                                    "--n-prompts", "1", "--out", str(tmp_path)])  # fmt: skip
+    report = json.loads((tmp_path / "calibration.json").read_text())
+    assert "| fused |" in (tmp_path / "calibration.md").read_text() and report
