@@ -2,7 +2,7 @@
 
     app = create_app(EngineServer(cfg), cfg)    # serving.server.app
 
-``load_models`` reads the router, builds the engine with ``serving.engine.engine_settings.load_engine``
+``load_models`` reads the router, builds the engine with ``serving.engine.loader.load_engine``
 as every command does (one ``SpeculativeEngine`` holding every drafter the router names, the
 built-in model-free ones and ``none``; on the target model in fused mode, on a
 ``serving.distributed.remote.RemoteVerifier`` in the draft role), and warms every drafter up.
