@@ -51,7 +51,7 @@ class Choice:
 
     def fallback_floor(self, ratio: float) -> float:
         """The acceptance below which the request should leave its drafter mid-request (once its
-        acceptance so far shows it there: ``serving.engine.core.Fallback``): the lower of the
+        acceptance so far shows it there: ``serving.engine.request.Fallback``): the lower of the
         break-even rate and ``ratio`` of the prediction (so a drafter predicted near break-even is
         not dropped on the first unlucky tokens). 0 for "none"."""
         if self.draft == NONE:

@@ -36,7 +36,10 @@ CHECKSUM = "crc32"  # the field holding a line's checksum
 
 def encode_row(row: dict) -> bytes:
     """One line of the file: the row's JSON (sorted keys) with its checksum."""
-    body = json.dumps({k: v for k, v in row.items() if k != CHECKSUM}, sort_keys=True)
+    if CHECKSUM in row:
+        raise ValueError(f"a collected row may not hold a field named {CHECKSUM!r}: the file's checksum goes there")
+    # Through JSON once first: the checksum must be of what a reader parses back (int dict keys become strings).
+    body = json.dumps(json.loads(json.dumps(row)), sort_keys=True)
     return (body[:-1] + f', "{CHECKSUM}": "{zlib.crc32(body.encode()):08x}"}}\n').encode() if body != "{}" else b"{}\n"
 
 

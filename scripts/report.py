@@ -66,7 +66,7 @@ def measure_routed(args) -> dict:
     # HF assisted generation runs its users' setup: the generic draft in fp32 on stock kernels.
     hf_draft = models[generic_name] if args.draft_weights == "fp32" else load_model(GENERIC)
     prepare_kernels(settings, [target], list(by_ref.values()), widths)
-    target_engine = build_engine(settings, tokenizer, target)
+    target_engine = build_engine(settings, tokenizer, target, k_buckets=(1,))
     engines = {name: build_engine(settings, tokenizer, target, {"draft": m}) for name, m in models.items()}
     engines["none"] = target_engine
     eos = sorted(target_engine._eos)

@@ -168,3 +168,11 @@ def test_merge_dedupes_by_key_and_sorts(tmp_path, capsys):
     assert [(r["prompt_id"], r["draft"], r.get("x")) for r in read_rows(out)] == [("p1", "a", 2), ("p1", "b", None), ("p2", "a", 1)]
     assert collect_main(["--merge", str(out), str(tmp_path / "missing.jsonl")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_a_row_with_integer_keys_reads_back_and_a_crc32_field_is_refused(tmp_path):
+    store = RowStore(tmp_path / "rows.jsonl")
+    store.append(row("p1", hist={9: 1, 10: 2}))  # int keys come back as strings, in another sort order
+    assert read_rows(tmp_path / "rows.jsonl")[0]["hist"] == {"9": 1, "10": 2}
+    with pytest.raises(ValueError, match="may not hold a field named 'crc32'"):
+        store.append(row("p2", crc32="x"))

@@ -1,9 +1,11 @@
 """The speculative engine: a static batch of slots that requests join and leave between steps.
 
-    engine = SpeculativeEngine(target, tokenizer, config=EngineConfig(max_batch_size=4, k=4),
-                               drafters={"base": draft_model, "ngram": NgramDrafter()})
+    engine = build_engine(EngineSettings(max_batch_size=4, k=4), tokenizer, target, {"base": draft_model, "ngram": "ngram"})
     [out] = engine.generate([Request(tokenizer.encode("def add(a, b):"), max_new_tokens=32, drafter="ngram")])
     out.text, out.token_ids, out.stats["acceptance_rate"]
+
+(``build_engine`` is in ``serving.engine.loader``, the one place that constructs the engine; tests
+build it directly from stub parts.)
 
 One engine holds a verifier (``serving.engine.verifier``: the target and its KV cache, in this
 process or behind gRPC), one static batch and a set of named drafters (``serving.engine.drafters``):
