@@ -17,12 +17,12 @@ import argparse
 import json
 import random
 import re
-import shlex
-import subprocess
 import sys
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+
+from serving.server.launch import serving
 
 FUZZ_KEYS = ["model", "prompt", "messages", "role", "content", "type", "text", "max_tokens", "temperature", "top_p",
              "top_k", "seed", "stop", "stream", "stream_options", "include_usage", "n", "draft", "prediction", "logprobs",
@@ -137,6 +137,12 @@ def fuzz(url: str, model: str, bodies: int, seed: int = 61, neighbours: int | No
     return failures
 
 
+def run(url: str, args: argparse.Namespace) -> list[str]:
+    with urllib.request.urlopen(url + "/v1/models", timeout=60) as r:
+        model = json.loads(r.read())["data"][0]["id"]
+    return fuzz(url, model, args.bodies, args.seed)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     where = ap.add_mutually_exclusive_group(required=True)
@@ -145,24 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bodies", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=61)
     args = ap.parse_args(argv)
-    proc = None
-    url = args.url
-    try:
-        if args.serve:
-            from serving.server.launch import free_port, wait_healthy
-
-            port = free_port()
-            proc = subprocess.Popen([*shlex.split(args.serve), "--port", str(port)])
-            url = f"http://127.0.0.1:{port}"
-            wait_healthy(url, proc, timeout_s=900, poll_s=2.0)
-        with urllib.request.urlopen(url + "/v1/models", timeout=60) as r:
-            model = json.loads(r.read())["data"][0]["id"]
-        failures = fuzz(url, model, args.bodies, args.seed)
-    finally:
-        if proc is not None:
-            from serving.server.launch import stop
-
-            stop([proc])
+    if args.serve:
+        with serving(args.serve) as (url, _):
+            failures = run(url, args)
+    else:
+        url, failures = args.url, run(args.url, args)
     for f in failures[:20]:
         print("FAIL", f)
     print(f"{args.bodies} fuzzed bodies beside valid neighbours at {url}: "

@@ -20,13 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import shlex
 import statistics
-import subprocess
 import sys
 import threading
 import time
 import urllib.request
+
+from serving.server.launch import serving
 
 NEIGHBOUR = {"prompt": "def fibonacci(n):", "max_tokens": 40, "temperature": 0}
 
@@ -100,21 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--big", type=int, default=20, help="big requests between the two RSS readings")
     ap.add_argument("--max-rss-growth-mb", type=float, default=100.0)
     args = ap.parse_args(argv)
-    proc, url, pid = None, args.url, args.pid
-    try:
-        if args.serve:
-            from serving.server.launch import free_port, wait_healthy
-
-            port = free_port()
-            proc = subprocess.Popen([*shlex.split(args.serve), "--port", str(port)])
-            url, pid = f"http://127.0.0.1:{port}", proc.pid
-            wait_healthy(url, proc, timeout_s=900, poll_s=2.0)
-        out = measure(url, pid, args.repeats, args.big)
-    finally:
-        if proc is not None:
-            from serving.server.launch import stop
-
-            stop([proc])
+    if args.serve:
+        with serving(args.serve) as (url, proc):
+            out = measure(url, proc.pid, args.repeats, args.big)
+    else:
+        out = measure(args.url, args.pid, args.repeats, args.big)
     print(f"neighbour alone {out['solo_s']:.3f} s, beside a 1.9 MB prediction {out['beside_big_s']:.3f} s: {out['ratio']:.2f}x (bar 2x)")
     ok = out["ratio"] <= 2.0
     if "rss_growth_mb" in out:

@@ -3,10 +3,13 @@ until ``/health`` answers, and stopping the processes again."""
 
 from __future__ import annotations
 
+import shlex
 import socket
 import subprocess
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 def free_port() -> int:
@@ -43,3 +46,17 @@ def stop(procs: list[subprocess.Popen], timeout_s: float = 30.0) -> None:
             p.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             p.kill()
+
+
+@contextmanager
+def serving(command: str, timeout_s: float = 900.0) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Start ``command`` (a ``serve`` command line) on a free loopback port, wait until it is
+    healthy, and yield (its URL, its process); stop it on the way out."""
+    port = free_port()
+    proc = subprocess.Popen([*shlex.split(command), "--port", str(port)])
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc, timeout_s=timeout_s, poll_s=2.0)
+        yield url, proc
+    finally:
+        stop([proc])
