@@ -44,6 +44,7 @@ class Mutant:
 STOP_TESTS = ("tests/test_engine_tiny.py", "-k", "stop")
 DISTRIBUTION = ("tests/test_distribution.py", "-k", "follows or early_stops")
 ACCEPTANCE = ("tests/test_acceptance.py", "tests/test_distribution.py", "-k", "not catches")
+AUTO_TESTS = ("tests/test_auto_drafter.py", "-m", "integration")
 ROW_TESTS = ("tests/test_engine_drafters.py", "-k", "every_slot_position or every_row_and_slot or accept_in_a_batch or free_its_rows")
 
 MUTANTS = [
@@ -149,6 +150,23 @@ MUTANTS = [
            "            self._stop_drafter(b, slot, finished=False)\n            slot.routed_drafter, slot.drafter = slot.drafter, NONE\n",
            "            slot.routed_drafter, slot.drafter = slot.drafter, NONE\n            self._stop_drafter(b, slot, finished=False)\n",
            ROW_TESTS),
+    Mutant("auto-shared-scores", "auto keeps one record for every row: one row's verdicts steer another's choices",
+           "serving/engine/drafters/auto.py",
+           "        self._rows[row] = _Row(list(ctx.prompt), hosts, self.policy.scores(), ctx)\n",
+           "        self._rows[row] = _Row(list(ctx.prompt), hosts, next(iter(self._rows.values())).scores if self._rows "
+           "else self.policy.scores(), ctx)\n", AUTO_TESTS),
+    Mutant("catch-up-skipped", "a model drafter that skipped steps drafts without reading what it skipped",
+           "serving/engine/drafters/model.py", "        self._catch_up(own, state.tokens)\n", "", AUTO_TESTS),
+    Mutant("skipping-row-reads-another", "a model drafter's row that skips a step is fed another row's tokens "
+           "(its cache is overwritten)", "serving/engine/drafters/model.py",
+           "for b in (self.owner[r] for r in range(n_rows))], device=device)", "for b in owner[:n_rows]], device=device)",
+           AUTO_TESTS),
+    Mutant("features-next-position", "a feature drafter gets the features of the positions after the committed ones",
+           "serving/engine/core.py", "hidden=features[b, : len(new)])", "hidden=features[b, 1 : len(new) + 1])",
+           ("tests/test_target_features.py",)),
+    Mutant("features-layer-after", "the captured features are the output of each layer instead of its input",
+           "serving/engine/runner.py", "torch.cat([out.hidden_states[i] for i in capture], dim=-1)",
+           "torch.cat([out.hidden_states[i + 1] for i in capture], dim=-1)", ("tests/test_target_features.py",)),
 ]
 
 

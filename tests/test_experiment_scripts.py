@@ -269,6 +269,13 @@ def test_replay_ceiling_replays_every_drafter_on_the_targets_answers(models, tmp
     ceiling = json.loads((tmp_path / "ceiling.json").read_text())
     assert len(ceiling["rows"]) == 6 + 4  # the six families' test prompts, one per grounded domain
     assert "per-step best" in (tmp_path / "ceiling.md").read_text()
+    # auto live beside every single drafter (outputs checked equal there), and its policy replayed on these traces
+    _run("scripts/experiments/bench_auto.py", ["--target", models["target"], "--draft", models["draft"], "--per-family", "1",
+                                               "--grounded", "1", "--max-tokens", "6", "--repeats", "1", "--batch", "2",
+                                               "--traces", str(tmp_path / "ceiling.json"), "--out", str(tmp_path / "auto")])  # fmt: skip
+    auto = json.loads((tmp_path / "auto" / "auto.json").read_text())
+    assert len(auto["rows"]) == 6 + 1 and 0 <= auto["host"]["share"] < 1
+    assert all("auto" in r["speedup"] for r in auto["rows"]) and "auto" in auto["replay"]["chat"][0]
 
 
 @pytest.mark.e2e

@@ -185,7 +185,7 @@ def test_health_is_503_until_loaded_then_models_lists_drafts(live, model_dirs):
     assert live.request("GET", "/health") == (200, '{"status":"ok"}')
     [model] = live.client.models.list().data
     assert model.id == model_dirs["target"].name  # the folder's name: /v1/models never shows a filesystem path
-    assert model.model_extra["choral"]["drafts"] == ["code", "chat", "ngram", "suffix", "prediction", "none"]
+    assert model.model_extra["choral"]["drafts"] == ["code", "chat", "ngram", "suffix", "auto", "prediction", "none"]
 
 
 @pytest.mark.e2e
@@ -658,11 +658,15 @@ def test_predicted_outputs_and_model_free_drafters_give_the_same_answer(live, re
     assert out.choices[0].message.content == ref.text and choral["draft"] == "prediction"
     # The tiny tokenizer splits the re-encoded text differently in places, so not all of it is accepted.
     assert choral["acceptance_rate"] > 0.2 and choral["target_calls"] < out.usage.completion_tokens
-    for name in ("ngram", "suffix", "prediction"):  # prediction named without one: it proposes nothing
+    for name in ("ngram", "suffix", "prediction", "auto"):  # prediction named without one: it proposes nothing
         forced = live.client.chat.completions.create(model=live.model, messages=CHAT, max_tokens=20, temperature=0,
                                                      extra_body={"draft": name})  # fmt: skip
         assert forced.choices[0].message.content == ref.text and forced.model_extra["choral"]["draft"] == name
+        shares = forced.model_extra["choral"]["drafter_shares"]
+        assert abs(sum(shares.values()) - 1.0) < 1e-9 and (name == "auto" or set(shares) <= {name, "none"})
     after = live.metrics()
+    steps = [v for (metric, labels), v in after.items() if metric == "choral_drafter_steps_total" and ("draft", "auto") in labels]
+    assert sum(steps) >= 1  # auto's steps, by the drafter each verified
     drafts = ("choral_spec_decode_drafts_total", (("draft", "prediction"),))
     assert after[drafts] - before.get(drafts, 0.0) >= 1
     accepted = ("choral_accepted_tokens_total", (("draft", "prediction"),))

@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=TARGET, help="the target (default: the bundled 1.5B)")
     ap.add_argument("--draft", default=DRAFT, help="the draft model (default: the bundled 0.5B)")
-    ap.add_argument("--per-family", type=int, default=5, help="held-out (test split) prompts per workload family")
+    ap.add_argument("--split", default="test", help="the workload split (test: held out; val: for tuning a policy)")
+    ap.add_argument("--per-family", type=int, default=5, help="prompts per workload family")
     ap.add_argument("--grounded", type=int, default=3, help="prompts per grounded domain (edit, extract, summarize, quoted)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4)
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     widths = list(engine._verify_widths())  # a host drafter's own k may verify wider than K + 1
     target_runner, draft_runner = engine.verifier.runner, engine.drafters["draft"].runner
 
-    prompts = [(p.domain, p.id, encode_prompt(tok, p), None) for p in load_workload("test", args.per_family)]
+    prompts = [(p.domain, p.id, encode_prompt(tok, p), None) for p in load_workload(args.split, args.per_family)]
     for domain in ("edit", "extract", "summarize", "quoted"):
         for g in load_grounded(domain, args.grounded):
             prediction = tok.encode(g.source, add_special_tokens=False) if domain == "edit" else None

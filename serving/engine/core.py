@@ -55,11 +55,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from serving.engine.bundled import choral_home
 from serving.engine.devices import compile_backend, synchronize
-from serving.engine.drafters.base import NONE, PREDICTION, BatchDrafter, DraftBatch, Drafter, HostDrafter, Proposal, RowContext
+from serving.engine.drafters.base import (NONE, PREDICTION, BatchDrafter, DraftBatch, Drafter, HostDrafter, Proposal,
+                                          RoutingDrafter, RowContext)
 from serving.engine.drafters.model import ModelDrafter
 from serving.engine.drafters.prediction import PredictionDrafter
 from serving.engine.engine_settings import EngineConfig
-from serving.engine.goodput import StepCosts, expected_from_counts, per_token_acceptance, plan_cap
+from serving.engine.goodput import RowCosts, StepCosts, expected_from_counts, per_token_acceptance, plan_cap
 from serving.engine.request import Completion, Request, RequestFailed, StepOutput, describe_errors
 from serving.engine.sampling import SamplingParams, SamplingTensors
 from serving.engine.speculative import DecodeState, StepRandom, commit, start_row, step_uniforms
@@ -163,6 +164,9 @@ class SpeculativeEngine:
             self.enable_cuda_graphs()
         if config.step_k == "goodput" and self.drafting:
             self.time_steps()
+        self._choices: dict[int, str] = {}  # row -> the drafter whose proposal this step verifies
+        for routing in self._distinct(RoutingDrafter):
+            routing.price(self.row_costs(routing.model_costs_needed), self._verify_widths())
 
     def _bind_drafters(self, given: Drafters) -> dict[str, Drafter]:
         """The engine's drafters by name, bound to its shapes: a draft model becomes a
@@ -182,11 +186,16 @@ class SpeculativeEngine:
             out[name] = wrapped[id(d)]
         if out:
             out.setdefault(PREDICTION, PredictionDrafter())
-        for name, d in out.items():
-            if d.target_layers:  # the verifiers do not hand out hidden states yet (EAGLE-3 heads: issue 60)
-                raise ValueError(f"drafter {name!r} reads the target's hidden states of layers {list(d.target_layers)}, "
-                                 f"which {self.verifier.name} does not provide")
+        layers = {tuple(d.target_layers) for d in out.values() if d.target_layers}
+        if len(layers) > 1:
+            raise ValueError(f"drafters read the target's features of different layers {sorted(layers)}: one engine "
+                             "captures one set; give its drafters the same eagle_aux_hidden_state_layer_ids")  # fmt: skip
+        self.feature_layers = layers.pop() if layers else ()
+        if self.feature_layers:  # EAGLE-3 heads: the verifier hands out the target's features
+            self.verifier.capture(self.feature_layers)
         for d in {id(d): d for d in out.values()}.values():
+            if isinstance(d, RoutingDrafter):  # auto: drafts with the others
+                d.attach(out)
             d.bind(batch_size=self.config.max_batch_size, max_len=self.config.max_len, vocab_size=self.vocab_size)
         return out
 
@@ -446,6 +455,37 @@ class SpeculativeEngine:
                 synchronize(self.device)
                 self.step_costs.observe_draft(rows, 1, 1e3 * (time.perf_counter() - started))
 
+    def row_costs(self, models: tuple[str, ...] = (), reps: int = 5) -> RowCosts:
+        """One row's step priced by its parts (``RowCosts``, batch 1), timed now: the target's
+        forward at every verify width and each named model drafter's forward at its chain and
+        catch-up widths (the fastest of ``reps``: what the shape costs when nothing else runs). A remote target is priced as a local one of one
+        ms per token, the drafts as measured (a remote verify is timed by its steps only)."""
+        from serving.engine.drafters.model import CATCH_UP
+
+        def fastest_ms(run) -> float:
+            run()  # a throwaway: the first call of a shape may build it
+            times = []
+            for _ in range(reps):
+                started = time.perf_counter()
+                run()
+                synchronize(self.device)
+                times.append(1e3 * (time.perf_counter() - started))
+            return min(times)
+
+        widths = self._verify_widths()
+        if isinstance(self.verifier, LocalVerifier):
+            verify = [[w, fastest_ms(lambda w=w: self.verifier.warmup((w,), 1))] for w in widths]
+        else:
+            verify = [[w, float(w)] for w in widths]
+        model = {}
+        for name in models:
+            runner = self.drafters[name].runner
+            one = [[w, fastest_ms(lambda w=w: runner.warmup((w,), last_only=True, rows=1))] for w in (1, 2)]
+            ids = torch.zeros(1, max(CATCH_UP), dtype=torch.long, device=runner.device)
+            model[name] = one + [[w, fastest_ms(lambda w=w: runner.extend(ids[:, :w], torch.arange(w, device=runner.device)[None], 0))]
+                                 for w in CATCH_UP if w <= self.config.max_len]  # fmt: skip
+        return RowCosts(verify=verify, model=model, host={n: 0.02 for n in self.drafters if isinstance(self.drafters[n], HostDrafter)})
+
     def _verify_widths(self) -> tuple[int, ...]:
         """Target widths: K+1 per K bucket; a host drafter's short proposal rounds up to a bucket,
         so a fixed k with host drafters may verify any bucket up to it."""
@@ -501,7 +541,8 @@ class SpeculativeEngine:
             started -= reused_s
         if drafter in self.drafters:
             private = request.params.seeded_sampling
-            self.drafters[drafter].start(b, RowContext(index, request.prompt_ids, request.prediction, private))
+            hidden = self.verifier.prompt_features if self.drafters[drafter].target_layers else None  # [L, n * H]
+            self.drafters[drafter].start(b, RowContext(index, request.prompt_ids, request.prediction, private, hidden))
         done = start_row(self.state, b, ids[0], first_id, request.max_new_tokens)
         self._sampling = None
         stats = RequestStats(new_tokens=1, prefill_reused=reused_s is not None)
@@ -512,7 +553,10 @@ class SpeculativeEngine:
             slot.prior_a = float(per_token_acceptance(torch.tensor([float(request.expected_acceptance)]), k))
         stopped = self._hit_stop(slot, 0)
         if drafter in self.drafters:
-            self.drafters[drafter].observe(b, slot.generated)
+            if self.drafters[drafter].target_layers:  # the prompt's features came with start: none are new
+                self.drafters[drafter].observe(b, slot.generated, hidden=self.verifier.prompt_features[:0])
+            else:
+                self.drafters[drafter].observe(b, slot.generated)
         return slot, done or stopped
 
     def _drafter_of(self, request: Request) -> str:
@@ -634,17 +678,28 @@ class SpeculativeEngine:
         host_tokens = [[] for _ in slots]
         if self.config.step_k == "goodput":  # before any proposal: a step that would not draft skips proposing
             k_rows, _ = self._cap(slots, k_rows, None)
+        routes: dict[int, Drafter] = {}  # row -> the drafter that drafts it this step
+        self._choices = {}
         for b, slot in enumerate(slots):
             drafter = self.drafters.get(slot.drafter) if slot is not None else None
-            if k_rows[b] and isinstance(drafter, HostDrafter):
+            if k_rows[b] and isinstance(drafter, RoutingDrafter):  # auto: this step's drafter for the row
+                choice = drafter.choose(b, slot.request.prompt_ids + slot.generated, k_rows[b], slot.request.drafter_priors)
+                k_rows[b] = choice.k if choice.drafter is not None else 0
+                self._choices[b] = choice.drafter or NONE
+                if choice.tokens is not None:
+                    host_tokens[b] = choice.tokens[: k_rows[b]]
+                elif choice.drafter is not None:
+                    routes[b] = self.drafters[choice.drafter]
+            elif k_rows[b] and isinstance(drafter, HostDrafter):
                 host_tokens[b] = drafter.propose(b, slot.request.prompt_ids + slot.generated, k_rows[b])[: k_rows[b]]
+            if slot is not None and drafter is not None:
+                routes.setdefault(b, drafter)
         if self.config.step_k == "goodput":
             k_rows, host_tokens = self._cap(slots, k_rows, host_tokens)
         proposals = []
         started, forwards = time.perf_counter(), 0
         for drafter in self._distinct(BatchDrafter):
-            mine = [k_rows[b] if slot is not None and self.drafters.get(slot.drafter) is drafter else 0
-                    for b, slot in enumerate(slots)]  # fmt: skip
+            mine = [k_rows[b] if routes.get(b) is drafter else 0 for b in range(len(slots))]
             proposal = drafter.propose_rows(DraftBatch(mine, state, sampling, rand, V, self.config.batch_buckets,
                                                        self.config.draft_confidence, self.config.draft_stop))  # fmt: skip
             if proposal is not None:
@@ -758,14 +813,17 @@ class SpeculativeEngine:
             accepted, new, done, drafted, tokens = rows[b][0], rows[b][1], bool(rows[b][2]), rows[b][3], rows[b][4:]
             before = len(slot.generated)
             slot.generated += tokens[:new]
-            slot.stats.record_step(drafted, accepted, new, times.get("draft", 0.0), times.get("target", 0.0))
+            slot.stats.record_step(drafted, accepted, new, times.get("draft", 0.0), times.get("target", 0.0),
+                                   drafter=self._choices.get(b, slot.drafter) if drafted else NONE)  # fmt: skip
+            if b in self._choices:  # auto: the verdict on its choice
+                self.drafters[slot.drafter].settle(b, drafted, accepted)
             if self.config.k == "auto" and k_rows[b]:  # Hugging Face's heuristic, per request: +2 after a full accept, else -1
                 slot.k_value = min(hi, slot.k_value + 2) if accepted == drafted else max(lo, slot.k_value - 1)
             try:
                 # Stop strings first: a step that also reaches the length limit must still cut at the stop.
                 stopped = self._hit_stop(slot, before)
                 if slot.drafter in self.drafters and len(slot.generated) > before:  # what the row kept
-                    self.drafters[slot.drafter].observe(b, slot.generated[before:])
+                    self._observe(b, slot, before, verdict.features)
             except Exception as e:  # committed already: this row fails, the step stands for the others
                 after_commit[b] = e
                 continue
@@ -776,6 +834,16 @@ class SpeculativeEngine:
         if after_commit:
             raise _Committed(after_commit, finished, verdict.failed)
         return finished, verdict.failed
+
+    def _observe(self, b: int, slot: _Slot, before: int, features: torch.Tensor | None) -> None:
+        """Tell the row's drafter what the step committed; one that reads the target's features gets
+        those of the positions now known: x_{n-1} and the accepted drafts, one per new token (the
+        feature of position p comes with token p + 1; the prompt's all came with ``start``)."""
+        drafter, new = self.drafters[slot.drafter], slot.generated[before:]
+        if drafter.target_layers:
+            drafter.observe(b, new, hidden=features[b, : len(new)])  # [len(new), n * H]
+        else:
+            drafter.observe(b, new)
 
     def _maybe_fall_back(self, b: int, slot: _Slot) -> None:
         """Switch the row to the target alone once its acceptance so far shows it below the request's

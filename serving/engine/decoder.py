@@ -93,8 +93,12 @@ class LeanDecoder:
         return self.ext.rowdot_rms_norm(x.reshape(-1, x.shape[-1]), norm[0], norm[1]).view(x.shape)
 
     @torch.no_grad()
-    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, cache, capture: tuple[int, ...] = ()):
+        """The last hidden state [B, T, H]; with ``capture`` (layer ids) also the residual stream
+        entering each of those layers, concatenated [B, T, len(capture) * H] (vLLM's EAGLE-3
+        convention: id i is what layer i reads, so 0 is the token embeddings)."""
         B, T = tokens.shape
+        aux = []
         # Activations stay [B, T, H]: the fp32 kernels tell a step from a prefill by T, the tokens
         # per sequence, and would take a batch of short steps flattened to [B*T, H] for a prefill.
         h = self.embed(tokens)  # [B, T, H]
@@ -108,6 +112,8 @@ class LeanDecoder:
             seen = mask.flatten(0, 1).any(dim=0).nonzero()
             extent = int(seen.max()) + 1 if seen.numel() else mask.shape[-1]
         for i, L in enumerate(self.layers):
+            if i in capture:
+                aux.append(h)
             kc, vc = cache.keys[i], cache.values[i]
             # 1-3. norm, fused q/k/v, rotary and the cache write.
             qkv = L.qkv(self._rms(h, L.in_norm))  # [B, T, (H + 2 Hkv) D]
@@ -125,4 +131,5 @@ class LeanDecoder:
             gu = L.gate_up(self._rms(h, L.post_norm))  # [B, T, 2I]: gate, then up
             act = self.ext.rowdot_silu_mul(gu.reshape(B * T, -1), L.intermediate).view(B, T, -1)  # [B, T, I]
             h = h + L.down(act)
-        return self._rms(h, self.norm)  # [B, T, H]
+        out = self._rms(h, self.norm)  # [B, T, H]
+        return (out, torch.cat(aux, dim=-1)) if capture else out

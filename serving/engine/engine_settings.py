@@ -102,6 +102,43 @@ class PredictionSettings:
             raise ValueError(f"prediction.k={self.k} must be >= 1 (or null for the engine's k)")
 
 
+# Per-token acceptance of ngram's and suffix's proposals by length on the workload's val split, 128
+# greedy tokens of the q4 target (runs/replay-val, scripts/experiments/replay_ceiling.py --split val):
+# a one-token suffix proposal holds a quarter of the time, a four-token one nine in ten.
+AUTO_PRIORS = {"suffix@1": 0.25, "suffix@2": 0.5, "suffix@3": 0.65, "suffix@4": 0.9,
+               "ngram@1": 0.3, "ngram@2": 0.5, "ngram@3": 0.6, "ngram@4": 0.8}  # fmt: skip
+
+
+@dataclass
+class AutoSettings:
+    """``auto``: each step, the drafter (or none) with the best expected tokens per ms, per row."""
+
+    drafters: tuple[str, ...] | None = field(default=None, metadata=doc(
+        "names of the engine's drafters auto chooses among (null: all of them)"))
+    k: int | None = field(default=None, metadata=doc("the largest K auto proposes; null: the engine's k"))
+    prior_a: dict[str, float] = field(default_factory=lambda: dict(AUTO_PRIORS), metadata=doc(
+        "per-token acceptance assumed before a row has its own record, by drafter name or name@length "
+        "of a host proposal (suffix@1: a one-token suffix proposal); a router's prediction per request "
+        "overrides it. Default: what the workload's val split measured"))
+    default_prior: float = field(default=0.5, metadata=doc("the prior of a drafter not in prior_a"))
+    prior_weight: float = field(default=2.0, metadata=doc("pseudo-tokens of the prior against the row's own record"))
+    catch_up_weight: float = field(default=0.5, metadata=doc(
+        "share of the catch-up a skipped step will cost a model drafter that is charged to that step "
+        "(0: the per-step greedy rule; 1: as if the model surely drafts again)"))
+
+    def __post_init__(self) -> None:
+        self.drafters = tuple(self.drafters) if self.drafters is not None else None
+        bad = {n: a for n, a in {**self.prior_a, "default_prior": self.default_prior}.items() if not 0.0 <= a <= 1.0}
+        if bad:
+            raise ValueError(f"auto: acceptance priors {bad} must be in [0, 1]")
+        if self.prior_weight <= 0:
+            raise ValueError(f"auto.prior_weight={self.prior_weight} must be > 0")
+        if not 0.0 <= self.catch_up_weight <= 1.0:
+            raise ValueError(f"auto.catch_up_weight={self.catch_up_weight} must be in [0, 1]")
+        if self.k is not None and self.k < 1:
+            raise ValueError(f"auto.k={self.k} must be >= 1 (or null for the engine's k)")
+
+
 HOST_DRAFTERS = registry.host_refs()  # built-in drafter references that need no model
 DRAFT_STOPS = ("token", "cumulative")  # what draft_stop compares with draft_confidence
 STEP_KS = ("rows", "goodput")  # how a step's K is set (step_k)
@@ -194,6 +231,8 @@ class EngineSettings:
     suffix: SuffixSettings = field(default_factory=SuffixSettings, metadata=doc("the suffix drafter"))
     prediction: PredictionSettings = field(default_factory=PredictionSettings, metadata=doc(
         "the prediction drafter (requests with OpenAI's prediction field)"))
+    auto: AutoSettings = field(default_factory=AutoSettings, metadata=doc(
+        "the auto drafter (a drafter per row and step among the others)"))
 
     def __post_init__(self) -> None:
         self.k_buckets = check_steps(self.max_batch_size, self.k, self.k_buckets)
@@ -298,7 +337,7 @@ class EngineSettings:
             draft_confidence=s.draft_confidence if draft else None,
             draft_stop=s.draft_stop,
             batch_buckets=s.batch_buckets,
-            host_k=max((x.k or 0 for x in (s.ngram, s.suffix, s.prediction)), default=0) if draft else 0,
+            host_k=max((x.k or 0 for x in (s.ngram, s.suffix, s.prediction, s.auto)), default=0) if draft else 0,
             request_k_max=(s.request_k_max or 0) if draft else 0,
             reuse_prefill=bool(s.reuse_prefill),
             step_k=s.step_k if draft else "rows",

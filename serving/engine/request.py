@@ -55,6 +55,7 @@ class Request:
     k: int | None = None  # this request's K (num_speculative_tokens), up to the engine's k_max; None: the engine's
     fallback: Fallback | None = None  # switch to the target alone when the drafter stops paying
     expected_acceptance: float | None = None  # predicted accepted / drafted at its K (the router's): step_k's prior
+    drafter_priors: dict[str, float] | None = None  # drafter -> predicted per-token acceptance (the router's): auto's prior
 
 
 @dataclass

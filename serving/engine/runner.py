@@ -68,8 +68,24 @@ class ModelRunner:
             self.kept_head = kept_head  # [N, H] rows of the output head
         self.cache = StaticKVCache.for_model(config, batch_size, max_len, self.dtype, self.device)
         self._row_caches = {batch_size: self.cache}  # rows -> a view of the cache's first rows
+        self.capture: tuple[int, ...] = ()  # layers whose input features forward() keeps (EAGLE-3's aux layers)
+        self.prefill_features: torch.Tensor | None = None  # [1, L, n * H] the last prefill's, with capture
+        self.last_features: torch.Tensor | None = None  # [B, T, n * H] the last forward's, with capture
         self._forward = self._eager_forward
         self._graphs: dict | None = None  # (rows, width, last_only) -> a captured CUDA graph (use_cuda_graphs)
+
+    def capture_layers(self, layers: tuple[int, ...]) -> None:
+        """From now on ``forward`` keeps its positions' features in ``last_features`` and
+        ``prefill`` the prompt's in ``prefill_features``: [B, T, len(layers) * H], the residual
+        stream entering each of ``layers`` (vLLM's ``eagle_aux_hidden_state_layer_ids``
+        convention: what layer i reads; 0 is the token embeddings). Set it before compile."""
+        n = self.config.num_hidden_layers
+        bad = [i for i in layers if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"capture layers {bad} are not layers of this {n}-layer model: use ids in 0..{n - 1}")
+        if self._graphs is not None:
+            raise RuntimeError("capture layers before use_cuda_graphs: a captured graph has one output")
+        self.capture = tuple(sorted(set(layers)))
 
     def compile(self, backend: str, shapes: int = 8) -> None:
         """Compile ``forward`` with ``fullgraph=True, dynamic=False``: one graph per (rows, input
@@ -126,8 +142,12 @@ class ModelRunner:
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         """tokens, positions: [B, T] long, B at most ``batch_size``: the cache's first B rows (a
         batch bucket). Writes their KV at ``positions`` and returns fp32 logits [B, T, V] (or
-        [B, 1, V] with ``last_only``: the draft's catch-up step needs only the last)."""
-        return self._forward(tokens, positions, last_only, self._rows(tokens.shape[0]))
+        [B, 1, V] with ``last_only``: the draft's catch-up step needs only the last). With
+        ``capture_layers`` the features of the same positions are kept in ``last_features``."""
+        out = self._forward(tokens, positions, last_only, self._rows(tokens.shape[0]))
+        if self.capture:
+            out, self.last_features = out
+        return out
 
     def _rows(self, rows: int) -> StaticKVCache:
         if rows not in self._row_caches:
@@ -157,17 +177,31 @@ class ModelRunner:
         if pad_to is not None and pad_to > L:
             tokens = torch.cat([tokens, tokens.new_zeros(1, pad_to - L)], dim=1)
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)  # [1, L']
-        hidden = self._hidden(tokens, positions, self.cache.row(slot))  # [1, L', H]
+        hidden = self._hidden(tokens, positions, self.cache.row(slot), self.capture)  # [1, L', H]
+        if self.capture:  # the prompt's features, for a drafter that reads them (capture_layers)
+            hidden, aux = hidden
+            self.prefill_features = aux[:, :L]  # [1, L, n * H]
         return self._logits(hidden[:, L - 1 : L])
 
-    def _eager_forward(self, tokens: torch.Tensor, positions: torch.Tensor, last_only: bool, cache: StaticKVCache) -> torch.Tensor:
+    @torch.no_grad()
+    def extend(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int) -> None:
+        """tokens, positions: [1, W]. Writes batch row ``slot``'s KV at ``positions`` from those
+        tokens, alone, as ``prefill`` does (so what the row holds never depends on the other rows),
+        and computes no logits: a draft catching up on tokens it did not draft."""
+        self._hidden(tokens, positions, self.cache.row(slot))
+
+    def _eager_forward(self, tokens: torch.Tensor, positions: torch.Tensor, last_only: bool, cache: StaticKVCache):
+        if self.capture:
+            hidden, aux = self._hidden(tokens, positions, cache, self.capture)  # [B, T, H], [B, T, n * H]
+            return self._logits(hidden[:, -1:] if last_only else hidden), aux
         hidden = self._hidden(tokens, positions, cache)
         return self._logits(hidden[:, -1:] if last_only else hidden)
 
-    def _hidden(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+    def _hidden(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache, capture: tuple[int, ...] = ()):
+        """The last hidden state [B, T, H]; with ``capture``, also the features of those layers."""
         lean = getattr(self.model, "_choral_decoder", None)
         if lean is not None and lean.enabled:  # Choral's CPU kernels: serving.engine.decoder
-            return lean.hidden(tokens, positions, cache)
+            return lean.hidden(tokens, positions, cache, capture)
         cache.positions = positions
         eager = self.config._attn_implementation == "eager"
         mask = cache.attention_mask(positions, self.dtype if eager else None)
@@ -177,7 +211,10 @@ class ModelRunner:
             attention_mask={"full_attention": mask},
             past_key_values=cache,
             use_cache=True,
+            output_hidden_states=bool(capture),
         )
+        if capture:  # hidden_states[i]: what layer i reads (0: the embeddings)
+            return out.last_hidden_state, torch.cat([out.hidden_states[i] for i in capture], dim=-1)
         return out.last_hidden_state  # [B, T, H]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -68,6 +68,9 @@ class Verdict(NamedTuple):
     n_accepted: torch.Tensor  # [B] long: draft tokens accepted
     next_token: torch.Tensor  # [B] long: the correction (after a rejection) or the bonus token
     failed: VerifierError | None = None  # rows the target could not verify: they commit nothing
+    # [B, K+1, n * H] with ``capture``: the target's features at the verified positions (x_{n-1}, then
+    # the drafts), of which a row's first n_accepted + 1 are the features of committed tokens.
+    features: torch.Tensor | None = None
 
 
 class Verifier(ABC):
@@ -114,6 +117,15 @@ class Verifier(ABC):
 
     def close(self) -> None:
         """Free what the verifier holds (connections); the engine is not used afterwards."""
+
+    def capture(self, layers: tuple[int, ...]) -> None:
+        """Hand out the target's features of ``layers`` (the residual stream entering each, as
+        ``ModelRunner.capture_layers``): the prompt's after each ``prefill`` (``prompt_features``)
+        and the verified positions' in each ``Verdict``. For drafters that read them (EAGLE-3)."""
+        raise ValueError(f"{self.name} does not hand out the target's hidden states (layers {list(layers)}): "
+                         "run a drafter that reads them (eagle3) beside a local target, not on a draft node")
+
+    prompt_features: torch.Tensor | None = None  # [L, n * H] the last prefill's, with capture
 
     def compile(self, backend: str, shapes: int) -> None:
         """Compile the target's verify forwards with ``backend`` (``shapes``: how many input shapes
@@ -166,6 +178,8 @@ class LocalVerifier(Verifier):
         self._kept.pop(row, None)  # a prefill that fails midway leaves the row holding neither prompt
         started = time.perf_counter()
         logits = self.runner.prefill(prompt, row)  # [1, 1, V]
+        if self.runner.capture:
+            self.prompt_features = self.runner.prefill_features[0]  # [L, n * H]
         first = first_token(logits, params, u)  # int(): the device has finished the prefill
         if self.reuse:
             # Copies: a compiled forward may hand out the same output buffer again on its next call.
@@ -175,7 +189,11 @@ class LocalVerifier(Verifier):
     def verify(self, batch: VerifyBatch) -> Verdict:
         n_accepted, next_token = verify_tokens(self.runner, batch.state, batch.sampling, batch.rand, batch.draft_tokens,
                                                batch.q, batch.n_draft)  # fmt: skip
-        return Verdict(n_accepted, next_token)
+        return Verdict(n_accepted, next_token, features=self.runner.last_features if self.runner.capture else None)
+
+    def capture(self, layers: tuple[int, ...]) -> None:
+        self.runner.capture_layers(layers)
+        self.reuse, self._kept = False, {}  # a reused prefill would hand out no features
 
     def release(self, row: int) -> None:
         """Nothing to drop: the next request in ``row`` prefills over the cache row (or reuses it)."""

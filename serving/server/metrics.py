@@ -33,6 +33,9 @@ class ServerMetrics:
                                     ["draft"], registry=r)  # fmt: skip
         self.drafts = Counter("choral_spec_decode_drafts", "proposals verified (steps in which a request drafted), by drafter",
                               ["draft"], registry=r)  # fmt: skip
+        self.drafter_steps = Counter("choral_drafter_steps", "steps of finished requests by the drafter whose proposal "
+                                     "the step verified (none: nothing drafted); auto's requests spread over several, "
+                                     "by the request's draft", ["draft", "drafter"], registry=r)  # fmt: skip
         self.draft_choices = Counter("choral_draft_choices", "requests per draft; forced = chosen by the client",
                                      ["draft", "forced"], registry=r)  # fmt: skip
         self.finished = Counter("choral_finished_requests", "requests that ended, by how",

@@ -35,7 +35,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from serving.engine import Completion, Request, RequestFailed, StepOutput
+import torch
+
 from serving.engine.drafters.base import NONE
+from serving.engine.drafters.registry import AUTO
+from serving.engine.goodput import per_token_acceptance
 from serving.engine.request import Fallback
 from serving.server.metrics import ServerMetrics
 from serving.server.openai_api import APIError
@@ -262,6 +266,8 @@ class Scheduler:
                     "(queue_limit); retry later", code="queue_full"), "rejected")  # fmt: skip
                 continue
             ticket.request.drafter = draft  # the row drafts with it inside the shared batch
+            if draft == AUTO and choice is not None:  # the router's predictions are auto's priors
+                ticket.request.drafter_priors = self._priors(choice)
             if choice is not None and ticket.forced_draft is None and draft == choice.draft != NONE:
                 self._apply_choice(ticket.request, choice)  # an explored drafter drafts the engine's K
             ticket.choice, ticket.occupancy = choice, routed_at(ticket)
@@ -277,6 +283,16 @@ class Scheduler:
                 self.metrics.explored.labels(choice.draft).inc()
             self.metrics.prompt_tokens.inc(len(ticket.request.prompt_ids))
             ticket.send(Routed(draft, choice, ticket.request.k, ticket.explored))
+
+    def _priors(self, choice: Any) -> dict[str, float]:
+        """The router's predicted acceptance of each drafter as the per-token acceptance ``auto``
+        starts each of them from (the rate is the router's at its collected K)."""
+        collected = getattr(getattr(self.router, "cost_model", None), "collected_k", None)
+        out = {}
+        for name, rate in (getattr(choice, "predicted_acceptance", None) or {}).items():
+            if name != NONE and collected:
+                out[name] = float(per_token_acceptance(torch.tensor([float(rate)]), int(collected)))
+        return out
 
     def _explore(self, chosen: str) -> str:
         """With probability ``routing.explore``, another of the router's drafters, uniformly: served
@@ -376,6 +392,8 @@ class Scheduler:
         m.accepted_tokens.labels(draft).inc(s.get("accepted", 0))
         m.drafts.labels(draft).inc(s.get("drafts", 0))
         m.target_calls.labels(draft).inc(s.get("target_calls", 0))
+        for drafter, share in s.get("drafter_shares", {}).items():
+            m.drafter_steps.labels(draft, drafter).inc(round(share * s.get("target_calls", 0)))
         if s.get("drafted"):
             m.acceptance.labels(draft).observe(s["acceptance_rate"])
         if s.get("fallback"):

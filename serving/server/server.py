@@ -31,7 +31,7 @@ from routing.router import Router
 from serving.distributed.remote import RemoteVerifier, TargetUnavailable
 from serving.engine import Request
 from serving.engine.drafters.base import NONE, PREDICTION
-from serving.engine.engine_settings import HOST_DRAFTERS
+from serving.engine.drafters.registry import named_refs
 from serving.engine.loader import load_engine
 from serving.engine.models import load_tokenizer
 from serving.engine.sampling import SamplingParams
@@ -69,7 +69,7 @@ def load_served_engine(cfg: ServeConfig, router: Any) -> tuple[Any, Engine, tupl
     built-in model-free ones (``ngram``, ``suffix``, ``prediction``) and ``none``; each request's
     row drafts with its own. role=draft: it verifies on ``cfg.target_address``."""
     drafters = {name: router.draft_refs.get(name) for name in router.draft_names if name != NONE}
-    for builtin in HOST_DRAFTERS:
+    for builtin in named_refs():  # ngram, suffix and auto
         drafters.setdefault(builtin, builtin)
     settings = cfg.engine
     if settings.request_k_max is None and cfg.routing.apply_k:  # room for the router's largest K
@@ -408,6 +408,8 @@ class _Context:
             "acceptance_rate": stats.get("acceptance_rate", 0.0),
             "tokens_per_target_call": stats.get("mean_accepted_length", 0.0),
             "target_calls": stats.get("target_calls", 0),
+            # The drafters whose proposals its steps verified, as shares of its steps (auto mixes them).
+            "drafter_shares": stats.get("drafter_shares", {}),
             # Where the request's time went: the prompt's prefill, then the draft and verify steps.
             "prefill_s": stats.get("prefill_time_s", 0.0),
             "draft_s": stats.get("draft_time_s", 0.0),

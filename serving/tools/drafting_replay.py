@@ -20,6 +20,10 @@ t - d tokens it has not seen (one forward: the catch-up).
 * ``per_step_best``: the cheapest sequence of per-step choices to the end of the answer (dynamic
   programming over (t, d)): an upper bound for any policy that picks one drafter per step at these
   proposal lengths, since it knows every acceptance in advance.
+* ``policy``: ``auto``'s own policy (``serving.engine.drafters.auto.HybridPolicy``), knowing only
+  what it would know live: each step's host proposal lengths, the model drafter's gap, and the
+  scores of earlier steps (a host proposal is scored once the answer so far decides it, the model
+  drafter on the steps it drafted).
 
 A policy that drafts with a model drafter at all also pays that drafter's prefill of the prompt.
 Pure functions over lists: ``scripts/experiments/replay_ceiling.py`` measures the traces and costs.
@@ -31,6 +35,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from serving.engine.drafters.auto import HybridPolicy, host_key
 from serving.engine.goodput import RowCosts
 
 
@@ -174,3 +179,37 @@ class Replay:
             steps += 1
         total = best[1][0][0] if T > 1 else 0.0
         return Outcome(self._start(any(m in used for m in self.models)) + total, steps, used)
+
+    def policy(self, policy: HybridPolicy, budget: int | None = None) -> Outcome:
+        """``auto``'s policy walked over the trace (``budget``: the row's K, default the replay's k)."""
+        budget = budget or self.k
+        tr, T = self.trace, self.trace.answer_len
+        scores, pending = policy.scores(), []  # pending: (drafter, position, proposed, accepted), undecided yet
+        t, d, ms, steps, used = 1, 0, 0.0, 0, {}
+        while t < T:
+            hosts = {h: [0] * min(tr.proposed[h][t], budget) for h in self.hosts if tr.proposed[h][t]}
+            for h, tokens in hosts.items():
+                pending.append((h, t, len(tokens), min(tr.accepted[h][t], len(tokens))))
+            choice = policy.choose(scores, budget, hosts, {m: t - d - 1 for m in self.models})
+            name, k = choice.drafter, choice.k
+            if name is None:
+                step_ms, a = self.costs.verify_ms(verify_width(0, self.widths)), 0
+            elif name in self.models:
+                a = min(tr.accepted[name][t], k)
+                step_ms = self.costs.draft_ms(name, k, catch_up=t - d) + self.costs.verify_ms(verify_width(k, self.widths))
+                scores.add(name, k, a)
+                d = t + min(a, k - 1)
+            else:
+                a = min(tr.accepted[name][t], k)
+                step_ms = self.costs.draft_ms(name, k) + self.costs.verify_ms(verify_width(k, self.widths))
+            t = min(t + a + 1, T)
+            ms, steps = ms + step_ms, steps + 1
+            used[name or "none"] = used.get(name or "none", 0) + 1
+            left = []
+            for h, at, n, acc in pending:  # decided at its first mismatch, or once all of it is committed
+                if t >= at + min(acc + 1, n) or t >= T:
+                    scores.add(h, n, acc, key=host_key(h, n))
+                else:
+                    left.append((h, at, n, acc))
+            pending = left
+        return Outcome(self._start(any(m in used for m in self.models)) + ms, steps, used)

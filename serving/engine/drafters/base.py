@@ -13,6 +13,10 @@ engine runs any mix of drafters in one batch, each over its own rows:
   on the device over all its rows at once, as the first half of the speculative step, and gives q
   from its logits under each request's sampling settings.
 
+* A **routing** drafter (``RoutingDrafter``: ``auto``, ``serving.engine.drafters.auto``) drafts
+  with the engine's other drafters, choosing one per row and step (``choose``); the engine routes
+  the row to that drafter for the step and reports the verdict (``settle``).
+
 ``none`` (the target alone) is the absence of a drafter: its rows verify one token per step.
 
 Life cycle, keyed by the engine's slot (``row``), all on the engine's thread:
@@ -21,19 +25,23 @@ Life cycle, keyed by the engine's slot (``row``), all on the engine's thread:
     start(row, ctx)                  a request entered the slot (a draft model prefills its prompt)
     propose(row, tokens, k)          host: up to k tokens, per row and step
     propose_rows(batch) -> Proposal  batch: every row of this drafter at once
+    choose(row, tokens, k) -> Choice routing: the drafter (and K, and a host's tokens) of this step
+    settle(row, drafted, accepted)   routing: how its choice fared
     observe(row, new_tokens)         what the target committed to the row, every step, proposed or not
     stop(row, finished)              the request left the slot (finished, aborted, failed, fell back)
 
-A drafter that reads the target's own features (EAGLE-3) names the layers in ``target_layers``;
-the verifier then hands their hidden states to ``start`` (every prompt position) and ``observe``
-(every committed position). A host drafter must be cheap next to a target forward (microseconds
+A drafter that reads the target's own features (EAGLE-3) names the layers in ``target_layers``
+(vLLM's ``eagle_aux_hidden_state_layer_ids``: the residual stream entering each layer); the
+verifier then hands them to ``start`` (``RowContext.hidden``: every prompt position) and to
+``observe(row, new_tokens, hidden=...)``: the feature of position p comes with token p + 1, so a
+step that commits m tokens hands over the features of the m positions before them. A host drafter must be cheap next to a target forward (microseconds
 to a millisecond per row).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -79,6 +87,16 @@ class Proposal:
     n: torch.Tensor  # [B] long: real draft tokens per row, the rest of K is padding
     confidence: torch.Tensor | None = None  # [B, K] the drafter's probability q(x) of each proposed x (None: not given)
     forwards: int = 0  # device forwards it ran (what the engine times as draft cost)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A routing drafter's choice for one row and step: ``drafter`` (None: the target alone), the
+    K it may propose, and a host drafter's proposal (already made, cut to ``k``)."""
+
+    drafter: str | None
+    k: int
+    tokens: list[int] | None = None
 
 
 class Drafter(ABC):
@@ -138,3 +156,31 @@ class BatchDrafter(Drafter):
     @abstractmethod
     def propose_rows(self, batch: DraftBatch) -> Proposal | None:
         """Its rows' proposals, or None when none of its rows drafts this step."""
+
+
+class RoutingDrafter(Drafter):
+    """A drafter that drafts with the engine's other drafters, one per row and step."""
+
+    kind = "routing"
+
+    @abstractmethod
+    def attach(self, drafters: Mapping[str, Drafter]) -> None:
+        """The engine's drafters by name (this one among them), before ``bind``."""
+
+    @abstractmethod
+    def price(self, costs: Any, widths: Sequence[int]) -> None:
+        """The engine's measured step costs (``serving.engine.goodput.RowCosts``, batch 1) and
+        verify widths, once, before the first request."""
+
+    @property
+    def model_costs_needed(self) -> tuple[str, ...]:
+        """Names of the model drafters whose forwards ``price`` needs timed."""
+        return ()
+
+    @abstractmethod
+    def choose(self, row: int, tokens: Sequence[int], k: int, prior: Mapping[str, float] | None = None) -> Choice:
+        """This step's drafter for the row (``tokens``: prompt and every committed token; ``k``: the
+        row's budget; ``prior``: the request's per-drafter acceptance priors, if it has some)."""
+
+    def settle(self, row: int, drafted: int, accepted: int) -> None:
+        """The step verified ``drafted`` tokens of the row's choice and accepted ``accepted``."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from serving.engine.drafters.auto import AutoDrafter
 from serving.engine.drafters.base import PREDICTION, Drafter
 from serving.engine.drafters.ngram import NgramDrafter
 from serving.engine.drafters.prediction import PredictionDrafter
@@ -27,16 +28,24 @@ def register(ref: str, factory: Callable[..., Drafter]) -> None:
     BUILT_IN[ref] = factory
 
 
+AUTO = "auto"  # the per-step choice among the engine's other drafters
+
+
 def host_refs() -> tuple[str, ...]:
     """The references a user names for a model-free drafter (``prediction`` is chosen by the
-    request's prediction field, not by name)."""
+    request's prediction field, not by name; ``auto`` drafts with the others)."""
+    return tuple(r for r in BUILT_IN if r not in (PREDICTION, AUTO))
+
+
+def named_refs() -> tuple[str, ...]:
+    """Every built-in reference a user may name as a drafter: the model-free ones and ``auto``."""
     return tuple(r for r in BUILT_IN if r != PREDICTION)
 
 
 def build(ref: str, settings) -> Drafter:
     """A new drafter for built-in reference ``ref``."""
     if ref not in BUILT_IN:
-        raise ValueError(f"{ref!r} is not a built-in drafter: use one of {', '.join(host_refs())} or a model reference")
+        raise ValueError(f"{ref!r} is not a built-in drafter: use one of {', '.join(named_refs())} or a model reference")
     return BUILT_IN[ref](settings)
 
 
@@ -46,3 +55,5 @@ register("suffix", lambda s: SuffixDrafter(k=s.suffix.k, max_depth=s.suffix.max_
                                            max_spec_factor=s.suffix.max_spec_factor, min_token_prob=s.suffix.min_token_prob))  # fmt: skip
 register(PREDICTION, lambda s: PredictionDrafter(k=s.prediction.k, min_n=s.prediction.min_n, max_n=s.prediction.max_n,
                                                  confident_n=s.prediction.confident_n))  # fmt: skip
+register(AUTO, lambda s: AutoDrafter(s.auto.drafters, k=s.auto.k, prior_a=s.auto.prior_a, default_prior=s.auto.default_prior,
+                                     prior_weight=s.auto.prior_weight, catch_up_weight=s.auto.catch_up_weight))  # fmt: skip
