@@ -54,13 +54,20 @@ def test_a_new_drafter_kind_is_a_class_and_a_registration(tiny_target, tokenizer
     assert sum(c[2] for c in drafter.calls if c[0] == "observe") == len(outs[0].token_ids)
 
 
-def test_a_drafter_that_reads_the_targets_features_is_refused_by_name(tiny_target, tokenizer):
+def test_a_drafter_that_reads_the_targets_features_gets_them_from_layers_the_target_has(tiny_target, tokenizer):
+    """The local target captures the layers a drafter names (tests/test_target_features.py checks
+    what it hands over); a layer the target lacks is refused by name."""
     class Eagle(RepeatLast):
+        target_layers = (0, 1)
+
+    class Beyond(RepeatLast):
         target_layers = (1, 2)
 
     settings = EngineSettings(device="cpu", max_len=64, k=2)
-    with pytest.raises(ValueError, match=r"drafter 'eagle' reads the target's hidden states of layers \[1, 2\]"):
-        build_engine(settings, tokenizer, tiny_target, {"eagle": Eagle()})
+    engine = build_engine(settings, tokenizer, tiny_target, {"eagle": Eagle()})
+    assert engine.verifier.runner.capture == (0, 1)
+    with pytest.raises(ValueError, match=r"capture layers \[2\] are not layers of this 2-layer model"):
+        build_engine(settings, tokenizer, tiny_target, {"beyond": Beyond()})
 
 
 def test_a_model_reference_must_be_loaded_before_build_engine(tiny_target, tokenizer):
