@@ -152,8 +152,8 @@ MUTANTS = [
            ROW_TESTS),
     Mutant("auto-shared-scores", "auto keeps one record for every row: one row's verdicts steer another's choices",
            "serving/engine/drafters/auto.py",
-           "        self._rows[row] = _Row(list(ctx.prompt), hosts, self.policy.scores(), ctx)\n",
-           "        self._rows[row] = _Row(list(ctx.prompt), hosts, next(iter(self._rows.values())).scores if self._rows "
+           "        self._rows[row] = _Row(hosts, self.policy.scores(), ctx)\n",
+           "        self._rows[row] = _Row(hosts, next(iter(self._rows.values())).scores if self._rows "
            "else self.policy.scores(), ctx)\n", AUTO_TESTS),
     Mutant("catch-up-skipped", "a model drafter that skipped steps drafts without reading what it skipped",
            "serving/engine/drafters/model.py", "        self._catch_up(own, state.tokens)\n", "", AUTO_TESTS),

@@ -4,12 +4,12 @@ A request is not one kind of text: a code edit copies long spans of its input an
 lines between them. ``auto`` keeps every other drafter of the engine on each of its rows and,
 each step, proposes from the one whose step is expected to commit the most tokens per ms:
 
-1. **Scores** (``Scores``): after each verify, every host drafter (``ngram``, ``suffix``,
-   ``prediction``) is scored on what it proposed for the row that step, against the tokens the
-   target committed (a proposal longer than the committed tokens waits for later steps to settle
+1. **Scores** (``Scores``): before each choice, every host drafter's (``ngram``, ``suffix``,
+   ``prediction``) earlier proposals for the row are scored against the tokens the target
+   committed since (a proposal longer than the committed tokens waits for later steps to settle
    its tail). A model drafter is scored on the steps it ran. A row's record per drafter is its
    per-token acceptance (accepted of tested tokens), smoothed towards a prior (the router's
-   prediction, or ``prior_a``); ``expected_tokens`` turns it into tokens per step.
+   prediction, or ``prior_a``); the geometric model turns it into tokens per step.
 2. **Policy** (``HybridPolicy.choose``, a pure function): the options are the target alone, each
    host proposal (its length known: it was just made) cut to any k, and each model drafter at any k
    up to the budget. Each is priced by ``RowCosts``: the verify at the width the step would run, the
@@ -51,10 +51,9 @@ class Record:
     hits: float = 0.0
     trials: float = 0.0
 
-    def add(self, proposed: int, accepted: int, decay: float = 1.0) -> None:
-        """One proposal's verdict; ``decay`` < 1 weighs the earlier ones down (copying comes in runs)."""
-        self.hits = decay * self.hits + accepted
-        self.trials = decay * self.trials + min(accepted + 1, proposed)
+    def add(self, proposed: int, accepted: int) -> None:
+        self.hits += accepted
+        self.trials += min(accepted + 1, proposed)
 
     def acceptance(self, prior: float, weight: float) -> float:
         """Per-token acceptance, smoothed towards ``prior`` with ``weight`` pseudo-trials."""
@@ -64,10 +63,7 @@ class Record:
 class Scores:
     """One row's records, per drafter, with the host proposals still waiting for their tokens."""
 
-    def __init__(self, decay: Mapping[str, float] | None = None, streaks: bool = False) -> None:
-        self.decay = dict(decay or {})  # drafter -> weight of its earlier verdicts per new one (default 1)
-        self.streaks = streaks  # keep records apart by the drafter's last verdict (copying comes in runs)
-        self.last: dict[str, bool] = {}  # drafter -> whether its last decided proposal held whole
+    def __init__(self) -> None:
         self.records: dict[str, Record] = {}
         self.pending: list[tuple[str, int, list[int]]] = []  # (drafter, position of its first token, tokens)
 
@@ -75,16 +71,8 @@ class Scores:
         return self.records.setdefault(drafter, Record())
 
     def add(self, drafter: str, proposed: int, accepted: int, key: str | None = None) -> None:
-        """One verdict on ``drafter``'s proposal, kept under ``key`` (default the drafter's name)
-        and the drafter's last verdict before it (``streak``)."""
-        self.record(self.keyed(key or drafter, drafter)).add(proposed, accepted, self.decay.get(drafter, 1.0))
-        self.last[drafter] = accepted == proposed
-
-    def keyed(self, key: str, drafter: str) -> str:
-        """``key`` with the drafter's last verdict: ``+`` (all of it held), ``-`` (not), none yet."""
-        if not self.streaks or drafter not in self.last:
-            return key
-        return key + ("+" if self.last[drafter] else "-")
+        """One verdict on ``drafter``'s proposal, kept under ``key`` (default the drafter's name)."""
+        self.record(key or drafter).add(proposed, accepted)
 
     def propose(self, drafter: str, at: int, tokens: Sequence[int]) -> None:
         """``drafter`` would propose ``tokens`` for positions ``at``, ``at + 1``, ... (an empty
@@ -130,13 +118,11 @@ class HybridPolicy:
     default_prior: float = 0.5
     prior_weight: float = 4.0
     catch_up_weight: float = 0.5
-    decay: Mapping[str, float] = field(default_factory=dict)
-    streaks: bool = False
     _ms: dict = field(default_factory=dict, compare=False, repr=False)  # the few shapes priced, memoised
 
     def scores(self) -> Scores:
         """A new row's record."""
-        return Scores(self.decay, self.streaks)
+        return Scores()
 
     def _verify(self, k: int) -> float:
         if ("verify", k) not in self._ms:
@@ -156,14 +142,13 @@ class HybridPolicy:
         """The prior of a record key: the request's own (the router's), else ``prior_a`` for the key
         (``suffix@1``), else for its drafter (``suffix``), else ``default_prior``."""
         for table in (prior or {}, self.prior_a):
-            for name in (key, key.rstrip("+-"), key.split("@")[0].rstrip("+-")):
+            for name in (key, key.split("@")[0]):
                 if name in table:
                     return table[name]
         return self.default_prior
 
     def expected(self, scores: Scores, key: str, k: int, prior: Mapping[str, float] | None = None) -> list[float]:
         """E[0..k]: what a proposal of j tokens is expected to commit, by the record ``key``."""
-        key = scores.keyed(key, key.split("@")[0])
         rec = scores.records.get(key) or Record()
         a = rec.acceptance(self.prior(key, prior), self.prior_weight)
         out, term = [1.0], 1.0  # expected_tokens(a, j) = 1 + a + ... + a^j, in plain floats (per row and step)
@@ -243,10 +228,6 @@ class AutoDrafter(RoutingDrafter):
             distinct[id(d)] = n
             (self.hosts if isinstance(d, HostDrafter) else self.models)[n] = d
 
-    @property
-    def components(self) -> tuple[str, ...]:
-        return (*self.hosts, *self.models)
-
     def price(self, costs: RowCosts, widths: Sequence[int]) -> None:
         """Freeze the cost model (the engine's measured one, unless the drafter was given one)."""
         costs = self.costs or costs
@@ -263,11 +244,12 @@ class AutoDrafter(RoutingDrafter):
         for n in hosts:
             self.hosts[n].start(row, ctx)
         # A model drafter starts (prefills the prompt) the first time the row chooses it.
-        self._rows[row] = _Row(list(ctx.prompt), hosts, self.policy.scores(), ctx)
+        self._rows[row] = _Row(hosts, self.policy.scores(), ctx)
 
     def choose(self, row: int, tokens: Sequence[int], k: int, prior: Mapping[str, float] | None = None) -> Choice:
         started = time.perf_counter()
         state = self._rows[row]
+        state.scores.settle(tokens)  # the proposals the tokens committed so far decide
         at = len(tokens)
         proposals = {}
         for n in state.hosts:
@@ -284,7 +266,7 @@ class AutoDrafter(RoutingDrafter):
             model.start(row, state.ctx)  # the prompt's prefill, then the answer so far as a catch-up
             model.observe(row, tokens[len(state.ctx.prompt):])
             state.started.add(choice.drafter)
-        state.last = (choice, at)
+        state.last = choice
         self.host_s += time.perf_counter() - started
         return choice
 
@@ -292,19 +274,17 @@ class AutoDrafter(RoutingDrafter):
         """The verdict on this step's choice: a model drafter's proposal is scored here (a host
         drafter's by the tokens, in ``observe``)."""
         state = self._rows[row]
-        choice, _ = state.last
+        choice = state.last
         if choice.drafter in self.models and drafted:
             state.scores.add(choice.drafter, drafted, accepted)
 
     def observe(self, row: int, new_tokens: Sequence[int]) -> None:
         started = time.perf_counter()
         state = self._rows[row]
-        state.tokens += new_tokens
         for n in state.hosts:
             self.hosts[n].observe(row, new_tokens)
         for n in state.started:
             self.models[n].observe(row, new_tokens)
-        state.scores.settle(state.tokens)
         self.host_s += time.perf_counter() - started
 
     def stop(self, row: int, finished: bool) -> None:
@@ -322,9 +302,8 @@ class AutoDrafter(RoutingDrafter):
 
 @dataclass
 class _Row:
-    tokens: list[int]  # prompt + committed
     hosts: list[str]  # the host drafters this row uses (prediction only with a prediction)
     scores: Scores
     ctx: RowContext
     started: set[str] = field(default_factory=set)  # the model drafters that hold this row
-    last: tuple[Choice, int] = (NONE_CHOICE, 0)
+    last: Choice = NONE_CHOICE
