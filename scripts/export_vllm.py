@@ -41,6 +41,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from serving.config import load_config, to_dict
+from serving.engine.eagle3 import Eagle3Config, is_eagle3_folder
 from serving.engine.models import check_same_tokenizer, load_tokenizer, resolve_model_ref
 from serving.fleet.fleet_file import FleetConfig, PoolSettings
 
@@ -63,7 +64,10 @@ def speculative_config(pool: PoolSettings, target_tokenizer) -> dict | None:
     spec = dict(spec)
     if spec.get("model"):
         draft = folder(spec["model"])
-        check_same_tokenizer(target_tokenizer, load_tokenizer(draft), draft_name=f"pool {pool.name!r} draft {spec['model']!r}")
+        if is_eagle3_folder(draft):
+            spec["method"] = "eagle3"  # vLLM reads the rest (layers, vocabulary maps) from the folder
+        else:
+            check_same_tokenizer(target_tokenizer, load_tokenizer(draft), draft_name=f"pool {pool.name!r} draft {spec['model']!r}")
         spec["model"] = draft
     return spec
 
@@ -156,11 +160,26 @@ def export_fleet(args: argparse.Namespace) -> int:
     return 0
 
 
+def draft_spec(target: str, draft: str, k: int, name: str) -> dict:
+    """The --speculative-config of one draft folder: an EAGLE-3 head (speculators format, checked
+    against the target's width and layers) or a draft model (checked to share the target's tokenizer)."""
+    if is_eagle3_folder(draft):
+        from transformers import AutoConfig
+
+        head = Eagle3Config.from_speculators(json.loads((Path(draft) / "config.json").read_text()), f"{draft}/config.json")
+        t = AutoConfig.from_pretrained(target)
+        if head.target_hidden_size != t.hidden_size or max(head.aux_layers) >= t.num_hidden_layers:
+            raise SystemExit(f"{name}: an EAGLE-3 head for width {head.target_hidden_size} and layers {list(head.aux_layers)}; "
+                             f"the target has width {t.hidden_size} and {t.num_hidden_layers} layers")  # fmt: skip
+        return {"method": "eagle3", "model": draft, "num_speculative_tokens": k}
+    # vLLM requires the draft to share the target's vocabulary; check it here, where the error is clear.
+    check_same_tokenizer(load_tokenizer(target), load_tokenizer(draft), draft_name=name)
+    return {"model": draft, "num_speculative_tokens": k, "method": "draft_model"}
+
+
 def export_one(args: argparse.Namespace) -> int:
     target, draft = folder(args.target), folder(args.draft)
-    # vLLM requires the draft to share the target's vocabulary; check it here, where the error is clear.
-    check_same_tokenizer(load_tokenizer(target), load_tokenizer(draft), draft_name=f"draft {args.draft!r}")
-    spec = {"model": draft, "num_speculative_tokens": args.k, "method": "draft_model"}
+    spec = draft_spec(target, draft, args.k, f"draft {args.draft!r}")
     cmd = ["vllm", "serve", target, "--port", str(args.port), "--max-model-len", str(args.max_model_len),
            *dtype_args(args.dtype), "--speculative-config", json.dumps(spec)]  # fmt: skip
     out = Path(args.out)

@@ -45,6 +45,7 @@ STOP_TESTS = ("tests/test_engine_tiny.py", "-k", "stop")
 DISTRIBUTION = ("tests/test_distribution.py", "-k", "follows or early_stops")
 ACCEPTANCE = ("tests/test_acceptance.py", "tests/test_distribution.py", "-k", "not catches")
 AUTO_TESTS = ("tests/test_auto_drafter.py", "-m", "integration")
+EAGLE3_TESTS = ("tests/test_eagle3.py", "-m", "integration or e2e", "-k", "not sampled")
 ROW_TESTS = ("tests/test_engine_drafters.py", "-k", "every_slot_position or every_row_and_slot or accept_in_a_batch or free_its_rows")
 
 MUTANTS = [
@@ -167,6 +168,21 @@ MUTANTS = [
     Mutant("features-layer-after", "the captured features are the output of each layer instead of its input",
            "serving/engine/runner.py", "torch.cat([out.hidden_states[i] for i in capture], dim=-1)",
            "torch.cat([out.hidden_states[i + 1] for i in capture], dim=-1)", ("tests/test_target_features.py",)),
+    Mutant("eagle3-feature-position", "the EAGLE-3 head pairs the first generated token with the feature of the "
+           "position before the prompt's last", "serving/engine/drafters/eagle3.py",
+           "self.pending[row] = [ctx.hidden[L - 1 :].to(self.device)]",
+           "self.pending[row] = [ctx.hidden[L - 2 : L - 1].to(self.device)]", EAGLE3_TESTS),
+    Mutant("eagle3-training-layers", "training reads the target's features one layer above the ones the head "
+           "is served with", "training/eagle3.py", "self.features.capture_layers(config.aux_layers)",
+           "self.features.capture_layers(tuple(i + 1 for i in config.aux_layers))", EAGLE3_TESTS),
+    Mutant("eagle3-stale-kv", "after a rejection the head re-reads the committed pairs one position late, "
+           "leaving the chain's entry at the first of them", "serving/engine/drafters/eagle3.py",
+           "positions[b] = (seen + torch.arange(W, device=dev)).clamp(max=self.max_len - 1)\n            last[b]",
+           "positions[b] = (seen + 1 + torch.arange(W, device=dev)).clamp(max=self.max_len - 1)\n            last[b]",
+           EAGLE3_TESTS),
+    Mutant("eagle3-vocab-off-by-one", "the draft-to-target vocabulary map is off by one",
+           "serving/engine/drafters/eagle3.py", "self._ids = self.head.head_ids.to(self.device)",
+           "self._ids = (self.head.head_ids.to(self.device) + 1).clamp(max=vocab_size - 1)", EAGLE3_TESTS),
 ]
 
 

@@ -16,10 +16,23 @@ from training.config import TrainDraftConfig
 
 CLI = Command("train-draft", TrainDraftConfig, __doc__, errors=(CheckpointError,))
 CLI.parser.add_argument("--resume", action="store_true", help="continue from <output.dir>/last if it exists")
+CLI.parser.add_argument("--profile", metavar="NAME", help="apply the config file's profiles.NAME settings (e.g. quick)")
 
 
 def main(argv: list[str] | None = None) -> int:
     return CLI.main(argv, run)
+
+
+def with_profile(cfg: TrainDraftConfig, args: argparse.Namespace) -> TrainDraftConfig:
+    """``cfg`` with ``profiles[--profile]`` applied over the file (command-line overrides still last)."""
+    if not args.profile:
+        return cfg
+    from serving.config import ConfigError, load_config
+
+    if args.profile not in cfg.profiles:
+        raise ConfigError(f"--profile {args.profile}: the config defines no such profile; it has "
+                          f"{sorted(cfg.profiles) or 'none'} (add profiles.{args.profile} to {args.config})")  # fmt: skip
+    return load_config(TrainDraftConfig, args.config, args.overrides, dict(cfg.profiles[args.profile]))
 
 
 def run(cfg: TrainDraftConfig, args: argparse.Namespace) -> int:
@@ -27,7 +40,7 @@ def run(cfg: TrainDraftConfig, args: argparse.Namespace) -> int:
     from training.train import train  # heavy imports only once the config is valid
 
     steady_host_allocator()  # training steps and engine evaluations alternate: keep the heap from fragmenting
-    train(cfg, resume=args.resume)
+    train(with_profile(cfg, args), resume=args.resume)
     return 0
 
 

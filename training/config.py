@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from serving.engine.engine_settings import EngineSettings
 
@@ -14,6 +14,9 @@ def doc(text: str) -> dict:
 
 @dataclass
 class ModelConfig:
+    kind: Literal["model", "eagle3"] = field(default="model", metadata=doc(
+        "model: a small causal LM (student) distilled from the target; eagle3: an EAGLE-3 head on the target's "
+        "own features (the eagle3 section; student and the LoRA keys are not used)"))
     target: str = field(default="qwen2.5-coder-1.5b-instruct", metadata=doc("teacher/verifier: hub id, folder or bundled name"))
     student: str = field(default="qwen2.5-coder-0.5b-instruct", metadata=doc("where the student's weights come from"))
     student_layers: list[int] | None = field(
@@ -48,6 +51,29 @@ class ModelConfig:
             raise ValueError(f"trainable=head with lora_rank={self.lora_rank}: the head trains as is; set lora_rank=0 or trainable=all")
         if self.lora_rank and not self.lora_targets:
             raise ValueError("lora_targets is empty: name the linear layers that get adapters (e.g. [q_proj, v_proj])")
+
+
+@dataclass
+class Eagle3TrainConfig:
+    """The EAGLE-3 head (``model.kind: eagle3``; training/eagle3.py)."""
+
+    aux_layers: list[int] | None = field(default=None, metadata=doc(
+        "target layers whose input the head reads (vLLM's eagle_aux_hidden_state_layer_ids); null: (2, N/2, N-3)"))
+    intermediate_size: int | None = field(default=None, metadata=doc("the head's MLP width; null: the target's"))
+    ttt_steps: int = field(default=3, metadata=doc(
+        "training-time test: steps the head is unrolled on its own states (1: teacher features only)"))
+    step_decay: float = field(default=0.8, metadata=doc("weight of unrolled step j in the loss: step_decay**j"))
+    init: Literal["random", "target"] = field(default="target", metadata=doc(
+        "target: the LM head from the target's rows of the draft vocabulary and the final norm from the target's, "
+        "the layer's MLP, o_proj and norms from the target's last layer; random: all fresh"))
+    norm_before_residual: bool = field(default=False, metadata=doc("speculators' norm_before_residual"))
+    train_lm_head: bool = field(default=True, metadata=doc("false freezes the LM head (as initialised)"))
+
+    def __post_init__(self) -> None:
+        if self.ttt_steps < 1:
+            raise ValueError(f"ttt_steps={self.ttt_steps} must be >= 1")
+        if not 0.0 < self.step_decay <= 1.0:
+            raise ValueError(f"step_decay={self.step_decay} must be in (0, 1]")
 
 
 @dataclass
@@ -167,16 +193,28 @@ class OutputConfig:
 @dataclass
 class TrainDraftConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
+    eagle3: Eagle3TrainConfig = field(default_factory=Eagle3TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    profiles: dict[str, dict[str, Any]] = field(default_factory=dict, metadata=doc(
+        "named sets of dotted settings (e.g. quick: {train.max_steps: 60}); --profile NAME applies one over the file"))
 
     RENAMED: ClassVar[dict[str, str]] = {"eval.k": "eval.engine.k", "eval.draft_weights": "eval.engine.draft_weights"}
 
     def __post_init__(self) -> None:
+        if self.model.kind == "eagle3":
+            if self.model.draft_vocab is None:
+                raise ValueError("model.kind=eagle3 needs model.draft_vocab (the head's vocabulary, e.g. 32000)")
+            if self.model.lora_rank or self.model.trainable != "all":
+                raise ValueError("model.kind=eagle3 trains the whole head: leave model.lora_rank=0 and model.trainable=all")
+            if self.loss.kind == "ce" or self.loss.ce_ratio:
+                raise ValueError(f"model.kind=eagle3 distills the target's distribution: set loss.kind to a divergence "
+                                 f"(forward_kl) and loss.ce_ratio=0 (got {self.loss.kind}, {self.loss.ce_ratio})")  # fmt: skip
+            return
         if self.loss.draft_vocab_only and self.model.draft_vocab is None:
             raise ValueError("loss.draft_vocab_only=true needs a reduced model.draft_vocab (e.g. 32768)")
         if self.model.trainable == "head" and self.model.draft_vocab is not None and not self.loss.draft_vocab_only:

@@ -56,6 +56,11 @@ def measure(
         original.train()
     del engine, draft
     release_host_memory()  # the engine's caches and the draft's int8 copy: training needs the room back
+    return summarize(outs)
+
+
+def summarize(outs) -> dict:
+    """Acceptance, tokens per target call, speed and step costs of an engine's completions."""
     stats = [o.stats for o in outs]
     drafted = sum(s["drafted"] for s in stats)
     calls = sum(s["target_calls"] for s in stats)

@@ -485,7 +485,12 @@ class TrainDraftRecipe:
 def train(cfg: TrainDraftConfig, *, resume: bool = False) -> dict:
     """Run train-draft (``--resume``: from ``<output.dir>/last`` if it exists); returns the run's
     progress record, which the main process also wrote as metrics.json."""
-    recipe = TrainDraftRecipe(cfg)
+    if cfg.model.kind == "eagle3":
+        from training.eagle3 import Eagle3Recipe
+
+        recipe = Eagle3Recipe(cfg)
+    else:
+        recipe = TrainDraftRecipe(cfg)
     recipe.setup(resume=resume)
     progress = recipe.train()
     recipe.cleanup()

@@ -701,7 +701,8 @@ class SpeculativeEngine:
         for drafter in self._distinct(BatchDrafter):
             mine = [k_rows[b] if routes.get(b) is drafter else 0 for b in range(len(slots))]
             proposal = drafter.propose_rows(DraftBatch(mine, state, sampling, rand, V, self.config.batch_buckets,
-                                                       self.config.draft_confidence, self.config.draft_stop))  # fmt: skip
+                                                       self.config.draft_confidence, self.config.draft_stop,
+                                                       self.config.k_max))  # fmt: skip
             if proposal is not None:
                 proposals.append((proposal, torch.tensor([m > 0 for m in mine], device=self.device)))  # [B] its rows
                 forwards += proposal.forwards

@@ -23,7 +23,9 @@ from serving.engine.core import SpeculativeEngine
 from serving.engine.cpu_kernels import use_cpu_kernels
 from serving.engine.devices import resolve_device
 from serving.engine.drafters.base import NONE, PREDICTION, Drafter
+from serving.engine.drafters.eagle3 import Eagle3Drafter
 from serving.engine.drafters.registry import BUILT_IN
+from serving.engine.eagle3 import Eagle3Head, is_eagle3_folder
 from serving.engine.engine_settings import EngineSettings, is_model_ref
 from serving.engine.models import check_same_tokenizer, load_model, load_tokenizer
 from serving.engine.verifier import Verifier
@@ -62,15 +64,37 @@ def load_engine(
     drafting = any(ref is not None and ref != NONE for ref in drafters.values())
     widths = step_widths(settings, drafting, device)
     refs = [r for r in drafters.values() if is_model_ref(r)]
+    heads = list(dict.fromkeys(r for r in refs if is_eagle3_folder(r)))  # EAGLE-3 heads: they need the target
+    if heads and verifier is not None:
+        raise ValueError(f"drafter {heads[0]!r} is an EAGLE-3 head, which reads the target's features; a draft node's "
+                         "remote target does not send them: serve eagle3 heads where the target runs (role all)")  # fmt: skip
     tokenizer, target_model, by_ref = load_models(
-        settings, target, refs, load_target=verifier is None,
+        settings, target, [r for r in refs if r not in heads], load_target=verifier is None,
         each_draft=lambda draft: prepare_kernels(settings, [], [draft], widths),
     )  # fmt: skip
     kernels = prepare_kernels(settings, [target_model] if target_model is not None else [], [], widths)
+    for ref in heads:
+        by_ref[ref] = load_eagle3(ref, target_model, settings, kernels)
     loaded = {name: by_ref[ref] if is_model_ref(ref) else ref for name, ref in drafters.items()}
     engine = build_engine(settings, tokenizer, verifier or target_model, loaded, default=default, device=device)
-    drafts = {name: by_ref[ref] for name, ref in drafters.items() if is_model_ref(ref)}
+    drafts = {name: by_ref[ref] for name, ref in drafters.items() if is_model_ref(ref) and ref not in heads}
     return LoadedEngine(tokenizer, target_model, drafts, engine, kernels)
+
+
+def load_eagle3(folder: str, target: PreTrainedModel, settings: EngineSettings, kernels: bool) -> Eagle3Drafter:
+    """The ``eagle3`` drafter of an EAGLE-3 head folder (speculators format) for ``target``: the
+    target's embeddings where the folder has none, on Choral's CPU kernels at the drafts' precision
+    where the target runs on them."""
+    head = Eagle3Head.from_folder(folder, embed=target.get_input_embeddings().weight.detach())
+    c, t = head.config, target.config
+    if c.target_hidden_size != t.hidden_size or c.vocab_size > t.vocab_size or max(c.aux_layers) >= t.num_hidden_layers:
+        raise ValueError(f"{folder} is an EAGLE-3 head for a target of width {c.target_hidden_size}, {c.vocab_size} tokens "
+                         f"and layers {list(c.aux_layers)} (verifier {c.verifier!r}); this target has width {t.hidden_size}, "
+                         f"{t.vocab_size} tokens and {t.num_hidden_layers} layers: use a head trained for it")  # fmt: skip
+    head = head.to(next(target.parameters()).device)
+    if kernels:
+        head.use_kernels(settings.drafts_weights(head.embed_tokens.weight.device))
+    return Eagle3Drafter(head)
 
 
 def build_engine(

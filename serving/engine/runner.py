@@ -184,6 +184,17 @@ class ModelRunner:
         return self._logits(hidden[:, L - 1 : L])
 
     @torch.no_grad()
+    def features(self, tokens: torch.Tensor, slot: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """tokens: [1, L]. What ``prefill`` computes for a prompt (the same forward, on batch row
+        ``slot``), at every position: fp32 logits [1, L, V] and, with ``capture_layers``, the features
+        [1, L, n * H]. Training an EAGLE-3 head reads the target this way, so the features it learns
+        from are bitwise the ones the engine serves it at prefill (``tests/test_eagle3.py``)."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)  # [1, L]
+        hidden = self._hidden(tokens, positions, self.cache.row(slot), self.capture)
+        hidden, aux = hidden if self.capture else (hidden, None)
+        return self._logits(hidden), aux
+
+    @torch.no_grad()
     def extend(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int) -> None:
         """tokens, positions: [1, W]. Writes batch row ``slot``'s KV at ``positions`` from those
         tokens, alone, as ``prefill`` does (so what the row holds never depends on the other rows),

@@ -215,6 +215,13 @@ class AutoDrafter(RoutingDrafter):
 
     def attach(self, drafters: Mapping[str, Drafter]) -> None:
         given = {n: d for n, d in drafters.items() if d is not self and not isinstance(d, RoutingDrafter)}
+        # auto prices host drafters and draft models (their catch-up after skipped steps); an EAGLE-3
+        # head is not among its choices yet.
+        unpriced = [n for n, d in given.items() if not isinstance(d, HostDrafter) and d.kind != "model"]
+        if self.wanted and (bad := [n for n in self.wanted if n in unpriced]):
+            raise ValueError(f"auto: drafters {bad} are {given[bad[0]].kind} drafters, which auto does not choose among "
+                             "(it prices host drafters and draft models): leave them out of engine.auto.drafters")  # fmt: skip
+        given = {n: d for n, d in given.items() if n not in unpriced}
         names = self.wanted or tuple(given)
         missing = [n for n in names if n not in given]
         if missing:

@@ -76,6 +76,7 @@ class DraftBatch:
     batch_buckets: tuple[int, ...]  # the batch sizes a forward may run at (compiled shapes)
     draft_confidence: float | None = None  # stop a row's drafting below this top probability
     draft_stop: str = "token"  # "token" or "cumulative" (see draft_half)
+    k_max: int = 0  # the engine's largest K (a drafter's fixed first-forward width is k_max + 1); 0: unknown
 
 
 @dataclass
