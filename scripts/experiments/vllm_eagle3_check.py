@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import subprocess
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -33,11 +35,11 @@ def vllm():
     return importlib.import_module("vllm")
 
 
-def run(target: str, spec: dict | None, max_tokens: int, memory: float) -> dict:
+def run(target: str, spec: dict | None, max_tokens: int, memory: float, dtype: str = "bfloat16") -> dict:
     LLM, SamplingParams = vllm().LLM, vllm().SamplingParams
 
     started = time.perf_counter()
-    llm = LLM(model=target, dtype="float32", max_model_len=1024, speculative_config=spec, enforce_eager=True,
+    llm = LLM(model=target, dtype=dtype, max_model_len=1024, speculative_config=spec, enforce_eager=True,
               gpu_memory_utilization=memory)  # on vLLM's CPU backend: the share of host memory it reserves
     loaded = time.perf_counter() - started
     started = time.perf_counter()
@@ -59,20 +61,30 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--head", required=True, help="the EAGLE-3 head's speculators folder")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--dtype", default="bfloat16", help="both runs' dtype (fp32 weights and a draft did not fit 40%% of 24 GB)")
     ap.add_argument("--memory", type=float, default=0.4, help="vLLM's gpu_memory_utilization (host memory on its CPU backend)")
     ap.add_argument("--out", default="runs/vllm-eagle3")
+    ap.add_argument("--part", choices=("alone", "eagle3"), help=argparse.SUPPRESS)  # the child processes
     args = ap.parse_args(argv)
-    result = {"vllm": vllm().__version__, "head": str(Path(args.head).resolve()), "k": args.k}
-    result["alone"] = run(args.target, None, args.max_tokens, args.memory)
-    spec = {"method": "eagle3", "model": str(Path(args.head).resolve()), "num_speculative_tokens": args.k}
-    try:
-        result["eagle3"] = run(args.target, spec, args.max_tokens, args.memory)
-        result["identical"] = result["eagle3"]["token_ids"] == result["alone"]["token_ids"]
-    except Exception as e:  # noqa: BLE001 - the exact reason vLLM could not run it is the result
-        result["eagle3_error"] = f"{type(e).__name__}: {e}"
-        result["traceback"] = traceback.format_exc()[-4000:]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    spec = {"method": "eagle3", "model": str(Path(args.head).resolve()), "num_speculative_tokens": args.k}
+    if args.part:  # one vLLM engine per process: a second one in the same process finds the first's memory still held
+        try:
+            part = run(args.target, spec if args.part == "eagle3" else None, args.max_tokens, args.memory, args.dtype)
+        except Exception as e:  # noqa: BLE001 - the exact reason vLLM could not run it is the result
+            part = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
+        (out / f"{args.part}.json").write_text(json.dumps(part))
+        return
+    result = {"vllm": vllm().__version__, "head": str(Path(args.head).resolve()), "k": args.k}
+    for part in ("alone", "eagle3"):
+        subprocess.run([sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--part", part], check=False)
+        path = out / f"{part}.json"
+        result[part] = json.loads(path.read_text()) if path.exists() else {"error": "the process wrote nothing (see its log)"}
+    if "error" in result["eagle3"]:
+        result["eagle3_error"] = result["eagle3"]["error"]
+    elif "error" not in result["alone"]:
+        result["identical"] = result["eagle3"]["token_ids"] == result["alone"]["token_ids"]
     (out / "vllm_eagle3.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k not in ("alone", "eagle3", "traceback")}, indent=1))
 
