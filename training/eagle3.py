@@ -239,18 +239,8 @@ class Eagle3Recipe(TrainDraftRecipe):
         result.pop("token_ids")
         return result | {"label": label} | self.validate()
 
-    def _evaluate_untrained(self) -> None:
-        if not self.is_main:
-            return
-        progress = self.progress
-        if "before" not in progress:
-            progress["target_alone"] = {k: v for k, v in self.measure(None).items() if k != "token_ids"}
-            progress["before"] = self.evaluate("before training")
-            progress["student_params"] = self.student_params
-            progress["trainable_params"] = sum(p.numel() for p in self.student.parameters() if p.requires_grad)
-        if "best_step" not in progress:
-            progress["best_acceptance"], progress["best_step"] = progress["before"]["acceptance_rate"], 0
-            self.save_model("best")
+    def measure_target_alone(self) -> dict:
+        return self.measure(None)  # the target is already prepared as served: build the engine over it
 
     def save_model(self, name: str) -> None:
         """The head as a speculators folder (config.json, model.safetensors) with the tokenizer."""

@@ -359,16 +359,19 @@ class TrainDraftRecipe:
         result.pop("token_ids")
         return result | {"label": label} | self.validate()
 
+    def measure_target_alone(self) -> dict:
+        """The target alone on the held-out prompts, with the evaluation's engine settings."""
+        return measure(self.teacher, None, self.tokenizer, self.eval_prompts, self.cfg.eval.engine,
+                       max_new_tokens=self.cfg.eval.max_new_tokens)  # fmt: skip
+
     def _evaluate_untrained(self) -> None:
         """The target alone and the untrained student (main process, first run only). The untrained
         student is the first best/ candidate: a short or bad run can make a draft worse."""
         if not self.is_main:
             return
-        progress, cfg = self.progress, self.cfg
+        progress = self.progress
         if "before" not in progress:
-            alone = measure(self.teacher, None, self.tokenizer, self.eval_prompts, cfg.eval.engine,
-                            max_new_tokens=cfg.eval.max_new_tokens)  # fmt: skip
-            progress["target_alone"] = {k: v for k, v in alone.items() if k != "token_ids"}
+            progress["target_alone"] = {k: v for k, v in self.measure_target_alone().items() if k != "token_ids"}
             progress["before"] = self.evaluate("before training")
             progress["student_params"] = self.student_params
             progress["trainable_params"] = sum(p.numel() for p in self.student.parameters() if p.requires_grad)
