@@ -342,7 +342,7 @@ def test_train_draft_eagle3_learns_saves_a_folder_the_engine_serves_and_reads_th
     from tests.test_train_draft import tiny_config
     from training.config import TrainDraftConfig
     from training.eagle3 import Eagle3Recipe
-    from training.train import train
+    from training.recipes import train
 
     peaked_target().save_pretrained(tmp_path / "target")
     tokenizer.save_pretrained(tmp_path / "target")

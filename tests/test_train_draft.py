@@ -68,7 +68,7 @@ def short_run_config(tmp_path: Path, name: str, model: dict, save_every: int, **
 def distill_tiny(tmp_path: Path, tokenizer, **train_options) -> tuple[dict, Path]:
     """40 steps of distillation from a tiny teacher (``train_options`` override the ``train``
     section); returns (progress, run folder). The teacher folder is ``tmp_path / "teacher"``."""
-    from training.train import train
+    from training.recipes import train
 
     peaked_teacher(tmp_path, tokenizer)
     out = tmp_path / "run"
@@ -122,7 +122,7 @@ def run_cli(config: Path, *extra, wait=True):
 def test_a_damaged_checkpoint_falls_back_to_previous_or_is_refused_by_name(tmp_path, tokenizer, capsys):
     """A flipped byte in last/'s model: --resume passes over it to previous/ (saved 3 steps
     earlier) and says why; with previous/ damaged too, train-draft refuses in one line naming the file."""
-    from training.train import train
+    from training.recipes import train
 
     peaked_teacher(tmp_path, tokenizer)
     out = tmp_path / "run"

@@ -37,7 +37,7 @@ def with_profile(cfg: TrainDraftConfig, args: argparse.Namespace) -> TrainDraftC
 
 def run(cfg: TrainDraftConfig, args: argparse.Namespace) -> int:
     from serving.engine.devices import steady_host_allocator
-    from training.train import train  # heavy imports only once the config is valid
+    from training.recipes import train  # heavy imports only once the config is valid
 
     steady_host_allocator()  # training steps and engine evaluations alternate: keep the heap from fragmenting
     train(with_profile(cfg, args), resume=args.resume)

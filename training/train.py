@@ -12,7 +12,7 @@ restores ``last/`` on resume), then ``train`` runs, for each optimizer step:
        student is saved in Hugging Face format (best/)
     5. every ``output.save_every`` steps: a resumable state (last/), written atomically
 
-``train(cfg, resume=...)`` runs the recipe from start to end (the CLI and the tests call it). Run
+``training.recipes.train(cfg, resume=...)`` runs the recipe from start to end (the CLI and the tests call it). Run
 it on one process or with ``accelerate launch --num_processes N -m training.cli ...``.
 """
 
@@ -483,21 +483,6 @@ class TrainDraftRecipe:
     def cleanup(self) -> None:
         """No process leaves before the main one has written final/ and metrics.json."""
         self.accelerator.wait_for_everyone()
-
-
-def train(cfg: TrainDraftConfig, *, resume: bool = False) -> dict:
-    """Run train-draft (``--resume``: from ``<output.dir>/last`` if it exists); returns the run's
-    progress record, which the main process also wrote as metrics.json."""
-    if cfg.model.kind == "eagle3":
-        from training.eagle3 import Eagle3Recipe
-
-        recipe = Eagle3Recipe(cfg)
-    else:
-        recipe = TrainDraftRecipe(cfg)
-    recipe.setup(resume=resume)
-    progress = recipe.train()
-    recipe.cleanup()
-    return progress
 
 
 def print_summary(progress: dict) -> None:
