@@ -46,6 +46,7 @@ DISTRIBUTION = ("tests/test_distribution.py", "-k", "follows or early_stops")
 ACCEPTANCE = ("tests/test_acceptance.py", "tests/test_distribution.py", "-k", "not catches")
 AUTO_TESTS = ("tests/test_auto_drafter.py", "-m", "integration")
 EAGLE3_TESTS = ("tests/test_eagle3.py", "-m", "integration or e2e", "-k", "not sampled")
+THRESHOLD_TESTS = ("tests/test_engine_tiny.py", "-k", "threshold")
 ROW_TESTS = ("tests/test_engine_drafters.py", "-k", "every_slot_position or every_row_and_slot or accept_in_a_batch or free_its_rows")
 
 MUTANTS = [
@@ -183,6 +184,9 @@ MUTANTS = [
     Mutant("eagle3-vocab-off-by-one", "the draft-to-target vocabulary map is off by one",
            "serving/engine/drafters/eagle3.py", "self._ids = self.head.head_ids.to(self.device)",
            "self._ids = (self.head.head_ids.to(self.device) + 1).clamp(max=vocab_size - 1)", EAGLE3_TESTS),
+    Mutant("threshold-on-exact-rows", "an exact request in a batch with a threshold one gets the threshold rule too",
+           "serving/engine/sampling.py", "p.verification_threshold if p.lossy else 0.0 for p in params",
+           "p.verification_threshold for p in params", THRESHOLD_TESTS),
 ]
 
 

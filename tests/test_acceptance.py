@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from serving.engine.acceptance import accept_reject
+from serving.engine.acceptance import accept_reject, threshold_accepts
 from serving.engine.sampling import SamplingParams, SamplingTensors, probs_from_logits, sample
 
 pytestmark = pytest.mark.unit
@@ -107,5 +107,40 @@ def test_mixed_batch_rows_use_their_own_settings():
     "kw, field", [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -2}, "top_k")]
 )
 def test_bad_sampling_params_name_the_field(kw, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kw)
+
+
+# ---- threshold verification (opt-in, lossy) ------------------------------------------------------
+
+
+def test_threshold_accepts_only_lossy_rows_at_or_above_their_threshold():
+    p_plain = torch.tensor([[[0.5, 0.3, 0.2], [0.05, 0.9, 0.05]]]).expand(2, 2, 3)  # [B=2, K=2, V=3]
+    drafts = torch.tensor([[1, 0], [1, 0]])  # p(x) = 0.3 then 0.05 in both rows
+    extra = threshold_accepts(p_plain, drafts, torch.tensor([0.0, 0.3]))  # row 0 exact, row 1 at 0.3
+    assert extra.tolist() == [[False, False], [True, False]]  # 0.3 >= 0.3 passes, 0.05 does not
+
+
+def test_threshold_acceptance_replaces_the_first_unaccepted_draft_as_exact_does():
+    # Greedy: the target's argmax is 1, 2, 3, bonus 4; the draft proposes 0, 2, 0.
+    p, q, drafts = one_hot([[1, 2, 3, 4]]), one_hot([[0, 2, 0]]), torch.tensor([[0, 2, 0]])
+    u, u_next = torch.full((1, 3), 0.5), torch.tensor([0.5])
+    assert accept_reject(p, q, drafts, u, u_next)[0].tolist() == [0]  # exact: the first draft is wrong
+    lossy = torch.tensor([[True, False, False]])  # the threshold rule accepts the first one only
+    n, nxt = accept_reject(p, q, drafts, u, u_next, lossy_accept=lossy)
+    assert n.tolist() == [2] and nxt.tolist() == [3]  # draft 2 is the argmax; draft 3 is corrected to 3
+
+
+def test_an_exact_row_beside_threshold_rows_gets_no_threshold():
+    params = [SamplingParams(verification_threshold=0.01), SamplingParams(verification="threshold", verification_threshold=0.2)]
+    s = SamplingTensors.build(params, "cpu")
+    assert s.lossy and s.threshold.tolist() == [0.0, pytest.approx(0.2)]
+    assert not SamplingTensors.build(params[:1], "cpu").lossy and SamplingTensors.build(params[:1], "cpu").threshold is None
+
+
+@pytest.mark.parametrize("kw, field", [({"verification": "fast"}, "verification"),
+                                       ({"verification_threshold": 0.0}, "verification_threshold"),
+                                       ({"verification_threshold": 1.5}, "verification_threshold")])  # fmt: skip
+def test_bad_verification_names_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kw)

@@ -208,3 +208,42 @@ def test_seeded_sampling_does_not_depend_on_the_batch_with_k_auto(tiny_target, t
         together = batch_engine.generate([hot, mine, *others[: seed % 3]])
         assert together[1].token_ids == alone.token_ids, f"seed {seed}"
         assert together[0].stats["mean_k"] > alone.stats["mean_k"], "the hot row must run a larger K than the seeded one"
+
+
+def test_threshold_rows_change_only_themselves_and_exact_rows_stay_the_targets(tiny_target, tiny_draft, tokenizer):
+    """Threshold verification (opt-in, lossy) beside exact rows: every exact row, even one that
+    carries a threshold value, is still token for token the target's greedy output; the threshold
+    rows accept more and say they are not exact. A random tiny target spreads its probability over
+    the vocabulary, so a threshold of 0.001 accepts drafts its argmax would not."""
+    prompts = ragged_prompts(4, seed=5)
+    exact = SamplingParams(verification_threshold=0.001)  # exact: the threshold value is unused
+    lossy = SamplingParams(verification="threshold", verification_threshold=0.001)
+    engine = SpeculativeEngine(tiny_target, tokenizer, tiny_draft, EngineConfig(max_batch_size=4, max_len=96, k=4))
+    outs = engine.generate([Request(p, params, max_new_tokens=20) for p, params in zip(prompts, [exact, lossy] * 2)])
+    for prompt, out in zip(prompts[::2], outs[::2]):
+        assert out.token_ids == hf_greedy(tiny_target, prompt, 20)
+        assert out.stats["exact"] and out.stats["verification"] == "exact"
+    for prompt, out in zip(prompts[1::2], outs[1::2]):
+        assert not out.stats["exact"] and out.stats["verification"] == "threshold"
+    assert any(out.token_ids != hf_greedy(tiny_target, p, 20) for p, out in zip(prompts[1::2], outs[1::2]))
+    assert sum(o.stats["accepted"] for o in outs[1::2]) > sum(o.stats["accepted"] for o in outs[::2])
+
+
+def test_token_origins_follow_each_step(tiny_target, tiny_draft, tokenizer):
+    """Every generated token has an origin: the first is the target's, accepted drafts name the
+    drafter, each step ends with a correction or a bonus; the stream's origins are the final ones."""
+    engine = SpeculativeEngine(tiny_target, tokenizer, tiny_draft, EngineConfig(max_batch_size=1, max_len=96, k=3))
+    rid = engine.add_request(Request(ragged_prompts(1, seed=9)[0], max_new_tokens=24))
+    streamed, origins, done = [], [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            streamed += out.new_token_ids
+            origins += out.new_token_origins
+            done = out.finished or done
+    assert rid == 0 and streamed == done.token_ids and origins == done.origins
+    kinds = [o.origin for o in origins]
+    assert kinds[0] == "target" and len(origins) == len(done.token_ids)
+    assert {o.drafter for o in origins if o.origin == "draft"} == {"draft"}
+    assert kinds.count("draft") == done.stats["accepted"]
+    assert kinds.count("correction") + kinds.count("bonus") >= done.stats["target_calls"] - 1  # the last may be cut
+    assert "draft" in kinds and "correction" in kinds

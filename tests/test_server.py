@@ -229,6 +229,24 @@ def test_chat_greedy_matches_engine_and_stream_matches_non_stream(live, referenc
     assert last.choices[0].finish_reason == ref.finish_reason
     assert last.model_extra["choral"]["draft"] == "code" and last.model_extra["choral"]["target_calls"] >= 1
     assert chunks[-1].usage.completion_tokens == len(ref.token_ids) and chunks[-1].choices == []
+    assert_token_origins(chunks, ref.token_ids, chat=True)
+
+
+def assert_token_origins(chunks, token_ids: list[int], chat: bool) -> None:
+    """Each text chunk's ``choral.tokens`` carry exactly its text, token by token, and together the
+    answer's tokens in order, each with how it came (the first one from the target's prefill)."""
+    entries = []
+    for c in chunks:
+        if not c.choices:
+            continue
+        text = (c.choices[0].delta.content if chat else c.choices[0].text) or ""
+        tokens = (c.model_extra.get("choral") or {}).get("tokens", [])
+        assert "".join(t["text"] for t in tokens) == text
+        entries += tokens
+    assert [t["id"] for t in entries] == token_ids
+    assert entries[0]["origin"] == "target"
+    assert all(t["origin"] in ("draft", "correction", "bonus", "target") for t in entries)
+    assert all((t["drafter"] is not None) == (t["origin"] == "draft") for t in entries)
 
 
 @pytest.mark.e2e
@@ -246,6 +264,8 @@ def test_stop_strings_streamed_and_not(live):
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks) == cut.choices[0].text
     assert chunks[-1].choices[0].finish_reason == "stop"
+    for c in chunks:  # the stop string's own tokens may be cut from the text: the tokens still carry exactly it
+        assert "".join(t["text"] for t in c.model_extra["choral"]["tokens"]) == c.choices[0].text
 
 
 BAD = [
@@ -292,6 +312,10 @@ BAD = [
     ("completions", {"suffix": "return x"}, 400, "suffix"),
     ("chat", b'{"model": "MODEL", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}', 400, "messages"),
     ("completions", {"stop": ["ok", "y" * 1_500_000]}, 400, "stop"),  # refused by its length before any step
+    # Threshold verification is lossy: refused unless the server allows it (allow_lossy: false, the default).
+    ("chat", {"extra_body": {"verification": "threshold"}}, 400, "verification"),
+    ("completions", {"extra_body": {"verification": "fast"}}, 400, "verification"),
+    ("completions", {"extra_body": {"verification_threshold": 0.0}}, 400, "verification_threshold"),
 ]
 
 # The no-op values of the fields above ask for nothing and are accepted, as OpenAI's SDKs send some.
@@ -523,6 +547,28 @@ def test_load_test_script_has_no_lost_or_malformed_responses(live, tmp_path):
     assert [r["text"] for r in report["rows"]] == [r["text"] for r in report["sequential"]["rows"]]
     assert "| concurrent | 4 | 8 | 0 |" in (tmp_path / "load" / "load_test.md").read_text()
     assert load_test.main(["--url", "http://example.com:8000", "--quiet"]) == 2  # loopback only
+
+
+@pytest.mark.e2e
+def test_threshold_verification_when_allowed_says_it_is_not_exact(router_file, reference):
+    """allow_lossy=true: a threshold request is served and marked (``exact: false``, counted by
+    verification in /metrics); an exact request beside it is still the target's own answer."""
+    srv = LiveServer([f"router={router_file}", f"engine.max_len={MAX_LEN}", "engine.max_batch_size=2", "engine.k=4",
+                      "allow_lossy=true"])  # fmt: skip
+    try:
+        srv.wait_ready()
+        [ref] = reference.generate([Request(_chat_ids(reference, CHAT), max_new_tokens=16)])
+        kw = dict(model=srv.model, messages=CHAT, max_tokens=16, temperature=0)
+        lossy = srv.client.chat.completions.create(**kw, extra_body={"draft": "code", "verification": "threshold",
+                                                                     "verification_threshold": 0.001})  # fmt: skip
+        exact = srv.client.chat.completions.create(**kw, extra_body={"draft": "code"})
+        assert lossy.model_extra["choral"]["exact"] is False and exact.model_extra["choral"]["exact"] is True
+        assert exact.choices[0].message.content == ref.text
+        m = srv.metrics()
+        assert m[("choral_verification_requests_total", (("verification", "threshold"),))] == 1
+        assert m[("choral_verification_requests_total", (("verification", "exact"),))] == 1
+    finally:
+        srv.stop()
 
 
 @pytest.mark.e2e

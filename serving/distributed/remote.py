@@ -144,6 +144,9 @@ class RemoteVerifier(Verifier):
     def prefill(
         self, row: int, prompt: torch.Tensor, params: SamplingParams, u: torch.Tensor, *, max_new_tokens: int, k_max: int
     ) -> int | None:
+        if params.lossy:  # the Open call carries no threshold: the service would verify exactly
+            raise ValueError(f"verification={params.verification!r} is not carried to a target service ({self.address}); "
+                             "send verification='exact' or serve the target in this process")  # fmt: skip
         session_id = uuid.uuid4().hex
         call = verify_pb2.OpenRequest(
             session_id=session_id, prompt_ids=prompt[0].tolist(), max_new_tokens=max_new_tokens,

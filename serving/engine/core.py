@@ -61,7 +61,9 @@ from serving.engine.drafters.model import ModelDrafter
 from serving.engine.drafters.prediction import PredictionDrafter
 from serving.engine.engine_settings import EngineConfig
 from serving.engine.goodput import RowCosts, StepCosts, expected_from_counts, per_token_acceptance, plan_cap
-from serving.engine.request import Completion, Request, RequestFailed, StepOutput, describe_errors
+from serving.engine.request import (
+    TARGET_ORIGIN, Completion, Request, RequestFailed, StepOutput, TokenOrigin, describe_errors, step_origins,
+)
 from serving.engine.sampling import SamplingParams, SamplingTensors
 from serving.engine.speculative import DecodeState, StepRandom, commit, start_row, step_uniforms
 from serving.engine.stats import RequestStats
@@ -79,6 +81,7 @@ class _Slot:
     prompt_len: int
     generator: torch.Generator
     generated: list[int]
+    origins: list[TokenOrigin]  # [len(generated)]: how each generated token came
     stats: RequestStats
     started: float
     drafter: str  # the name of the drafter the request drafts with ("none": the target alone)
@@ -547,7 +550,8 @@ class SpeculativeEngine:
         self._sampling = None
         stats = RequestStats(new_tokens=1, prefill_reused=reused_s is not None)
         stats.prefill_time_s = time.perf_counter() - started
-        slot = _Slot(index, request, ids.shape[1], generator, [first_id], stats, started, drafter, k_value=self._k_start)
+        slot = _Slot(index, request, ids.shape[1], generator, [first_id], [TARGET_ORIGIN], stats, started, drafter,
+                     k_value=self._k_start)  # fmt: skip
         if request.expected_acceptance is not None and self.config.step_k == "goodput":
             k = max(1, self._row_k(slot))
             slot.prior_a = float(per_token_acceptance(torch.tensor([float(request.expected_acceptance)]), k))
@@ -590,16 +594,18 @@ class SpeculativeEngine:
             reason = "length"
         slot.stats.new_tokens = len(tokens)
         slot.stats.total_time_s = time.perf_counter() - slot.started
-        stats = slot.stats.to_dict() | {"drafter": slot.routed_drafter or slot.drafter}
+        params = slot.request.params
+        stats = slot.stats.to_dict() | {"drafter": slot.routed_drafter or slot.drafter, "exact": not params.lossy,
+                                        "verification": params.verification}  # fmt: skip
         if slot.fell_back_at is not None:
             stats["fallback"] = {"to": slot.drafter, "at_token": slot.fell_back_at}
-        return Completion(tokens, text, reason, stats)
+        return Completion(tokens, text, reason, stats, origins=list(slot.origins))
 
     def _emit(self, b: int, finished: bool) -> StepOutput:
         slot = self._slots[b]
-        new = slot.generated[slot.emitted :]
+        new, origins = slot.generated[slot.emitted :], slot.origins[slot.emitted :]
         slot.emitted = len(slot.generated)
-        return StepOutput(slot.index, new, self._retire(b, self._slots) if finished else None)
+        return StepOutput(slot.index, new, self._retire(b, self._slots) if finished else None, origins)
 
     def _hit_stop(self, slot: _Slot, before: int) -> bool:
         """True if a stop string appears in the text; cuts ``generated`` just after the token that
@@ -612,6 +618,7 @@ class SpeculativeEngine:
             text = self.tokenizer.decode(slot.generated[:end], skip_special_tokens=True)
             if any(s in text for s in stops):
                 del slot.generated[end:]
+                del slot.origins[end:]
                 return True
         return False
 
@@ -814,8 +821,10 @@ class SpeculativeEngine:
             accepted, new, done, drafted, tokens = rows[b][0], rows[b][1], bool(rows[b][2]), rows[b][3], rows[b][4:]
             before = len(slot.generated)
             slot.generated += tokens[:new]
+            proposer = self._choices.get(b, slot.drafter) if drafted else NONE
+            slot.origins += step_origins(proposer, drafted, accepted, new)
             slot.stats.record_step(drafted, accepted, new, times.get("draft", 0.0), times.get("target", 0.0),
-                                   drafter=self._choices.get(b, slot.drafter) if drafted else NONE)  # fmt: skip
+                                   drafter=proposer)  # fmt: skip
             if b in self._choices:  # auto: the verdict on its choice
                 self.drafters[slot.drafter].settle(b, drafted, accepted)
             if self.config.k == "auto" and k_rows[b]:  # Hugging Face's heuristic, per request: +2 after a full accept, else -1

@@ -58,12 +58,38 @@ class Request:
     drafter_priors: dict[str, float] | None = None  # drafter -> predicted per-token acceptance (the router's): auto's prior
 
 
+@dataclass(frozen=True)
+class TokenOrigin:
+    """How a generated token came: ``"draft"`` (a draft token the target accepted; ``drafter``
+    names who proposed it), ``"correction"`` (the target's token after a rejection), ``"bonus"``
+    (the target's extra token after every draft was accepted) or ``"target"`` (a step that
+    drafted nothing: the first token after prefill, the target alone)."""
+
+    origin: str
+    drafter: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"origin": self.origin, "drafter": self.drafter}
+
+
+TARGET_ORIGIN = TokenOrigin("target")
+
+
+def step_origins(drafter: str, drafted: int, accepted: int, new: int) -> list[TokenOrigin]:
+    """The origins of the ``new`` tokens a step committed for a row that drafted ``drafted`` tokens
+    with ``drafter`` and had ``accepted`` of them accepted (EOS or the length limit may cut the
+    step short: ``new`` <= accepted + 1)."""
+    last = TokenOrigin("target" if drafted == 0 else "bonus" if accepted == drafted else "correction")
+    return [TokenOrigin("draft", drafter) if i < accepted else last for i in range(new)]
+
+
 @dataclass
 class Completion:
     token_ids: list[int]  # generated tokens, EOS included when one ended the request
     text: str  # decoded without special tokens, cut before a stop string
     finish_reason: str  # "stop" (EOS or stop string) or "length"
     stats: dict
+    origins: list[TokenOrigin] | None = None  # [len(token_ids)] how each token came (the engine's own requests)
 
 
 @dataclass
@@ -71,6 +97,7 @@ class StepOutput:
     request_id: int
     new_token_ids: list[int]  # tokens this step committed for the request (stop strings applied)
     finished: Completion | None  # set on the step the request finished
+    new_token_origins: list[TokenOrigin] | None = None  # [len(new_token_ids)]
 
 
 class RequestFailed(RuntimeError):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 
+VERIFICATIONS = ("exact", "threshold")
 INT64_MAX = 2**63 - 1  # top_k and token ids become int64 tensors
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 
@@ -32,12 +33,18 @@ class SamplingParams:
     top_p: keep the smallest set of tokens whose probability reaches top_p; 1.0 disables.
     seed: seeds the request's own generator, so a seeded request is reproducible whatever else
         shares its batch.
+    verification: "exact" (the default: rejection sampling, the output is the target's) or
+        "threshold" (opt-in, lossy: a draft token is also accepted when the target's probability
+        of it, at temperature 1 before top-k/top-p, is at least ``verification_threshold``; see
+        ``serving.engine.acceptance.threshold_accepts``).
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    verification: str = "exact"
+    verification_threshold: float = 0.1
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature < float("inf"):
@@ -48,6 +55,17 @@ class SamplingParams:
             raise ValueError(f"seed={self.seed!r} must be a 64-bit integer, in [-2**63, 2**64)")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1] (1 disables top-p)")
+        if self.verification not in VERIFICATIONS:
+            raise ValueError(f"verification={self.verification!r} must be one of {VERIFICATIONS} ('exact' keeps the "
+                             "target's output; 'threshold' trades it for speed)")  # fmt: skip
+        if not 0.0 < self.verification_threshold <= 1.0:
+            raise ValueError(f"verification_threshold={self.verification_threshold!r} must be in (0, 1] (the target "
+                             "probability at or above which a draft token is accepted; 0.1 is the usual)")  # fmt: skip
+
+    @property
+    def lossy(self) -> bool:
+        """Threshold verification: the output may differ from the target's own."""
+        return self.verification == "threshold"
 
     @property
     def greedy(self) -> bool:
@@ -67,13 +85,16 @@ class SamplingParams:
 @dataclass(frozen=True)
 class SamplingTensors:
     """Per-row sampling settings of a batch, on the device. ``filters`` and ``all_greedy`` are
-    static flags (host side): greedy batches skip the softmax, unfiltered ones the vocabulary sort."""
+    static flags (host side): greedy batches skip the softmax, unfiltered ones the vocabulary sort,
+    exact ones (``lossy`` False, the default) never compute the threshold rule at all."""
 
     temperature: torch.Tensor  # [B] float, 0 = greedy
     top_k: torch.Tensor  # [B] long, 0 = off
     top_p: torch.Tensor  # [B] float, 1 = off
     filters: bool
     all_greedy: bool
+    threshold: torch.Tensor | None = None  # [B] float: threshold rows' verification_threshold, 0 = exact
+    lossy: bool = False  # some row asked for threshold verification (None threshold otherwise)
 
     @classmethod
     def build(cls, params: list[SamplingParams], device: torch.device | str) -> "SamplingTensors":
@@ -83,11 +104,15 @@ class SamplingTensors:
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
             filters=any(p.filters for p in params),
             all_greedy=all(p.greedy for p in params),
-        )
+            threshold=torch.tensor([p.verification_threshold if p.lossy else 0.0 for p in params],
+                                   dtype=torch.float32, device=device) if any(p.lossy for p in params) else None,
+            lossy=any(p.lossy for p in params),
+        )  # fmt: skip
 
     def rows(self, index: torch.Tensor) -> "SamplingTensors":
         """Rows ``index`` ([n] long); the flags stay the batch's (a superset is always safe)."""
-        return dataclasses.replace(self, temperature=self.temperature[index], top_k=self.top_k[index], top_p=self.top_p[index])
+        return dataclasses.replace(self, temperature=self.temperature[index], top_k=self.top_k[index], top_p=self.top_p[index],
+                                   threshold=None if self.threshold is None else self.threshold[index])  # fmt: skip
 
 
 def probs_from_logits(logits: torch.Tensor, s: SamplingTensors) -> torch.Tensor:

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from serving.engine.acceptance import accept_reject
+from serving.engine.acceptance import accept_reject, threshold_accepts
 from serving.engine.runner import ModelRunner
 from serving.engine.sampling import SamplingParams, SamplingTensors, probs_from_logits, sample
 
@@ -164,12 +164,16 @@ def verify_tokens(
     # K than this step's (a session of another K on a shared target), so keep its writes inside
     # the cache. Everything at or past its n-1 is stale to it and rewritten before it is read.
     verify_pos = torch.where(state.done.unsqueeze(1), verify_pos.clamp(max=target.max_len - 1), verify_pos)
-    p = probs_from_logits(target.forward(verify_in, verify_pos), sampling)  # [B, K+1, V]
+    logits = target.forward(verify_in, verify_pos)  # [B, K+1, V]
+    p = probs_from_logits(logits, sampling)  # [B, K+1, V]
+    lossy = None
+    if sampling.lossy:  # only batches holding a threshold row compute it (its own, plain softmax)
+        lossy = threshold_accepts(logits[:, :k].float().softmax(-1), draft_tokens, sampling.threshold)  # [B, K]
     if clock is not None:
         clock("target")
 
     # 3. Accept/reject (Leviathan et al. 2023); the residual or bonus token comes with it.
-    return accept_reject(p, q, draft_tokens, rand.accept[:, :k], rand.next, n_draft)
+    return accept_reject(p, q, draft_tokens, rand.accept[:, :k], rand.next, n_draft, lossy)
 
 
 def verify_half(

@@ -38,6 +38,9 @@ class ServerMetrics:
                                      "by the request's draft", ["draft", "drafter"], registry=r)  # fmt: skip
         self.draft_choices = Counter("choral_draft_choices", "requests per draft; forced = chosen by the client",
                                      ["draft", "forced"], registry=r)  # fmt: skip
+        self.verification = Counter("choral_verification_requests", "finished requests by how they were verified "
+                                    "(exact: the target's own output; threshold: lossy, opt-in)", ["verification"],
+                                    registry=r)  # fmt: skip
         self.finished = Counter("choral_finished_requests", "requests that ended, by how",
                                 ["reason"], registry=r)  # fmt: skip
         self.engine_steps = Counter("choral_engine_steps", "speculative steps run (draft=engine: the one engine, which holds every drafter)", ["draft"], registry=r)

@@ -198,6 +198,17 @@ class _Sampling(BaseModel):
 
     draft: StrictStr | None = None  # Choral: force a drafter name, or "none" for the target alone
     prediction: Prediction | None = None  # the text the client expects the answer to repeat
+    # Choral: "exact" (the target's own output) or "threshold" (opt-in, lossy: a draft token is also
+    # accepted when the target's probability of it is at least verification_threshold). None: the server's.
+    verification: Literal["exact", "threshold"] | None = None
+    verification_threshold: StrictFloat | None = None
+
+    @field_validator("verification_threshold")
+    @classmethod
+    def _verification_threshold(cls, v: float | None) -> float | None:
+        if v is not None and not 0 < v <= 1:
+            raise ValueError(f"verification_threshold={v} must be in (0, 1] (0.1 is the usual)")
+        return v
 
     @field_validator("model", "draft")
     @classmethod

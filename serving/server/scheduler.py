@@ -78,6 +78,7 @@ class Routed:
 @dataclass
 class Tokens:
     ids: list[int]
+    origins: list | None = None  # [len(ids)] the engine's TokenOrigin of each
 
 
 @dataclass
@@ -369,7 +370,7 @@ class Scheduler:
             if out.finished is not None:
                 self._finish(ticket, out.finished, now)
             elif out.new_token_ids and ticket.stream:
-                ticket.send(Tokens(out.new_token_ids))
+                ticket.send(Tokens(out.new_token_ids, out.new_token_origins))
 
     def _observe_tokens(self, ticket: Ticket, n: int, now: float) -> None:
         if ticket.first_token is None:
@@ -408,7 +409,9 @@ class Scheduler:
             m.acceptance_error.labels(draft).set(drift)
         m.e2e.observe(now - ticket.arrived)
         m.finished.labels(completion.finish_reason).inc()
-        if self.request_log is not None and choice is not None:
+        m.verification.labels(s.get("verification", "exact")).inc()
+        # A lossy request's acceptance is not its drafter's: it would teach the router a false rate.
+        if self.request_log is not None and choice is not None and s.get("exact", True):
             self._log(ticket, completion)
         ticket.send(Finished(completion))
 

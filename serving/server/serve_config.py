@@ -163,6 +163,14 @@ class ServeConfig:
         "role=target: evict a session's KV cache after this long without a verify call"))
     batch_window_ms: float = field(default=2.0, metadata=doc(
         "role=target: how long to collect verify calls from many sessions into one batch"))
+    verification: Literal["exact", "threshold"] = field(default="exact", metadata=doc(
+        "how requests that name none are verified: exact (the target's own output) or threshold (lossy, faster; "
+        "needs allow_lossy)"))
+    verification_threshold: float = field(default=0.1, metadata=doc(
+        "threshold verification: a draft token is accepted when the target's probability of it (temperature 1) is at "
+        "least this; for requests that send no verification_threshold"))
+    allow_lossy: bool = field(default=False, metadata=doc(
+        "serve verification=threshold requests (output not the target's); false: they get a 400"))
     grpc: GrpcSettings = field(default_factory=GrpcSettings, metadata=doc("the distributed mode's gRPC link"))
     log_level: Literal["critical", "error", "warning", "info", "debug"] = field(default="info", metadata=doc(
         "uvicorn's log level"))
@@ -193,5 +201,10 @@ class ServeConfig:
             raise ValueError("routing.log_requests logs Choral's own engine (backend=choral); vLLM pools keep their own logs")
         if self.backend == "vllm" and self.fleet is None:
             raise ValueError("backend=vllm needs a fleet file: pass --fleet fleet.yaml")
+        if self.verification == "threshold" and not self.allow_lossy:
+            raise ValueError("verification=threshold makes every request lossy by default; set allow_lossy=true to "
+                             "mean it, or keep verification=exact")  # fmt: skip
+        if not 0 < self.verification_threshold <= 1:
+            raise ValueError(f"verification_threshold={self.verification_threshold} must be in (0, 1] (0.1 is the usual)")
         if not 0 < self.port < 65536:
             raise ValueError(f"port={self.port} must be in 1..65535")

@@ -255,7 +255,17 @@ class EngineServer:
             raise APIError(400, f"max_tokens={max_tokens} is beyond the context: the prompt's {len(prompt_ids)} tokens "
                            f"+ {max_tokens} + {reserve} for speculation exceed max_len={b.max_len}; ask for at most "
                            f"{room}", param="max_tokens", code="context_length_exceeded")  # fmt: skip
-        params = SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=body.seed)
+        verification = body.verification or self.cfg.verification
+        if verification == "threshold" and not self.cfg.allow_lossy:
+            raise APIError(400, "verification='threshold' is refused: this server keeps the target's exact output "
+                           "(allow_lossy: false); send verification='exact', or start serve with allow_lossy=true",
+                           param="verification", code="lossy_not_allowed")  # fmt: skip
+        if verification == "threshold" and self.cfg.role == "draft":
+            raise APIError(400, "verification='threshold' is not carried to a target service (role=draft); send "
+                           "verification='exact'", param="verification")  # fmt: skip
+        params = SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=body.seed,
+                                verification=verification,
+                                verification_threshold=body.verification_threshold or self.cfg.verification_threshold)  # fmt: skip
         request = Request(prompt_ids, params, max_tokens, body.stops, prediction=prediction)
         return Ticket(request, route_text, asyncio.get_running_loop(), forced_draft=forced, stream=body.stream,
                       chat=isinstance(body, ChatCompletionRequest), timeout_s=self.cfg.request_timeout_s)  # fmt: skip
@@ -347,22 +357,34 @@ class EngineServer:
         def chunk(**kw: Any) -> bytes:
             return sse(chunk_body(c.id, c.model, created, c.chat, **kw))
 
+        pending: list[dict] = []  # the tokens whose text has not gone out yet, in order
+
+        def push(ids: list[int], origins: list | None) -> None:
+            """Detokenize one token at a time, so each token's entry holds the text it released."""
+            for i, token in enumerate(ids):
+                origin = origins[i].to_dict() if origins else {"origin": None, "drafter": None}
+                pending.append({"id": token, "text": detok.push([token])} | origin)
+
         try:
             if c.chat:
                 yield chunk(role=True, text="")
             while True:
                 event = await ticket.events.get()
                 if isinstance(event, Tokens):
-                    delta = detok.push(event.ids)
+                    push(event.ids, event.origins)
+                    delta = "".join(e["text"] for e in pending)
                     if delta:
-                        yield chunk(text=delta)
+                        yield chunk(text=delta, choral={"tokens": pending})
+                        pending = []
                 elif isinstance(event, Finished):
                     c.count(200)
                     out = event.completion
-                    rest = detok.finish(out.text)
+                    rest = detok.finish(out.text)  # what is left of the final text, stop strings cut
+                    seen = len(detok.ids)
+                    push(out.token_ids[seen:], out.origins[seen:] if out.origins else None)
                     n_usage = usage(c.prompt_tokens, len(out.token_ids))
                     yield chunk(text=rest if rest or not c.chat else None, finish_reason=out.finish_reason,
-                                choral=c.choral(out.stats))  # fmt: skip
+                                choral=c.choral(out.stats) | {"tokens": fit_texts(pending, rest)})  # fmt: skip
                     if c.body.include_usage:
                         yield chunk(usage=n_usage)
                     yield sse("[DONE]")
@@ -377,6 +399,19 @@ class EngineServer:
             if not ticket.done:  # the client went away (or the server is stopping): free the slot
                 self.scheduler.abort(ticket)
             c.count(499)  # no-op once counted
+
+
+def fit_texts(entries: list[dict], text: str) -> list[dict]:
+    """The final chunk's token entries with their texts cut to ``text`` (the final text's rest,
+    which a stop string may have cut), in order; text no entry released goes to the last one."""
+    out, at = [], 0
+    for e in entries:
+        piece = text[at : at + len(e["text"])]
+        at += len(piece)
+        out.append(e | {"text": piece})
+    if at < len(text) and out:
+        out[-1]["text"] += text[at:]
+    return out
 
 
 @dataclass
@@ -422,4 +457,5 @@ class _Context:
             "router_choice": choice.draft if choice else None,
             "explored": self.routed.explored,  # routing.explore drew another drafter than router_choice
             "fallback": stats.get("fallback"),  # {"to": "none", "at_token": n} when the drafter stopped paying
+            "exact": stats.get("exact", True),  # false: threshold verification, the output may not be the target's
         }

@@ -62,7 +62,7 @@ log = logging.getLogger("choral.fleet")
 
 # vLLM's own metric names (v1 engine): the queue, and the counters it exports only when it drafts.
 RUNNING, WAITING, SPEC_DRAFTS = "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:spec_decode_num_drafts"
-CHORAL_FIELDS = ("draft",)  # request fields only Choral reads; not forwarded
+CHORAL_FIELDS = ("draft", "verification", "verification_threshold")  # request fields only Choral reads; not forwarded
 # OpenAI fields Choral's own engine refuses (openai_api.NOT_IMPLEMENTED) that vLLM implements: forwarded.
 VLLM_IMPLEMENTS = frozenset({"frequency_penalty", "presence_penalty", "logit_bias", "response_format"})
 
@@ -407,6 +407,9 @@ class FleetServer:
             body = validate_request(data, ChatCompletionRequest if chat else CompletionRequest, implemented=VLLM_IMPLEMENTS)
             check_model(body.model, self.model_name)
             forced = requested_draft(http, body)
+            if body.verification == "threshold":  # vLLM's replicas verify exactly: nothing lossy to forward to
+                raise APIError(400, "verification='threshold' is not available with backend=vllm (its replicas verify "
+                               "exactly); send verification='exact' or omit it", param="verification")  # fmt: skip
             names = {p.drafter for p in self.fleet.pools} | {p.name for p in self.fleet.pools}
             if forced is not None and forced not in names:
                 raise APIError(400, f"unknown draft {forced!r}; choose a pool's drafter or name: {', '.join(sorted(names))}",
