@@ -417,6 +417,11 @@ def _seeded(row_seed: int) -> Iterator[None]:
 
 
 def _math_prompt(k: int, seed: int) -> Prompt:
+    return math_problem(k, seed)[0]
+
+
+def math_problem(k: int, seed: int = 0) -> tuple[Prompt, str]:
+    """Math row ``k`` (as ``load_prompts("math", ...)`` gives it) and the generator's answer."""
     module = MATH_MODULES[k % len(MATH_MODULES)]
     sampler = _math_modules()[module]  # first: it applies the shims the import below needs
     from mathematics_dataset import generate
@@ -426,7 +431,7 @@ def _math_prompt(k: int, seed: int) -> Prompt:
     row_seed = int.from_bytes(hashlib.sha256(f"{seed}/{k}".encode()).digest()[:4], "little")
     with _seeded(row_seed):
         problem, _ = generate.sample_from_module(sampler)
-    return Prompt("math", f"math/{module}/{k}", str(problem.question))
+    return Prompt("math", f"math/{module}/{k}", str(problem.question)), str(problem.answer)
 
 
 # --- input-grounded domains -------------------------------------------------------------------

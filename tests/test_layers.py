@@ -2,6 +2,7 @@
 
     serving.engine  <-  serving.distributed  <-  serving.server
     serving.engine  <-  serving.tools, training, routing
+    serving.server, routing  <-  serving.demo (the top: nothing imports it)
     serving.config, serving.cli, serving.prompts, serving.workload: shared by every layer, importing none of them
 
 Every module is read as source (its AST: imports inside functions and TYPE_CHECKING blocks
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parent.parent
 PROJECT = ("serving", "training", "routing")
 SHARED = ("serving.config", "serving.cli", "serving.files", "serving.prompts", "serving.workload")
-ABOVE_ENGINE = ("serving.server", "serving.distributed", "serving.fleet", "serving.tools", "training", "routing")
+ABOVE_ENGINE = ("serving.server", "serving.distributed", "serving.fleet", "serving.tools", "serving.demo", "training", "routing")
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -103,7 +104,12 @@ def test_shared_helpers_import_no_layer():
 
 @pytest.mark.parametrize("folder", ["training", "routing"])
 def test_training_and_routing_never_import_server_distributed_or_tools(folder):
-    assert violations(folder, ("serving.server", "serving.distributed", "serving.tools")) == []
+    assert violations(folder, ("serving.server", "serving.distributed", "serving.tools", "serving.demo")) == []
+
+
+@pytest.mark.parametrize("folder", ["serving/server", "serving/tools", "serving/fleet"])
+def test_the_demo_is_the_top_nothing_imports_it(folder):
+    assert violations(folder, ("serving.demo",)) == []
 
 
 # training and routing sit on the engine and the shared helpers. One import goes elsewhere, and is

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CUDA checks of one GPU lease, in one command (docs/experiments/cuda-h100.md):
-#   1. tests/test_cuda.py: greedy equal to transformers' generate, CUDA graphs with every drafter
+#   1. tests/test_cuda.py (one process: one GPU): greedy equal to transformers' generate, CUDA graphs with every drafter
 #      kind in one batch, seeded sampling independent of the batch, the chi-square test, inductor
 #      without recompiles, train-draft in bf16;
 #   2. step costs of the bundled pair's real shapes (random weights: the machine cannot fetch the
@@ -24,7 +24,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"; } 2>&1 | tee "$out/machine.txt"
-timeout "${PYTEST_S:-240}" python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py 2>&1 | tee "$out/pytest_cuda.log"
+timeout "${PYTEST_S:-240}" python3 -m pytest -q -n 0 -p no:cacheprovider -rs tests/test_cuda.py 2>&1 | tee "$out/pytest_cuda.log"
 for b in 1 8; do
     timeout "${BENCH_S:-120}" python3 scripts/experiments/bench_gpu_steps.py --target .gpu/target --draft .gpu/draft \
         --random-init --batch "$b" --ks 2,4 --json "$out/gpu_steps_b$b.json" ${BENCH_ARGS:-} 2>&1 | grep -v Warning | tee "$out/bench_b$b.log"
