@@ -119,3 +119,12 @@ def test_the_page_streams_the_apis_greedy_answer_with_accepted_tokens_marked(ser
     summary = browser.find_element(By.CSS_SELECTOR, "#summary").text
     assert "speedup" in summary and "code (forced)" in summary
     browser.save_screenshot(str(tmp_path / "demo.png"))
+
+
+def test_the_screenshot_script_captures_the_finished_page(served, tmp_path, capsys):
+    from tests.conftest import load_script
+
+    shot = load_script("scripts/experiments/demo_screenshot.py")
+    out = tmp_path / "demo.png"
+    assert shot.main(["--url", f"{served.url}/v1", "--drafter", "code", "--max-tokens", "8", "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "speedup" in capsys.readouterr().out

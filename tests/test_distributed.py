@@ -376,3 +376,27 @@ def test_a_node_at_its_session_cap_is_refused_while_another_is_admitted(tiny_tar
             open_("c", "c1")  # nobody's token
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         channel.close()
+
+
+def test_a_threshold_request_on_a_draft_node_fails_alone_naming_the_setting(server, tiny_target, tiny_draft, tokenizer):
+    """The target service verifies exactly (Open carries no threshold): a draft node refuses a
+    threshold request by name instead of serving it exact under a lossy label; its neighbour runs."""
+    from serving.engine import RequestFailed
+
+    remote = remote_engine(tiny_draft, tokenizer, server.address, EngineConfig(max_batch_size=2, max_len=MAX_LEN, k=2))
+    good, bad = prompts(2, seed=11)
+    ok = remote.add_request(Request(good, max_new_tokens=8))
+    lossy = remote.add_request(Request(bad, SamplingParams(verification="threshold"), max_new_tokens=8))
+    finished, failed = {}, {}
+    for _ in range(50):
+        if not remote.has_unfinished_requests():
+            break
+        try:
+            outs = remote.step()
+        except RequestFailed as e:
+            failed.update(e.errors)
+            continue
+        finished.update({o.request_id: o.finished for o in outs if o.finished is not None})
+    assert set(failed) == {lossy} and "verification='threshold'" in str(failed[lossy])
+    [expected] = fused(tiny_target, tiny_draft, tokenizer, [Request(good, max_new_tokens=8)], k=2)
+    assert finished[ok].token_ids == expected.token_ids
