@@ -1,6 +1,6 @@
 """``choral-demo``: a web page that shows speculative decoding as it happens.
 
-    pip install -e ".[demo]"
+    pip install -e ".[bundled,demo]"
     choral-demo                                              # starts serve in this process on the bundled pair
     choral-demo --url http://127.0.0.1:8000/v1 --api-key KEY # or talks to a running serve
 
