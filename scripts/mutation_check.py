@@ -94,8 +94,8 @@ MUTANTS = [
            "sampling.top_k, torch.ones_like(sampling.top_p), sampling.filters, sampling.all_greedy))[:, 0], "
            "rand.draft[:, i]))  # [B]", DISTRIBUTION),
     Mutant("top-p-missing-on-p", "the target's p ignores top-p", "serving/engine/speculative.py",
-           "    p = probs_from_logits(target.forward(verify_in, verify_pos), sampling)  # [B, K+1, V]",
-           "    p = probs_from_logits(target.forward(verify_in, verify_pos), type(sampling)(sampling.temperature, "
+           "    p = probs_from_logits(logits, sampling)  # [B, K+1, V]",
+           "    p = probs_from_logits(logits, type(sampling)(sampling.temperature, "
            "sampling.top_k, torch.ones_like(sampling.top_p), sampling.filters, sampling.all_greedy))  # [B, K+1, V]",
            DISTRIBUTION),
     # The CPU kernels' batch invariance on the paths the bundled models do not take, and the

@@ -157,9 +157,9 @@ def test_point_mass_proposals_keep_the_target_distribution(K, params):
 # ---- power: each known-bad change must fail the statistic ------------------------------------
 
 
-def wrong_acceptor(p, q, draft_tokens, u_accept, u_next, n_draft=None):
+def wrong_acceptor(p, q, draft_tokens, u_accept, u_next, n_draft=None, lossy_accept=None):
     """The classic bug: on rejection, draw from p instead of the residual max(0, p - q)."""
-    n, _ = accept_reject(p, q, draft_tokens, u_accept, u_next, n_draft)
+    n, _ = accept_reject(p, q, draft_tokens, u_accept, u_next, n_draft, lossy_accept)
     at = n.view(-1, 1, 1).expand(-1, 1, p.shape[-1])
     return n, sample(p.gather(1, at).squeeze(1), u_next)
 
