@@ -6,8 +6,6 @@ are skipped where it cannot be built (no C++ compiler).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -550,11 +548,12 @@ def test_q4_kernel_paths_agree_bit_for_bit():
         pytest.skip(f"the C++ compiler does not take -march=haswell: {probe.stderr.strip()[:200]}")
     from concurrent.futures import ThreadPoolExecutor
 
+    from serving.engine.devices import cpu_flags
+
     source = cpu_kernels.ROWDOT_SOURCE.read_text()
     tag = hashlib.sha256((source + torch.__version__).encode()).hexdigest()[:12]
     variants = {"avx2": ["-march=haswell"], "scalar": ["-march=haswell", "-DCHORAL_Q4_PATH=0"]}
-    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
-    if "avx512_vnni" not in flags or "avx512bw" not in flags:
+    if not {"avx512_vnni", "avx512bw"} <= cpu_flags():
         del variants["avx2"]  # this machine's own (-march=native) build already is the AVX2 path
 
     def build(name: str):

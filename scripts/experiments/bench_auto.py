@@ -35,14 +35,6 @@ TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 DRAFTERS = ("none", "ngram", "suffix", "draft", "auto")
 
 
-def machine() -> str:
-    import torch
-
-    from serving.engine.devices import describe_machine
-
-    return f"{describe_machine()}, {torch.get_num_threads()} threads"
-
-
 def load(args):
     from serving.engine.engine_settings import EngineSettings
     from serving.engine.loader import load_engine
@@ -214,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="runs/bench-auto")
     args = ap.parse_args(argv)
 
+    from serving.engine.devices import describe_machine
     from serving.engine.engine_settings import EngineSettings
     from serving.workload import FAMILIES
 
@@ -251,10 +244,10 @@ def main(argv: list[str] | None = None) -> int:
         lines += ["", "auto's settings on these traces, best five of the grid (workload mean):", "",
                   *[f"- {mean:.3f}x: {json.dumps(setting)}" for mean, setting in top[:5]]]  # fmt: skip
     command = " ".join(["python scripts/experiments/bench_auto.py", *(argv if argv is not None else sys.argv[1:])])
-    text = "\n".join([f"`{command}` ({datetime.date.today()}, {machine()})", "", *lines]) + "\n"
+    text = "\n".join([f"`{command}` ({datetime.date.today()}, {describe_machine(with_threads=True)})", "", *lines]) + "\n"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "auto.json").write_text(json.dumps({"command": command, "date": str(datetime.date.today()), "machine": machine(),
+    (out / "auto.json").write_text(json.dumps({"command": command, "date": str(datetime.date.today()), "machine": describe_machine(with_threads=True),
                                                "rows": rows, "host": host, "replay": replay}))  # fmt: skip
     (out / "auto.md").write_text(text)
     print(text)

@@ -31,14 +31,6 @@ TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 DOMAINS = ("code", "chat", "math")
 
 
-def machine() -> str:
-    import torch
-
-    from serving.engine.devices import describe_machine
-
-    return f"{describe_machine()}, {torch.get_num_threads()} threads"
-
-
 def step_ms(fn, steps: int) -> float:
     for _ in range(3):
         fn()
@@ -91,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="runs/bench-eagle3")
     args = ap.parse_args(argv)
 
+    from serving.engine.devices import describe_machine
     from serving.engine.engine_settings import EngineSettings
     from serving.engine.loader import load_engine
     from serving.engine.request import Request
@@ -134,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
                 "acceptance": sum(r["accepted"] for r in rs) / drafted if drafted else 0.0,
                 "identical": f"{sum(r['identical'] for r in rs)}/{len(rs)}",
             })  # fmt: skip
-    result = {"date": datetime.date.today().isoformat(), "machine": machine(), "args": vars(args), "step_ms": costs,
+    result = {"date": datetime.date.today().isoformat(), "machine": describe_machine(with_threads=True), "args": vars(args), "step_ms": costs,
               "rows": rows, "runs": runs}  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -40,14 +40,6 @@ TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 HOSTS = ("ngram", "suffix", "prediction")
 
 
-def machine() -> str:
-    import torch
-
-    from serving.engine.devices import describe_machine
-
-    return f"{describe_machine()}, {torch.get_num_threads()} threads"
-
-
 def timed(fn, reps: int) -> float:
     fn()  # warm
     times = []
@@ -129,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from serving.engine import Request
+    from serving.engine.devices import describe_machine
     from serving.engine.engine_settings import EngineSettings
     from serving.engine.loader import load_engine
     from serving.engine.goodput import RowCosts
@@ -254,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     shares = "per-step best's steps on the workload: " + ", ".join(f"{d} {n / total:.0%}" for d, n in sorted(share.items(), key=lambda x: -x[1]))
 
     command = " ".join(["python scripts/experiments/replay_ceiling.py", *(argv if argv is not None else sys.argv[1:])])
-    head = [f"`{command}` ({datetime.date.today()}, {machine()}); q4 target and draft, K = {args.k}, greedy, "
+    head = [f"`{command}` ({datetime.date.today()}, {describe_machine(with_threads=True)}); q4 target and draft, K = {args.k}, greedy, "
             f"{args.max_tokens} tokens; speedups over the target alone, replayed with the measured costs below "
             "(means over prompts).", "",
             f"Costs (ms, batch 1): target forward by width {json.dumps({w: round(v, 1) for w, v in verify_fwd.items()})} plus "
@@ -263,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(head + lines + check + ["", shares]) + "\n"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "ceiling.json").write_text(json.dumps({"command": command, "date": str(datetime.date.today()), "machine": machine(),
+    (out / "ceiling.json").write_text(json.dumps({"command": command, "date": str(datetime.date.today()), "machine": describe_machine(with_threads=True),
                                                   "costs": {"verify": costs.verify, "model": costs.model, "host": costs.host},
                                                   "summary": summary, "rows": rows}))  # fmt: skip
     (out / "ceiling.md").write_text(text)

@@ -217,14 +217,6 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def machine() -> str:
-    import torch
-
-    from serving.engine.devices import describe_machine
-
-    return f"{describe_machine()}, {torch.get_num_threads()} threads"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=TARGET)
@@ -247,13 +239,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import json
 
+    from serving.engine.devices import describe_machine
     from serving.engine.engine_settings import EngineSettings
     from serving.engine.loader import load_engine
-    from serving.files import atomic_path
-
-    def write_json_atomic(path: Path, data: dict) -> None:
-        with atomic_path(path) as tmp:
-            tmp.write_text(json.dumps(data, indent=1))
+    from training.checkpoint import write_json_atomic
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -278,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         grade(records, tasks, args.time_limit)
         results["records"] += records
         results["seconds"][setting["name"]] = seconds
-        results["machine"], results["date"] = machine(), datetime.date.today().isoformat()
+        results["machine"], results["date"] = describe_machine(with_threads=True), datetime.date.today().isoformat()
         write_json_atomic(path, results)
         print(f"{setting['name']}: " + ", ".join(f"{d} {s:.1f} s" for d, s in seconds.items()), flush=True)
 

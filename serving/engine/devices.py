@@ -117,12 +117,14 @@ def cpu_flags() -> set[str]:
     return set((_cpuinfo_field("flags") or "").split())
 
 
-def describe_machine() -> str:
+def describe_machine(with_threads: bool = False) -> str:
     """The CPU model, its vector extensions that change the kernels' speed, cores and torch: what
-    a benchmark record names as its machine."""
+    a benchmark record names as its machine (``with_threads``: and torch's thread count, which a
+    timed script's numbers depend on)."""
     import os
     import platform
 
     name, flags = _cpuinfo_field("model name") or platform.processor() or "unknown CPU", cpu_flags()
     isa = ", ".join(f for f in ("avx2", "avx512f", "avx512_vnni", "amx_tile") if f in flags) or "no AVX2"
-    return f"{name} ({isa}), {os.cpu_count()} cores, torch {torch.__version__}"
+    line = f"{name} ({isa}), {os.cpu_count()} cores, torch {torch.__version__}"
+    return f"{line}, {torch.get_num_threads()} threads" if with_threads else line
