@@ -288,6 +288,11 @@ class Router:
         x = (x.to(self.device) - self.mean) / self.std
         return torch.sigmoid(self.mlp(x)).float().cpu()  # [N, D]
 
+    @property
+    def collected_k(self) -> int:
+        """The K the training rows were collected at: the K its predicted acceptance rates are at."""
+        return self.cost_model.collected_k
+
     def rate_at(self, rate: float, k: int) -> float:
         """A predicted acceptance rate (at the collected K) as the rate it means at K = ``k``: what
         the scheduler expects of a request it runs at another K than the choice's."""

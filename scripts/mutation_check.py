@@ -47,15 +47,17 @@ ACCEPTANCE = ("tests/test_acceptance.py", "tests/test_distribution.py", "-k", "n
 AUTO_TESTS = ("tests/test_auto_drafter.py", "-m", "integration")
 EAGLE3_TESTS = ("tests/test_eagle3.py", "-m", "integration or e2e", "-k", "not sampled")
 THRESHOLD_TESTS = ("tests/test_engine_tiny.py", "-k", "threshold")
+KIT = "tests/test_drafter_conformance.py"  # the drafter conformance kit (issue 70)
+KIT_FAST = (KIT, "-m", "not slow")
 ROW_TESTS = ("tests/test_engine_drafters.py", "-k", "every_slot_position or every_row_and_slot or accept_in_a_batch or free_its_rows")
 
 MUTANTS = [
     Mutant("stop-kept", "tokens generated after a stop string are kept instead of cut",
-           "serving/engine/core.py", "                del slot.generated[end:]\n", "                pass\n", STOP_TESTS),
+           "serving/engine/slots.py", "            del slot.generated[end:]\n", "            pass\n", STOP_TESTS),
     Mutant("stop-after-limit", "the length limit is checked before the stop strings (a step that reaches "
            "both keeps the tokens past the stop)", "serving/engine/core.py",
-           "                stopped = self._hit_stop(slot, before)\n",
-           "                stopped = not done and self._hit_stop(slot, before)\n", STOP_TESTS),
+           "                stopped = hit_stop(slot, before, self.tokenizer)\n",
+           "                stopped = not done and hit_stop(slot, before, self.tokenizer)\n", STOP_TESTS),
     Mutant("accept-reuses-draft-uniforms", "accept tests reuse the uniforms that drew the draft tokens",
            "serving/engine/speculative.py", "draft[b, :kb], accept[b, :kb], nxt[b] = u[:kb], u[kb : 2 * kb], u[2 * kb]",
            "draft[b, :kb], accept[b, :kb], nxt[b] = u[:kb], u[:kb], u[2 * kb]", DISTRIBUTION),
@@ -67,8 +69,8 @@ MUTANTS = [
            "            n_draft = n_draft + drafting.long()\n            drafting = drafting & (budget > i + 1)\n",
            ("tests/test_distribution.py", "-k", "early_stops")),
     Mutant("k-per-batch", "every row drafts the batch's K (seeded output then depends on the batch)",
-           "serving/engine/core.py", "        k_rows = [self._row_k(slot) for slot in slots]\n",
-           "        k_rows = [max(self._row_k(slot) for slot in slots)] * len(slots)\n",
+           "serving/engine/core.py", "        k_rows = [self.k_policy.row_k(slot) for slot in slots]\n",
+           "        k_rows = [max(self.k_policy.row_k(slot) for slot in slots)] * len(slots)\n",
            ("tests/test_engine_tiny.py", "-k", "k_auto")),
     Mutant("frozen-row-past-cache", "a frozen row runs at positions past its cache (mixed K on a shared target)",
            "serving/engine/speculative.py",
@@ -148,9 +150,9 @@ MUTANTS = [
            "serving/engine/drafters/model.py", "        self.runner.prefill(ids, r)\n",
            "        self.runner.prefill(ids, row)\n", ROW_TESTS),
     Mutant("fallback-leaks-draft-row", "a fallback switches the row to the target alone before stopping its drafter "
-           "(the drafter is never told: its draft row is never freed)", "serving/engine/core.py",
-           "            self._stop_drafter(b, slot, finished=False)\n            slot.routed_drafter, slot.drafter = slot.drafter, NONE\n",
-           "            slot.routed_drafter, slot.drafter = slot.drafter, NONE\n            self._stop_drafter(b, slot, finished=False)\n",
+           "(the drafter is never told: its draft row is never freed)", "serving/engine/fallback.py",
+           "    stop_drafter()\n    slot.routed_drafter, slot.drafter = slot.drafter, NONE\n",
+           "    slot.routed_drafter, slot.drafter = slot.drafter, NONE\n    stop_drafter()\n",
            ROW_TESTS),
     Mutant("auto-shared-scores", "auto keeps one record for every row: one row's verdicts steer another's choices",
            "serving/engine/drafters/auto.py",
@@ -164,7 +166,7 @@ MUTANTS = [
            "for b in (self.owner[r] for r in range(n_rows))], device=device)", "for b in owner[:n_rows]], device=device)",
            AUTO_TESTS),
     Mutant("features-next-position", "a feature drafter gets the features of the positions after the committed ones",
-           "serving/engine/core.py", "hidden=features[b, : len(new)])", "hidden=features[b, 1 : len(new) + 1])",
+           "serving/engine/core.py", "hidden=features[b, : len(new)] if", "hidden=features[b, 1 : len(new) + 1] if",
            ("tests/test_target_features.py",)),
     Mutant("features-layer-after", "the captured features are the output of each layer instead of its input",
            "serving/engine/runner.py", "torch.cat([out.hidden_states[i] for i in capture], dim=-1)",
@@ -184,6 +186,34 @@ MUTANTS = [
     Mutant("eagle3-vocab-off-by-one", "the draft-to-target vocabulary map is off by one",
            "serving/engine/drafters/eagle3.py", "self._ids = self.head.head_ids.to(self.device)",
            "self._ids = (self.head.head_ids.to(self.device) + 1).clamp(max=vocab_size - 1)", EAGLE3_TESTS),
+    # The drafter contract (issue 70): each a one-line change a real bug would look like, caught by the kit.
+    Mutant("eagle3-row-budget", "an eagle3 row drafts the step's K whatever its own budget (a k=1 row beside a k=3 "
+           "row gets 3 drafts)", "serving/engine/drafters/eagle3.py",
+           "n = torch.minimum(budget, torch.full_like(budget, k))", "n = torch.where(budget > 0, k, 0)", KIT_FAST),
+    Mutant("eagle3-draw-uniforms", "eagle3 draws its tokens with the acceptance uniforms", "serving/engine/drafters/eagle3.py",
+           "drafted.append(sample(q, rand.draft[:, i]))", "drafted.append(sample(q, rand.accept[:, i]))", (KIT,)),
+    Mutant("origins-by-budget", "token origins are computed from the row's budget instead of its proposal",
+           "serving/engine/core.py", "slot.origins += step_origins(proposer, drafted, accepted, new)",
+           "slot.origins += step_origins(proposer, d.budgets[b], accepted, new)", KIT_FAST),
+    Mutant("threshold-padding", "threshold verification's lossy accept is applied after the padding mask (a "
+           "threshold row with a short proposal accepts padding)", "serving/engine/acceptance.py",
+           "    if lossy_accept is not None:\n        accepted |= lossy_accept\n    if n_draft is not None:\n        accepted &= real\n",
+           "    if n_draft is not None:\n        accepted &= real\n    if lossy_accept is not None:\n        accepted |= lossy_accept\n",
+           KIT_FAST),
+    Mutant("auto-late-start", "auto drops the first answer token when it starts a model drafter late",
+           "serving/engine/drafters/auto.py", "model.observe(row, tokens[len(state.ctx.prompt):])",
+           "model.observe(row, tokens[len(state.ctx.prompt) + 1:])", KIT_FAST),
+    Mutant("catch-up-overclaims", "the model drafter's catch-up claims more of the row than it read",
+           "serving/engine/drafters/model.py", "self.seen[r] = min(self.seen[r] + width, self.length[r] - 2)",
+           "self.seen[r] = self.seen[r] + width", KIT_FAST),
+    Mutant("eagle3-commits-on-propose", "eagle3 consumes a row's pending features when it proposes, not when the "
+           "step commits (a row re-run after a neighbour's failure has none left)", "serving/engine/drafters/eagle3.py",
+           "            self._read_to[b] = seen + m\n",
+           "            self._read_to[b] = seen + m\n            self.seen[b], self.pending[b] = seen + m, []\n", KIT_FAST),
+    Mutant("auto-scores-on-choose", "auto scores a step's host proposals when it chooses, not when the step commits "
+           "(a step re-run after a neighbour's failure is scored twice)", "serving/engine/drafters/auto.py",
+           "            state.proposed.append((n, at, proposal))", "            state.scores.propose(n, at, proposal)",
+           KIT_FAST),
     Mutant("threshold-on-exact-rows", "an exact request in a batch with a threshold one gets the threshold rule too",
            "serving/engine/sampling.py", "p.verification_threshold if p.lossy else 0.0 for p in params",
            "p.verification_threshold for p in params", THRESHOLD_TESTS),

@@ -182,13 +182,13 @@ def test_a_model_drafter_that_skipped_steps_drafts_as_if_it_never_had(tiny_targe
                                    drafters={"small": drafter})  # fmt: skip
         if skip:  # the row drafts on its first step only, then none until the last
             calls = {"n": 0}
-            real = engine._row_k
+            real = engine.k_policy.row_k
 
             def row_k(slot, real=real):
                 calls["n"] += 1
                 return real(slot) if calls["n"] in (1,) or len(slot.generated) >= 30 else 0
 
-            engine._row_k = row_k
+            engine.k_policy.row_k = row_k
         qs = []
         propose = drafter.propose_rows
 

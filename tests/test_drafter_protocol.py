@@ -30,7 +30,7 @@ class RepeatLast(HostDrafter):
     def propose(self, row, tokens, k):
         return [tokens[-1]] * k
 
-    def observe(self, row, new_tokens):
+    def observe(self, row, new_tokens, hidden=None):
         self.calls.append(("observe", row, len(new_tokens)))
 
     def stop(self, row, finished):

@@ -141,6 +141,6 @@ def test_the_replay_takes_the_steps_the_engine_takes(tiny_target, tiny_draft, to
         else:
             proposed, accepted, _ = script.host_trace(mirror[drafter], prompt, None, answer, k, request_id=seed)
         costs = RowCosts(verify=[[1, 1.0], [5, 2.0]], model={"small": [[1, 0.5], [9, 1.0]]}, host={"ngram": 0.0, "suffix": 0.0})
-        replay = Replay(Trace(len(answer), {drafter: proposed}, {drafter: accepted}), costs, engine._verify_widths(), k)
+        replay = Replay(Trace(len(answer), {drafter: proposed}, {drafter: accepted}), costs, engine.verify_widths(), k)
         outcome = replay.single(drafter)
         assert outcome.steps == live.stats["target_calls"], (drafter, seed)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from serving.engine.core import SpeculativeEngine
+from serving.engine.drafting import draft
 from serving.engine.engine_settings import EngineConfig
 from serving.engine.request import Request
 from serving.engine.speculative import step_uniforms
@@ -201,7 +202,7 @@ def test_host_drafters_see_every_committed_token(tiny_target, tokenizer):
             self.seen[ctx.request_id] = []
             self._row_request = getattr(self, "_row_request", {}) | {row: ctx.request_id}
 
-        def observe(self, row, new_tokens):
+        def observe(self, row, new_tokens, hidden=None):
             super().observe(row, new_tokens)
             self.seen[self._row_request[row]] += list(new_tokens)
 
@@ -227,10 +228,12 @@ def test_point_masses_enter_the_acceptance_rule_as_one_hot_q(tiny_target, tokeni
     for b, request in enumerate([Request([5, 6, 7, 8, 5], max_new_tokens=8), Request([9, 9, 9], max_new_tokens=8, drafter="none")]):
         engine._slots[b], _ = engine._admit(b, b, request)
     slots = engine._slots[:2]
-    state = engine._state_rows(2)
-    k_rows = [engine._row_k(s) for s in slots]
+    state = engine.state.head(2)
+    k_rows = [engine.k_policy.row_k(s) for s in slots]
     rand = step_uniforms([s.generator for s in slots], k_rows, max(k_rows), "cpu")
-    tokens, q, n_draft, _ = engine._draft(slots, state, engine._batch_sampling(slots), rand, k_rows)
+    d = draft(engine.drafters, slots, state, engine._batch_sampling(slots), rand, k_rows, engine.k_policy,
+              engine.step_costs, engine.config, engine.vocab_size, engine.device)  # fmt: skip
+    tokens, q, n_draft = d.tokens, d.q, d.n
     assert tokens[0, :2].tolist() == [7, 8] and n_draft.tolist() == [2, 0] and tokens.shape[1] == 2
     assert torch.equal(q[0], torch.nn.functional.one_hot(torch.tensor([7, 8]), q.shape[-1]).float())
 
@@ -317,7 +320,7 @@ class _Poisoned(NgramDrafter):
             raise OverflowError("poisoned propose")
         return super().propose(row, tokens, k)
 
-    def observe(self, row, new_tokens):
+    def observe(self, row, new_tokens, hidden=None):
         if self.stage == "observe" and row in self.bad and len(new_tokens) and self.bad:
             raise ValueError("poisoned observe")
         super().observe(row, new_tokens)
@@ -518,16 +521,16 @@ def goodput_engine(target, draft, tokenizer, costs=None):
 def test_goodput_steps_keep_every_rows_greedy_output(tiny_target, tiny_draft, tokenizer, monkeypatch):
     """step_k goodput caps proposals per step (here a step of width w costs 1 + (w - 1)^2 / 4, so
     some steps draft and some are capped below their longest proposal): outputs stay the target's."""
-    import serving.engine.core as core
+    import serving.engine.k_policy as k_policy
 
-    caps, plan = [], core.plan_cap
+    caps, plan = [], k_policy.plan_cap
 
     def spy(expected, fixed, cost, ks):
         cap = plan(expected, fixed, cost, ks)
         caps.append((cap, max(len(e) - 1 for e in expected)))
         return cap
 
-    monkeypatch.setattr(core, "plan_cap", spy)
+    monkeypatch.setattr(k_policy, "plan_cap", spy)
     prompts = ragged_prompts(8, seed=41)
     engine = goodput_engine(tiny_target, tiny_draft, tokenizer, lambda rows, width: 1.0 + 0.25 * (width - 1) ** 2)
     outs = engine.generate(mixed_requests(tiny_target, prompts))
@@ -539,7 +542,7 @@ def test_goodput_steps_keep_every_rows_greedy_output(tiny_target, tiny_draft, to
 
 def test_goodput_seeds_its_step_costs_at_load_for_every_width_and_bucket(tiny_target, tiny_draft, tokenizer):
     engine = goodput_engine(tiny_target, tiny_draft, tokenizer)
-    widths = engine._verify_widths()
+    widths = engine.verify_widths()
     assert widths == (1, 2, 3, 4, 5)
     assert set(engine.step_costs.verify) == {(rows, w) for rows in (1, 2, 4) for w in widths}
     assert set(engine.step_costs.draft_per_forward) == {1, 2, 4}
@@ -573,7 +576,7 @@ def test_goodput_with_auto_k_leaves_a_capped_rows_k_alone(tiny_target, tiny_draf
     engine.step()
     stats = engine._slots[0].stats
     assert stats.k_used[:6] == [0] * 6
-    assert stats.k_used[6] == engine._k_start == 5  # not 8, where six "full accepts" would have moved it
+    assert stats.k_used[6] == engine.k_policy.k_start == 5  # not 8, where six "full accepts" would have moved it
 
 
 def test_goodput_never_caps_a_seeded_sampled_row(tiny_target, tiny_draft, tokenizer):

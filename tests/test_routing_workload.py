@@ -268,7 +268,7 @@ def test_the_scheduler_applies_the_routers_k_and_fallback_floor(costed_router):
     from serving.server.scheduler import Scheduler
     from serving.server.serve_config import RoutingSettings
 
-    engine = SimpleNamespace(config=SimpleNamespace(k_max=6), drafter_names=("a", NONE))
+    engine = SimpleNamespace(config=SimpleNamespace(k=4, k_max=6), drafter_names=("a", NONE))
     choice = costed_router.decide(torch.tensor([[0.8]]), 1)[0]  # K 8: more than the engine verifies
     sched = Scheduler(engine, routing=RoutingSettings(fallback_ratio=0.5, fallback_after=12, fallback_confidence=0.9))
     request = Request([1, 2, 3])
@@ -295,15 +295,16 @@ def test_exploration_sends_a_share_of_routed_requests_to_the_other_drafters():
     from serving.server.scheduler import Scheduler, Ticket
     from serving.server.serve_config import RoutingSettings
 
-    choice = SimpleNamespace(draft="a", k=6, occupancy=1, fallback_floor=lambda ratio: 0.3)
+    choice = SimpleNamespace(draft="a", k=6, occupancy=1, fallback_floor=lambda ratio: 0.3, predicted_acceptance={},
+                             expected_rate=0.0)  # fmt: skip
     asked: list[list[int] | None] = []  # the prompt lengths admission passed the router (to price prefills)
-    router = SimpleNamespace(draft_names=["a", "b", "c", NONE],
+    router = SimpleNamespace(draft_names=["a", "b", "c", NONE], collected_k=4, rate_at=lambda rate, k: rate,
                              choose_batch=lambda texts, occ, lengths=None: asked.append(lengths) or [choice] * len(texts))  # fmt: skip
     loop = asyncio.new_event_loop()
 
     def admit(explore, seed=0, forced=None, n=600):
         ids = itertools.count()
-        engine = SimpleNamespace(config=SimpleNamespace(k_max=8), drafter_names=tuple(router.draft_names), num_running=0,
+        engine = SimpleNamespace(config=SimpleNamespace(k=4, k_max=8), drafter_names=tuple(router.draft_names), num_running=0,
                                  num_waiting=0, add_request=lambda request: next(ids))  # fmt: skip
         sched = Scheduler(engine, router, max_batch_size=n, queue_limit=n,
                           routing=RoutingSettings(explore=explore, explore_seed=seed))  # fmt: skip
@@ -345,11 +346,12 @@ def test_a_seeded_sampled_request_is_routed_as_if_alone():
     from serving.server.scheduler import Scheduler, Ticket
 
     asked: list[tuple[int, int]] = []  # (occupancy, prompts) of each call to the router
-    choice = SimpleNamespace(draft="a", k=2, occupancy=1, fallback_floor=lambda ratio: 0.0)
-    router = SimpleNamespace(draft_names=["a", NONE],
+    choice = SimpleNamespace(draft="a", k=2, occupancy=1, fallback_floor=lambda ratio: 0.0, predicted_acceptance={},
+                             expected_rate=0.0)  # fmt: skip
+    router = SimpleNamespace(draft_names=["a", NONE], collected_k=4, rate_at=lambda rate, k: rate,
                              choose_batch=lambda texts, occ, lengths=None: asked.append((occ, len(texts))) or [choice] * len(texts))  # fmt: skip
     ids = itertools.count()
-    engine = SimpleNamespace(config=SimpleNamespace(k_max=8), drafter_names=("a", NONE), num_running=3, num_waiting=0,
+    engine = SimpleNamespace(config=SimpleNamespace(k=4, k_max=8), drafter_names=("a", NONE), num_running=3, num_waiting=0,
                              add_request=lambda request: next(ids))  # fmt: skip
     sched = Scheduler(engine, router, max_batch_size=8, queue_limit=8)
     loop = asyncio.new_event_loop()

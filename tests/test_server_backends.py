@@ -68,7 +68,31 @@ def test_a_drafter_name_is_valid_when_the_engine_has_it():
     assert (error.status, error.param, error.code) == (400, "draft", "unknown_draft")
     assert error.message == "unknown draft 'eagle'; choose one of code, ngram, none"
     # The router's names are checked once, when the scheduler is made: admission never meets a stranger.
-    router = SimpleNamespace(draft_names=["code", "math", "none"])
+    router = SimpleNamespace(draft_names=["code", "math", "none"], collected_k=4, choose_batch=None, rate_at=None)
     with pytest.raises(ValueError, match=r"router chooses drafters \['math'\] that the engine does not have \(it has "
                                          r"code, ngram, none\)"):  # fmt: skip
         Scheduler(engine, router)
+
+
+def test_the_router_the_scheduler_routes_with_is_a_protocol_a_real_router_satisfies():
+    """The scheduler reads the router and its choices through ``scheduler.Router`` and
+    ``scheduler.RouteChoice``, never through attribute lookups with defaults: routing's own Router
+    and Choice have every member (a rename there fails here), and a router lacking one is refused
+    by name when the scheduler is made, instead of silently routing without its K or fallback."""
+    import torch
+
+    from routing.router import Router as RoutingRouter
+    from serving.server.scheduler import RouteChoice, Router, missing_members
+
+    router = RoutingRouter.create({"a": "draft-a", "none": None}, "target", objective="speedup",
+                                  costs={"a": {"draft_cost": 0.05, "verify_cost": 1.5}})  # fmt: skip
+    router.info |= {"collected_k": 4}
+    [choice] = router.decide(torch.tensor([[0.9]]), 1)
+    assert missing_members(router, Router) == [] and isinstance(router, Router)
+    assert missing_members(choice, RouteChoice) == [] and isinstance(choice, RouteChoice)
+    assert missing_members(object(), Router) == ["choose_batch", "collected_k", "draft_names", "rate_at"]
+    engine = SimpleNamespace(drafter_names=["a", "none"])
+    lacking = SimpleNamespace(draft_names=["a", "none"], choose_batch=router.choose_batch, rate_at=router.rate_at)
+    with pytest.raises(TypeError, match=r"the router lacks collected_k, which the scheduler routes with"):
+        Scheduler(engine, lacking)
+    assert Scheduler(engine, router).router is router

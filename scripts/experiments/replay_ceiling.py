@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = EngineSettings(device="cpu", max_len=2048, k=args.k)
     loaded = load_engine(settings, args.target, {"none": None, "ngram": "ngram", "suffix": "suffix", "draft": args.draft})
     engine, tok = loaded.engine, loaded.tokenizer
-    widths = list(engine._verify_widths())  # a host drafter's own k may verify wider than K + 1
+    widths = list(engine.verify_widths())  # a host drafter's own k may verify wider than K + 1
     target_runner, draft_runner = engine.verifier.runner, engine.drafters["draft"].runner
 
     prompts = [(p.domain, p.id, encode_prompt(tok, p), None) for p in load_workload(args.split, args.per_family)]

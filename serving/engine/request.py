@@ -1,47 +1,14 @@
 """What a caller hands the engine and gets back: a ``Request``, its ``Completion`` and the
-``StepOutput`` of each step, with the ``Fallback`` rule that ends a request's drafting mid-way."""
+``StepOutput`` of each step (a request's ``Fallback`` rule is in ``serving.engine.fallback``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scipy.special import betaincinv
-
+from serving.engine.fallback import Fallback
 from serving.engine.sampling import SamplingParams
 
-
-@dataclass(frozen=True)
-class Fallback:
-    """When a request's drafter stops paying, mid-request: once ``after_drafted`` tokens were
-    drafted, the row switches to the target alone for the rest of the request if the evidence says
-    its acceptance is below ``min_acceptance``: the one-sided Clopper-Pearson upper bound (at
-    ``confidence``) on its acceptance, from accepted / drafted so far, is below the floor. A bare
-    running rate would drop a drafter on a few unlucky tokens, and misses come in runs: ``ngram``
-    proposes nothing right until the answer starts to copy (a quoted-context prompt, int8 target:
-    0 of its first 16 drafts accepted, 0.67 over the whole answer). With a floor near 0 (a drafter
-    that costs almost nothing) no short run of misses is evidence enough; with a floor of 0.3
-    (a draft model) 0 of 12 is. Its output does not change (every token is the target's either
-    way); only the drafting it no longer pays for stops."""
-
-    min_acceptance: float
-    after_drafted: int = 16
-    confidence: float = 0.95
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.min_acceptance <= 1.0:
-            raise ValueError(f"fallback min_acceptance={self.min_acceptance} must be in [0, 1]")
-        if self.after_drafted < 1:
-            raise ValueError(f"fallback after_drafted={self.after_drafted} must be >= 1")
-        if not 0.5 <= self.confidence < 1.0:
-            raise ValueError(f"fallback confidence={self.confidence} must be in [0.5, 1) (0.95: one chance in 20 "
-                             "that a drafter paying its way is dropped)")
-
-    def fires(self, accepted: int, drafted: int) -> bool:
-        """Whether ``accepted`` of ``drafted`` tokens show the acceptance below the floor."""
-        if drafted < self.after_drafted or accepted >= drafted:
-            return False
-        upper = float(betaincinv(accepted + 1, drafted - accepted, self.confidence))  # Clopper-Pearson
-        return upper < self.min_acceptance
+__all__ = ["Completion", "Fallback", "Request", "RequestFailed", "StepOutput", "TokenOrigin", "step_origins"]
 
 
 @dataclass

@@ -39,6 +39,13 @@ class DecodeState:
         """A copy of rows ``index`` ([n] long), in that order (a draft model's own rows)."""
         return DecodeState(self.tokens[index], self.lengths[index], self.limits[index], self.done[index], self.eos_ids)
 
+    def head(self, rows: int) -> "DecodeState":
+        """The first ``rows`` rows as views, so every write lands in the whole (a step at a
+        smaller batch bucket; made per step, so they always view the current tensors)."""
+        if rows == self.lengths.shape[0]:
+            return self
+        return DecodeState(self.tokens[:rows], self.lengths[:rows], self.limits[:rows], self.done[:rows], self.eos_ids)
+
 
 @dataclass
 class StepRandom:

@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from serving.engine import Completion, Request, RequestFailed, StepOutput
 import torch
@@ -49,10 +49,16 @@ log = logging.getLogger("choral.scheduler")
 ENGINE = "engine"  # the label of the engine's step metrics (the one engine holds every drafter)
 
 
+class EngineLimits(Protocol):
+    k: int | str  # the engine's K (an int, or "auto")
+    k_max: int  # the largest K a row may draft
+
+
 class Engine(Protocol):
     """The incremental API of ``SpeculativeEngine`` (fused, or with its target behind gRPC) that the scheduler uses."""
 
     drafter_names: Sequence[str]  # every drafter a row may draft with, "none" (the target alone) included
+    config: EngineLimits
 
     def add_request(self, request: Request) -> int: ...
     def step(self) -> list[StepOutput]: ...
@@ -62,6 +68,38 @@ class Engine(Protocol):
     def num_running(self) -> int: ...
     @property
     def num_waiting(self) -> int: ...
+
+
+@runtime_checkable
+class RouteChoice(Protocol):
+    """A router's choice for one request, as the scheduler applies it (``routing.router.Choice``)."""
+
+    draft: str  # a drafter name; "none" the target alone
+    k: int  # the K the router suggests
+    predicted_acceptance: dict[str, float]  # per drafter, at the router's collected K
+    expected_rate: float  # the chosen drafter's predicted acceptance rate at ``k``
+
+    def fallback_floor(self, ratio: float) -> float: ...
+
+
+@runtime_checkable
+class Router(Protocol):
+    """What the scheduler asks of a router (``routing.router.Router``). Checked when the scheduler
+    is made: a router lacking a member is refused by name, never silently routed without it."""
+
+    draft_names: Sequence[str]
+    collected_k: int  # the K its predicted acceptance rates are at
+
+    def choose_batch(self, prompts: list[str], occupancy: int = 1,
+                     prompt_tokens: Sequence[int] | None = None) -> list[RouteChoice]: ...  # fmt: skip
+    def rate_at(self, rate: float, k: int) -> float: ...
+
+
+def missing_members(obj: Any, protocol: type) -> list[str]:
+    """The members of ``protocol`` that ``obj`` lacks (the protocol's attributes and methods)."""
+    names = getattr(protocol, "__protocol_attrs__", None) or {
+        n for n in (*protocol.__dict__, *getattr(protocol, "__annotations__", {})) if not n.startswith("_")}  # fmt: skip
+    return sorted(n for n in names if not hasattr(obj, n))
 
 
 # ---- events a ticket receives ---------------------------------------------------------------
@@ -142,6 +180,9 @@ class Scheduler:
         routing: how a choice applies (K, load, fallback); request_log: a ``RequestLog`` or None."""
         self.engine = engine
         self.drafter_names = tuple(engine.drafter_names)
+        if router is not None and (lacks := missing_members(router, Router)):
+            raise TypeError(f"the router lacks {', '.join(lacks)}, which the scheduler routes with: give a "
+                            "routing.router.Router (or an object with every member of scheduler.Router)")  # fmt: skip
         if router is not None and (unknown := [d for d in router.draft_names if d not in self.drafter_names]):
             raise ValueError(f"the router chooses drafters {unknown} that the engine does not have (it has "
                              f"{', '.join(self.drafter_names)}): build the engine from the router's drafters")  # fmt: skip
@@ -288,9 +329,9 @@ class Scheduler:
     def _priors(self, choice: Any) -> dict[str, float]:
         """The router's predicted acceptance of each drafter as the per-token acceptance ``auto``
         starts each of them from (the rate is the router's at its collected K)."""
-        collected = getattr(getattr(self.router, "cost_model", None), "collected_k", None)
+        collected = self.router.collected_k
         out = {}
-        for name, rate in (getattr(choice, "predicted_acceptance", None) or {}).items():
+        for name, rate in choice.predicted_acceptance.items():
             if name != NONE and collected:
                 out[name] = float(per_token_acceptance(torch.tensor([float(rate)]), int(collected)))
         return out
@@ -310,17 +351,14 @@ class Scheduler:
     def _apply_choice(self, request: Request, choice: Any) -> None:
         """The router's K (within what the engine can verify) and the fallback floor: the lower of
         the drafter's break-even acceptance and ``fallback_ratio`` of its prediction."""
-        config = getattr(self.engine, "config", None)
-        k_max = getattr(config, "k_max", 0)
-        if self.routing.apply_k and choice.k and k_max:
-            request.k = min(int(choice.k), k_max)
+        config = self.engine.config
+        if self.routing.apply_k and choice.k and config.k_max:
+            request.k = min(int(choice.k), config.k_max)
         # step_k goodput's prior for the row: the predicted rate at the K the row will draft.
-        engine_k = getattr(config, "k", None)
-        k = request.k or (engine_k if isinstance(engine_k, int) and engine_k else choice.k)
-        rate = (getattr(choice, "predicted_acceptance", None) or {}).get(choice.draft)
-        rate_at = getattr(self.router, "rate_at", None)
+        k = request.k or (config.k if isinstance(config.k, int) and config.k else choice.k)
+        rate = choice.predicted_acceptance.get(choice.draft)
         if rate is not None and k:
-            at_k = getattr(choice, "expected_rate", None) if k == choice.k or rate_at is None else rate_at(rate, int(k))
+            at_k = choice.expected_rate if k == choice.k or self.router is None else self.router.rate_at(rate, int(k))
             request.expected_acceptance = at_k
         ratio = self.routing.fallback_ratio
         if ratio is not None:

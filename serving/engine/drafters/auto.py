@@ -19,7 +19,10 @@ each step, proposes from the one whose step is expected to commit the most token
    the row's own record only, never a token a model drafter sampled this step: the proposal used
    is then distributed as its q, and the acceptance rule stays exact.
 3. The engine asks ``choose`` per row (``RoutingDrafter``), routes a model choice to that
-   drafter's ``propose_rows`` and reports the verdict (``settle``).
+   drafter's ``propose_rows`` and reports the verdict (``settle``). What ``choose`` changes is
+   provisional (the drafter protocol's rule): this step's host proposals join the scores, and a
+   model drafter started for the row counts as started, in ``observe``, once the step committed; a
+   step that failed and is asked again starts from the row's committed record.
 
 The costs are frozen when the engine prices the drafter (``price``): a seeded request's choices
 then depend on its own tokens only, never on what else shares the batch. The same policy and
@@ -256,13 +259,14 @@ class AutoDrafter(RoutingDrafter):
     def choose(self, row: int, tokens: Sequence[int], k: int, prior: Mapping[str, float] | None = None) -> Choice:
         started = time.perf_counter()
         state = self._rows[row]
+        self._discard(row, state)  # a choice whose step never committed (it failed): asked again now
         state.scores.settle(tokens)  # the proposals the tokens committed so far decide
         at = len(tokens)
         proposals = {}
         for n in state.hosts:
             proposal = self.hosts[n].propose(row, tokens, k)[:k] if k > 0 else []
             proposals[n] = proposal
-            state.scores.propose(n, at, proposal)  # scored whatever is chosen
+            state.proposed.append((n, at, proposal))  # scored whatever is chosen, once the step commits
         # A model drafter not started yet prefills the prompt, then catches up on the answer so far:
         # priced by that catch-up alone, as the replay prices it (the prefill is paid once per request).
         answer = at - len(state.ctx.prompt)
@@ -272,7 +276,7 @@ class AutoDrafter(RoutingDrafter):
             model = self.models[choice.drafter]
             model.start(row, state.ctx)  # the prompt's prefill, then the answer so far as a catch-up
             model.observe(row, tokens[len(state.ctx.prompt):])
-            state.started.add(choice.drafter)
+            state.starting.add(choice.drafter)
         state.last = choice
         self.host_s += time.perf_counter() - started
         return choice
@@ -285,9 +289,13 @@ class AutoDrafter(RoutingDrafter):
         if choice.drafter in self.models and drafted:
             state.scores.add(choice.drafter, drafted, accepted)
 
-    def observe(self, row: int, new_tokens: Sequence[int]) -> None:
+    def observe(self, row: int, new_tokens: Sequence[int], hidden=None) -> None:
         started = time.perf_counter()
         state = self._rows[row]
+        for name, at, proposal in state.proposed:  # the step committed: its choice is the row's
+            state.scores.propose(name, at, proposal)
+        state.started |= state.starting
+        state.proposed, state.starting = [], set()
         for n in state.hosts:
             self.hosts[n].observe(row, new_tokens)
         for n in state.started:
@@ -300,8 +308,15 @@ class AutoDrafter(RoutingDrafter):
             return
         for n in state.hosts:
             self.hosts[n].stop(row, finished)
-        for n in state.started:
+        for n in state.started | state.starting:
             self.models[n].stop(row, finished)
+
+    def _discard(self, row: int, state: _Row) -> None:
+        """Forget a choice whose step never committed: its host proposals, and a model drafter it
+        started (stopped again, so the row's next start of it is a first one)."""
+        for n in state.starting:
+            self.models[n].stop(row, finished=False)
+        state.proposed, state.starting = [], set()
 
     def scores(self, row: int) -> Scores:
         return self._rows[row].scores
@@ -314,3 +329,6 @@ class _Row:
     ctx: RowContext
     started: set[str] = field(default_factory=set)  # the model drafters that hold this row
     last: Choice = NONE_CHOICE
+    # This step's choice until the step commits (observe): host proposals and a model started for it
+    proposed: list[tuple[str, int, list[int]]] = field(default_factory=list)
+    starting: set[str] = field(default_factory=set)

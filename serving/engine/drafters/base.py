@@ -27,15 +27,39 @@ Life cycle, keyed by the engine's slot (``row``), all on the engine's thread:
     propose_rows(batch) -> Proposal  batch: every row of this drafter at once
     choose(row, tokens, k) -> Choice routing: the drafter (and K, and a host's tokens) of this step
     settle(row, drafted, accepted)   routing: how its choice fared
-    observe(row, new_tokens)         what the target committed to the row, every step, proposed or not
+    observe(row, new_tokens, hidden) what the target committed to the row, every step, proposed or not
     stop(row, finished)              the request left the slot (finished, aborted, failed, fell back)
+
+The contract (``tests/test_drafter_conformance.py`` checks it for every registered kind):
+
+* **What a drafter reads.** Its rows' committed tokens (``propose``'s ``tokens``, the decode
+  state of ``DraftBatch``), the request's sampling settings and uniforms (``DraftBatch.sampling``,
+  ``DraftBatch.rand``: draft tokens are drawn with ``rand.draft``, never the acceptance uniforms),
+  the target's features when it declares ``target_layers``, and what ``start`` gave it. Never
+  another row's tokens, unless the row is not ``private`` (``suffix``'s cross-request cache).
+* **What it returns.** At most the row's budget of tokens per row (``k``, ``DraftBatch.budgets``:
+  a row beside a row of larger K still drafts its own), fewer or none when unsure; and q, the
+  distribution each token was drawn from (a host drafter's q is the point mass at its token).
+* **State is committed by ``observe``.** What a drafter changes while proposing (``propose``,
+  ``propose_rows``, ``choose``) is provisional: the step may still fail (a neighbour row raises
+  and the engine re-runs each row alone from its committed state) and the drafter is then asked
+  again for the same tokens. So a proposal reads committed state only, and what it would change
+  is applied when ``observe`` reports the step's tokens; a later proposal for the row replaces a
+  provisional change never observed. (A change that a repeated call makes again identically, like
+  reading committed tokens into a cache, may be made at once.)
+* **Capabilities are declared, not inferred.** ``host`` (proposes on the host from the row's
+  tokens alone: asked first, so a goodput cap prices what it proposed), ``owns_rows`` (holds
+  per-row device state, a KV cache: its forwards are timed as draft cost), ``routes`` (drafts
+  with the engine's other drafters, ``choose``), ``target_layers`` (reads the target's features).
+  The engine asks these; it never switches on a drafter's class.
 
 A drafter that reads the target's own features (EAGLE-3) names the layers in ``target_layers``
 (vLLM's ``eagle_aux_hidden_state_layer_ids``: the residual stream entering each layer); the
 verifier then hands them to ``start`` (``RowContext.hidden``: every prompt position) and to
 ``observe(row, new_tokens, hidden=...)``: the feature of position p comes with token p + 1, so a
-step that commits m tokens hands over the features of the m positions before them. A host drafter must be cheap next to a target forward (microseconds
-to a millisecond per row).
+step that commits m tokens hands over the features of the m positions before them (other
+drafters get ``hidden=None``). A host drafter must be cheap next to a target forward
+(microseconds to a millisecond per row).
 """
 
 from __future__ import annotations
@@ -107,6 +131,11 @@ class Drafter(ABC):
     kind: str = "drafter"
     k: int | None = None
     target_layers: tuple[int, ...] = ()
+    # Capabilities (see the module docstring): what the engine asks instead of the drafter's class.
+    host: bool = False  # proposes on the host from the row's tokens alone (q: point masses)
+    owns_rows: bool = False  # holds per-row device state (a KV cache); its forwards are draft cost
+    routes: bool = False  # drafts with the engine's other drafters, one per row and step (choose)
+    device: torch.device | None = None  # where its forwards run (None: the host)
 
     def bind(self, *, batch_size: int, max_len: int, vocab_size: int) -> None:
         """The engine that holds this drafter was built with these shapes."""
@@ -114,10 +143,11 @@ class Drafter(ABC):
     def start(self, row: int, ctx: RowContext) -> None:
         """A request entered slot ``row``."""
 
-    def observe(self, row: int, new_tokens: Sequence[int]) -> None:
-        """The step committed ``new_tokens`` to the row (after the acceptance, cut at stops). A
-        drafter with ``target_layers`` takes a keyword ``hidden`` too: [len(new_tokens),
-        len(target_layers) * H], the target's features at those positions."""
+    def observe(self, row: int, new_tokens: Sequence[int], hidden: torch.Tensor | None = None) -> None:
+        """The step committed ``new_tokens`` to the row (after the acceptance, cut at stops): the
+        moment a proposal's provisional state becomes the row's. ``hidden`` (drafters with
+        ``target_layers``, else None): [len(new_tokens), len(target_layers) * H], the target's
+        features at the positions before those tokens."""
 
     def stop(self, row: int, finished: bool) -> None:
         """The request left slot ``row``: ``finished`` normally, or aborted, failed or fell back."""
@@ -142,6 +172,7 @@ class HostDrafter(Drafter):
     """A model-free drafter, proposing on the host for one row at a time."""
 
     kind = "host"
+    host = True
 
     @abstractmethod
     def propose(self, row: int, tokens: Sequence[int], k: int) -> list[int]:
@@ -153,6 +184,7 @@ class BatchDrafter(Drafter):
     """A drafter that proposes for all its rows at once on the device."""
 
     kind = "batch"
+    owns_rows = True
 
     @abstractmethod
     def propose_rows(self, batch: DraftBatch) -> Proposal | None:
@@ -163,6 +195,7 @@ class RoutingDrafter(Drafter):
     """A drafter that drafts with the engine's other drafters, one per row and step."""
 
     kind = "routing"
+    routes = True
 
     @abstractmethod
     def attach(self, drafters: Mapping[str, Drafter]) -> None:

@@ -19,7 +19,9 @@ this drafter's rows at the smallest batch bucket holding them:
 A rejection needs no rewind: the chain's entries lie at positions >= seen, and the next step's
 read of the committed pairs overwrites them before any query can see them (the cache's mask is by
 position). A row that did not draft a step (``auto`` chose another drafter) keeps its pending
-features and reads them next time it drafts.
+features and reads them next time it drafts. Reading the pending pairs is provisional (the
+drafter protocol's rule): ``seen`` and ``pending`` move in ``observe``, once the step committed;
+a step that fails and is run again reads the same pairs into the same positions.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class Eagle3Drafter(BatchDrafter):
         self.seen: dict[int, int] = {}  # engine row -> positions its cache holds for committed pairs
         self.length: dict[int, int] = {}  # engine row -> committed tokens
         self.pending: dict[int, list[torch.Tensor]] = {}  # engine row -> features not yet read, [m, n * Ht] pieces
+        self._read_to: dict[int, int] = {}  # engine row -> seen once this step's proposal commits (provisional)
 
     @property
     def device(self) -> torch.device:
@@ -71,12 +74,14 @@ class Eagle3Drafter(BatchDrafter):
     def observe(self, row: int, new_tokens: Sequence[int], hidden: torch.Tensor | None = None) -> None:
         if row not in self.length:
             return
+        if row in self._read_to:  # the step this row proposed in committed: its read pairs are the row's
+            self.seen[row], self.pending[row] = self._read_to.pop(row), []
         self.length[row] += len(new_tokens)
         if hidden is not None and hidden.shape[0]:
             self.pending[row].append(hidden.to(self.device))
 
     def stop(self, row: int, finished: bool) -> None:
-        for d in (self.seen, self.length, self.pending):
+        for d in (self.seen, self.length, self.pending, self._read_to):
             d.pop(row, None)
 
     def _read(self, row: int, tokens: torch.Tensor, hidden: torch.Tensor, start: int) -> None:
@@ -92,6 +97,7 @@ class Eagle3Drafter(BatchDrafter):
 
     def propose_rows(self, batch: DraftBatch) -> Proposal | None:
         budgets = batch.budgets
+        self._read_to.clear()  # a proposal never observed (its step failed) is replaced by this one
         own = [b for b in sorted(self.length) if budgets[b] > 0]
         if not own:
             return None
@@ -121,7 +127,7 @@ class Eagle3Drafter(BatchDrafter):
             tokens[b, :m], feats[b, :m] = row_tokens, pending
             positions[b] = (seen + torch.arange(W, device=dev)).clamp(max=self.max_len - 1)
             last[b] = m - 1
-            self.seen[b], self.pending[b] = seen + m, []
+            self._read_to[b] = seen + m
         logits, state = self.head.step(tokens, feats, positions, self.cache)  # [n, W, Vd], [n, W, H]
         pick = last.view(-1, 1, 1)
         logits = logits.gather(1, pick.expand(-1, 1, logits.shape[-1]))  # [n, 1, Vd]

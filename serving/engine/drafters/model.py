@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from serving.engine.drafters.base import BatchDrafter, DraftBatch, Proposal, RowContext
+from serving.engine.drafters.base import BatchDrafter, DraftBatch, Drafter, Proposal, RowContext
 from serving.engine.runner import ModelRunner
 from serving.engine.speculative import draft_half
 
@@ -72,7 +72,7 @@ class ModelDrafter(BatchDrafter):
         self.seen[r] = self.length[r] = ids.shape[1]
         self._fed.pop(r, None)
 
-    def observe(self, row: int, new_tokens: Sequence[int]) -> None:
+    def observe(self, row: int, new_tokens: Sequence[int], hidden=None) -> None:
         """The row committed ``new_tokens``. After a step it drafted (k forwards from length n),
         its cache holds the accepted drafts too: n + min(accepted, k - 1) positions."""
         if row not in self.owner:
@@ -97,6 +97,7 @@ class ModelDrafter(BatchDrafter):
 
     def propose_rows(self, batch: DraftBatch) -> Proposal | None:
         budgets = batch.budgets
+        self._fed.clear()  # a proposal never observed (its step failed) is replaced by this one
         # The cache rows drafting this step, and the engine slot each drafts for.
         owner = [b if b is not None and budgets[b] > 0 else None for b in self.owner]
         own = [r for r, b in enumerate(owner) if b is not None]
@@ -151,3 +152,8 @@ class ModelDrafter(BatchDrafter):
     @property
     def forward_shapes(self) -> int:
         return 2  # draft_half's two widths: 2 tokens on its first call, 1 after (a catch-up runs as a prefill)
+
+
+def as_drafter(drafter_or_model) -> "Drafter":
+    """A drafter as given, or a draft model (a causal LM on the target's tokenizer) as a ``ModelDrafter``."""
+    return drafter_or_model if isinstance(drafter_or_model, Drafter) else ModelDrafter(drafter_or_model)

@@ -171,7 +171,7 @@ class NgramDrafter(HostDrafter):
     def start(self, row: int, ctx: RowContext) -> None:
         self._rows[row] = NgramIndex(ctx.prompt, self.min_n, self.max_n, match=self.match)
 
-    def observe(self, row: int, new_tokens: Sequence[int]) -> None:
+    def observe(self, row: int, new_tokens: Sequence[int], hidden=None) -> None:
         self._rows[row].extend(new_tokens)
 
     def propose(self, row: int, tokens: Sequence[int], k: int) -> list[int]:

@@ -412,7 +412,7 @@ class SuffixDrafter(HostDrafter):
         self._request[row] = ctx.request_id
         self.cache.start_request(ctx.request_id, ctx.prompt, private=ctx.private)
 
-    def observe(self, row: int, new_tokens: Sequence[int]) -> None:
+    def observe(self, row: int, new_tokens: Sequence[int], hidden=None) -> None:
         self.cache.add_tokens(self._request[row], new_tokens)
 
     def propose(self, row: int, tokens: Sequence[int], k: int) -> list[int]:
