@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from serving.engine.fallback import Fallback
 from serving.engine.sampling import SamplingParams
 
-__all__ = ["Completion", "Fallback", "Request", "RequestFailed", "StepOutput", "TokenOrigin", "step_origins"]
+__all__ = ["Completion", "Fallback", "Request", "RequestFailed", "StepOutput", "TokenLogprob", "TokenOrigin", "step_origins"]
 
 
 @dataclass
@@ -42,6 +42,17 @@ class TokenOrigin:
 TARGET_ORIGIN = TokenOrigin("target")
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log probability under the target's processed distribution (after the
+    request's logits processors, before temperature), with the ``top`` most likely tokens and
+    theirs, most likely first (as many as the request's ``logprobs``)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 def step_origins(drafter: str, drafted: int, accepted: int, new: int) -> list[TokenOrigin]:
     """The origins of the ``new`` tokens a step committed for a row that drafted ``drafted`` tokens
     with ``drafter`` and had ``accepted`` of them accepted (EOS or the length limit may cut the
@@ -57,6 +68,7 @@ class Completion:
     finish_reason: str  # "stop" (EOS or stop string) or "length"
     stats: dict
     origins: list[TokenOrigin] | None = None  # [len(token_ids)] how each token came (the engine's own requests)
+    logprobs: list[TokenLogprob] | None = None  # [len(token_ids)] when the request asked for logprobs
 
 
 @dataclass
@@ -65,6 +77,7 @@ class StepOutput:
     new_token_ids: list[int]  # tokens this step committed for the request (stop strings applied)
     finished: Completion | None  # set on the step the request finished
     new_token_origins: list[TokenOrigin] | None = None  # [len(new_token_ids)]
+    new_token_logprobs: list[TokenLogprob] | None = None  # [len(new_token_ids)] when the request asked for logprobs
 
 
 class RequestFailed(RuntimeError):

@@ -22,6 +22,7 @@ import torch
 VERIFICATIONS = ("exact", "threshold")
 INT64_MAX = 2**63 - 1  # top_k and token ids become int64 tensors
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit (chat)
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,19 @@ class SamplingParams:
         "threshold" (opt-in, lossy: a draft token is also accepted when the target's probability
         of it, at temperature 1 before top-k/top-p, is at least ``verification_threshold``; see
         ``serving.engine.acceptance.threshold_accepts``).
+
+    Logits processors (``serving.engine.processors``), applied to the target's logits at every
+    position a step verifies, each position seeing the draft tokens before it, in vLLM's order:
+    logit_bias: (token id, bias) pairs added to the logits (OpenAI: bias in [-100, 100]).
+    repetition_penalty: vLLM's and transformers': a logit of a token already in the prompt or
+        the output is divided by it if positive, multiplied if negative; 1.0 disables.
+    frequency_penalty, presence_penalty: OpenAI's, in [-2, 2]: a logit drops by
+        frequency * count + presence * (count > 0), count over generated tokens only.
+    min_p: after temperature, drop tokens whose probability is below min_p times the top one's
+        (transformers' ``MinPLogitsWarper``, vLLM's min_p); 0 disables.
+    logprobs: None, or how many most likely alternatives to return with each generated token's
+        own log probability (0..20), of the distribution after the processors and before
+        temperature (vLLM's processed logprobs).
     """
 
     temperature: float = 0.0
@@ -45,6 +59,12 @@ class SamplingParams:
     seed: int | None = None
     verification: str = "exact"
     verification_threshold: float = 0.1
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_p: float = 0.0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature < float("inf"):
@@ -61,6 +81,18 @@ class SamplingParams:
         if not 0.0 < self.verification_threshold <= 1.0:
             raise ValueError(f"verification_threshold={self.verification_threshold!r} must be in (0, 1] (the target "
                              "probability at or above which a draft token is accepted; 0.1 is the usual)")  # fmt: skip
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be in [-2, 2] (0 disables)")
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty={self.repetition_penalty!r} must be a finite number > 0 (1 disables)")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p={self.min_p!r} must be in [0, 1] (0 disables)")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs={self.logprobs!r} must be an integer in 0..{MAX_LOGPROBS} (alternatives per token)")
+        for pair in self.logit_bias:
+            if not (len(pair) == 2 and isinstance(pair[0], int) and pair[0] >= 0 and -100.0 <= pair[1] <= 100.0):
+                raise ValueError(f"logit_bias entry {pair!r} must be (token id >= 0, bias in [-100, 100])")
 
     @property
     def lossy(self) -> bool:
@@ -80,6 +112,14 @@ class SamplingParams:
     @property
     def filters(self) -> bool:
         return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
+
+    @property
+    def processors(self) -> tuple[str, ...]:
+        """The logits processors this request uses, by their OpenAI / vLLM field names."""
+        used = (("logit_bias", bool(self.logit_bias)), ("repetition_penalty", self.repetition_penalty != 1.0),
+                ("frequency_penalty", self.frequency_penalty != 0.0), ("presence_penalty", self.presence_penalty != 0.0),
+                ("min_p", self.min_p > 0.0))  # fmt: skip
+        return tuple(name for name, on in used if on)
 
 
 @dataclass(frozen=True)
