@@ -214,6 +214,19 @@ MUTANTS = [
            "(a step re-run after a neighbour's failure is scored twice)", "serving/engine/drafters/auto.py",
            "            state.proposed.append((n, at, proposal))", "            state.scores.propose(n, at, proposal)",
            KIT_FAST),
+    # Logits processors under speculation (issue 71).
+    Mutant("penalties-ignore-drafts", "a verified position's penalties ignore the draft tokens before it",
+           "serving/engine/processors.py", "    if K == 0 or T == 1:\n        return out\n", "    if True:\n        return out\n",
+           ("tests/test_processors.py",)),
+    Mutant("bonus-unprocessed", "the bonus position's p is the unprocessed target's", "serving/engine/speculative.py",
+           "        logits = process(logits, sampling.processors, draft_tokens, n_draft)\n",
+           "        logits = torch.cat([process(logits, sampling.processors, draft_tokens, n_draft)[:, :-1], logits[:, -1:]], 1)\n",
+           ("tests/test_processors.py",)),
+    Mutant("accept-q-not-drawing-q", "with processors on, the accept test divides by the processed target's p "
+           "instead of the q that drew the token", "serving/engine/speculative.py",
+           "    return accept_reject(p, q, draft_tokens, rand.accept[:, :k], rand.next, n_draft, lossy)\n",
+           "    return accept_reject(p, p[:, :k] if sampling.processors is not None else q, draft_tokens, "
+           "rand.accept[:, :k], rand.next, n_draft, lossy)\n", ("tests/test_processors.py",)),
     Mutant("threshold-on-exact-rows", "an exact request in a batch with a threshold one gets the threshold rule too",
            "serving/engine/sampling.py", "p.verification_threshold if p.lossy else 0.0 for p in params",
            "p.verification_threshold for p in params", THRESHOLD_TESTS),

@@ -147,6 +147,10 @@ class RemoteVerifier(Verifier):
         if params.lossy:  # the Open call carries no threshold: the service would verify exactly
             raise ValueError(f"verification={params.verification!r} is not carried to a target service ({self.address}); "
                              "send verification='exact' or serve the target in this process")  # fmt: skip
+        carried = [*params.processors, *(("logprobs",) if params.logprobs is not None else ())]
+        if carried:  # the Open call carries temperature, top-k and top-p only: the service would ignore them
+            raise ValueError(f"{', '.join(carried)} are not carried to a target service ({self.address}); serve the "
+                             "target in this process (role fused) for logits processors and logprobs")  # fmt: skip
         session_id = uuid.uuid4().hex
         call = verify_pb2.OpenRequest(
             session_id=session_id, prompt_ids=prompt[0].tolist(), max_new_tokens=max_new_tokens,

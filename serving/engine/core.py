@@ -60,13 +60,14 @@ from serving.engine.drafters.prediction import PredictionDrafter
 from serving.engine.drafting import distinct, draft
 from serving.engine.engine_settings import EngineConfig
 from serving.engine.fallback import fall_back
-from serving.engine.goodput import RowCosts, StepCosts
+from serving.engine.goodput import StepCosts
 from serving.engine.k_policy import KPolicy
+from serving.engine.processors import Processors
 from serving.engine.request import (
     TARGET_ORIGIN, Completion, Request, RequestFailed, StepOutput, describe_errors, step_origins,
 )
 from serving.engine.sampling import SamplingParams, SamplingTensors
-from serving.engine.slots import Slot, SlotTable, check_fits, completion, hit_stop
+from serving.engine.slots import Slot, SlotTable, check_fits, completion, hit_stop, host_logprobs
 from serving.engine.speculative import DecodeState, commit, start_row, step_uniforms
 from serving.engine.stats import RequestStats
 from serving.engine.verifier import LocalVerifier, Verifier, VerifierError, VerifyBatch
@@ -126,6 +127,7 @@ class SpeculativeEngine:
         self._eos = set(self.state.eos_ids.tolist())
         self._sampling: SamplingTensors | None = None  # rebuilt when a slot's request or the bucket changes
         self.k_policy = KPolicy(config, self.drafters)
+        self.processors = Processors(B, self.vocab_size, self.device)  # logit_bias and penalties, per row
         self._slots = SlotTable(B)
         self._carry: list[StepOutput] = []  # outputs of a step that raised, handed out by the next one
         # Measured step times by (rows, width): what step_k goodput prices a step with; a profiled
@@ -246,24 +248,13 @@ class SpeculativeEngine:
         self._slots.waiting.clear()
         self.verifier.close()
 
-    # Warm-up and timing (serving.engine.warmup).
-    def enable_compile(self, backend: str | None = None) -> None:
-        _warmup.enable_compile(self, backend)
-
-    def enable_cuda_graphs(self) -> None:
-        _warmup.enable_cuda_graphs(self)
-
-    def warmup(self) -> None:
-        _warmup.warmup(self)
-
-    def time_steps(self) -> None:
-        _warmup.time_steps(self)
-
-    def row_costs(self, models: tuple[str, ...] = (), reps: int = 5) -> RowCosts:
-        return _warmup.row_costs(self, models, reps)
-
-    def verify_widths(self) -> tuple[int, ...]:
-        return _warmup.verify_widths(self)
+    # Warm-up and timing (serving.engine.warmup): functions of the engine, so they read as its methods.
+    enable_compile = _warmup.enable_compile
+    enable_cuda_graphs = _warmup.enable_cuda_graphs
+    warmup = _warmup.warmup
+    time_steps = _warmup.time_steps
+    row_costs = _warmup.row_costs
+    verify_widths = _warmup.verify_widths
 
     # ---- admission, isolation and retirement ---------------------------------------------------
 
@@ -381,12 +372,15 @@ class SpeculativeEngine:
             private = request.params.seeded_sampling
             drafter.start(b, RowContext(index, request.prompt_ids, request.prediction, private, features))
         done = start_row(self.state, b, ids[0], first_id, request.max_new_tokens)
+        self.processors.start(b, request.params, request.prompt_ids, first_id)
         self._sampling = None
         stats = RequestStats(new_tokens=1, prefill_reused=reused_s is not None)
         stats.prefill_time_s = time.perf_counter() - started
         slot = Slot(index, request, ids.shape[1], generator, [first_id], [TARGET_ORIGIN], stats, started, name,
                     k_value=self.k_policy.k_start)  # fmt: skip
         self.k_policy.prior(slot)
+        if request.params.logprobs is not None:
+            slot.logprobs = host_logprobs(self.verifier.first_logprobs, 0, [first_id], request.params.logprobs)
         stopped = hit_stop(slot, 0, self.tokenizer)
         if drafter is not None:  # the prompt's features came with start: none are new
             drafter.observe(b, slot.generated, hidden=None if features is None else features[:0])
@@ -399,6 +393,7 @@ class SpeculativeEngine:
         return PREDICTION if request.prediction and PREDICTION in self.drafters else self.default_drafter
 
     def _stop_drafter(self, b: int, slot: Slot, finished: bool) -> None:
+        self.processors.stop(b)
         if slot.drafter in self.drafters:
             self.drafters[slot.drafter].stop(b, finished)
 
@@ -417,8 +412,9 @@ class SpeculativeEngine:
     def _emit(self, b: int, finished: bool) -> StepOutput:
         slot = self._slots[b]
         new, origins = slot.generated[slot.emitted :], slot.origins[slot.emitted :]
+        logprobs = None if slot.logprobs is None else slot.logprobs[slot.emitted :]
         slot.emitted = len(slot.generated)
-        return StepOutput(slot.index, new, self._retire(b) if finished else None, origins)
+        return StepOutput(slot.index, new, self._retire(b) if finished else None, origins, logprobs)
 
     def _retire(self, b: int) -> Completion:
         slot = self._slots[b]
@@ -449,7 +445,8 @@ class SpeculativeEngine:
     def _batch_sampling(self, slots: list[Slot | None]) -> SamplingTensors:
         if self._sampling is None or self._sampling.temperature.shape[0] != len(slots):
             params = [s.request.params if s else SamplingParams() for s in slots]
-            self._sampling = SamplingTensors.build(params, self.device)
+            processors = self.processors.rows(len(slots), [s.request.params if s else None for s in slots])
+            self._sampling = SamplingTensors.build(params, self.device, processors)
         return self._sampling
 
     def _step(self, all_slots: list[Slot | None]) -> tuple[list[int], VerifierError | None]:
@@ -485,9 +482,11 @@ class SpeculativeEngine:
             s.done[b] = True
         n_acc, n_new = verdict.n_accepted, commit(s, d.tokens, verdict.n_accepted, verdict.next_token)
         k = d.tokens.shape[1]
-        committed = s.tokens.gather(1, n_before.unsqueeze(1) + torch.arange(k + 1, device=self.device))
-        # 5. The single host sync of the step.
+        committed = s.tokens.gather(1, n_before.unsqueeze(1) + torch.arange(k + 1, device=self.device))  # [B, K+1]
+        self.processors.commit(committed, n_new)
+        # 5. The single host sync of the step (logprobs, when a row asks, come with it).
         rows = torch.cat([n_acc[:, None], n_new[:, None], s.done[:, None].long(), d.n[:, None], committed], 1).tolist()
+        logprobs = verdict.logprobs
         finished, after_commit = [], {}
         for b, slot in enumerate(slots):
             if slot is None or b in lost:
@@ -495,6 +494,8 @@ class SpeculativeEngine:
             accepted, new, done, drafted, tokens = rows[b][0], rows[b][1], bool(rows[b][2]), rows[b][3], rows[b][4:]
             before = len(slot.generated)
             slot.generated += tokens[:new]
+            if slot.logprobs is not None:
+                slot.logprobs += host_logprobs(logprobs, b, tokens[:new], slot.request.params.logprobs)
             proposer = d.proposers.get(b, slot.drafter) if drafted else NONE
             slot.origins += step_origins(proposer, drafted, accepted, new)
             slot.stats.record_step(drafted, accepted, new, times["draft"], times["target"], drafter=proposer)

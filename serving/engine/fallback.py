@@ -9,14 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 from scipy.special import betaincinv
 
 from serving.engine.drafters.base import NONE
-
-if TYPE_CHECKING:
-    from serving.engine.slots import Slot
 
 
 @dataclass(frozen=True)
@@ -53,8 +50,8 @@ class Fallback:
         return upper < self.min_acceptance
 
 
-def fall_back(slot: Slot, stop_drafter: Callable[[], None]) -> bool:
-    """Switch the slot to the target alone once its acceptance so far shows it below the request's
+def fall_back(slot: Any, stop_drafter: Callable[[], None]) -> bool:
+    """Switch the slot (``serving.engine.slots.Slot``) to the target alone once its acceptance so far shows it below the request's
     floor (``Fallback.fires``): its drafter is stopped first (``stop_drafter``, which frees the
     drafter's rows), then the row is relabelled. Returns whether it fell back."""
     rule, s = slot.request.fallback, slot.stats

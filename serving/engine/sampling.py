@@ -13,8 +13,8 @@ which keeps compiled steps free of RNG state and makes seeded output independent
 from __future__ import annotations
 
 import dataclasses
-
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -114,6 +114,10 @@ class SamplingParams:
         return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
 
     @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
     def processors(self) -> tuple[str, ...]:
         """The logits processors this request uses, by their OpenAI / vLLM field names."""
         used = (("logit_bias", bool(self.logit_bias)), ("repetition_penalty", self.repetition_penalty != 1.0),
@@ -135,9 +139,15 @@ class SamplingTensors:
     all_greedy: bool
     threshold: torch.Tensor | None = None  # [B] float: threshold rows' verification_threshold, 0 = exact
     lossy: bool = False  # some row asked for threshold verification (None threshold otherwise)
+    min_p: torch.Tensor | None = None  # [B] float, 0 = off (None: no row uses it)
+    # The target's logits processors for these rows (serving.engine.processors.ProcessorRows; None:
+    # no row uses one); applied where the target verifies, never to a draft's q.
+    processors: Any = None
+    logprobs: int | None = None  # the most alternatives any row asks for (None: no row asks for logprobs)
 
     @classmethod
-    def build(cls, params: list[SamplingParams], device: torch.device | str) -> "SamplingTensors":
+    def build(cls, params: list[SamplingParams], device: torch.device | str, processors: Any = None) -> "SamplingTensors":
+        asked = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
@@ -147,16 +157,21 @@ class SamplingTensors:
             threshold=torch.tensor([p.verification_threshold if p.lossy else 0.0 for p in params],
                                    dtype=torch.float32, device=device) if any(p.lossy for p in params) else None,
             lossy=any(p.lossy for p in params),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+            if any(p.min_p > 0 and not p.greedy for p in params) else None,
+            processors=processors,
+            logprobs=max(asked) if asked else None,
         )  # fmt: skip
 
     def rows(self, index: torch.Tensor) -> "SamplingTensors":
         """Rows ``index`` ([n] long); the flags stay the batch's (a superset is always safe)."""
         return dataclasses.replace(self, temperature=self.temperature[index], top_k=self.top_k[index], top_p=self.top_p[index],
-                                   threshold=None if self.threshold is None else self.threshold[index])  # fmt: skip
+                                   threshold=None if self.threshold is None else self.threshold[index],
+                                   min_p=None if self.min_p is None else self.min_p[index], processors=None)  # fmt: skip
 
 
 def probs_from_logits(logits: torch.Tensor, s: SamplingTensors) -> torch.Tensor:
-    """Apply temperature, then top-k, then top-p (the order of HF's warpers and vLLM's sampler).
+    """Apply temperature, then min_p, top-k and top-p (vLLM's sampler's order).
 
     logits: [B, T, V] (any float dtype). Returns fp32 probabilities [B, T, V]; greedy rows are
     one-hot at the first argmax, matching ``torch.argmax`` and HF greedy ``generate``.
@@ -169,6 +184,10 @@ def probs_from_logits(logits: torch.Tensor, s: SamplingTensors) -> torch.Tensor:
         return one_hot
     temp = torch.where(s.temperature > 0, s.temperature, 1.0)[:, None, None]
     scaled = logits / temp  # [B, T, V]
+    if s.min_p is not None:  # tokens below min_p times the top one's probability (transformers' MinPLogitsWarper)
+        probs = scaled.softmax(-1)
+        floor = s.min_p[:, None, None] * probs.amax(-1, keepdim=True)  # [B, T, 1]
+        scaled = scaled.masked_fill(probs < floor, float("-inf"))
     if s.filters:
         sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [B, T, V]
         rank = torch.arange(V, device=logits.device)  # [V]

@@ -16,7 +16,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from serving.engine.engine_settings import EngineConfig
-from serving.engine.request import Completion, Request, TokenOrigin
+from serving.engine.request import Completion, Request, TokenLogprob, TokenOrigin
 from serving.engine.stats import RequestStats
 
 PRIOR_A = 0.5  # a row's per-token acceptance before it has drafted, without a router's prediction
@@ -38,6 +38,7 @@ class Slot:
     fell_back_at: int | None = None  # tokens generated when the row switched to the target alone
     routed_drafter: str | None = None  # the drafter the request started with, when it fell back
     prior_a: float = PRIOR_A  # per-token acceptance expected before the row's own record (step_k goodput)
+    logprobs: list[TokenLogprob] | None = None  # [len(generated)] when the request asks for logprobs
 
     @property
     def tokens(self) -> list[int]:
@@ -105,6 +106,8 @@ def hit_stop(slot: Slot, before: int, tokenizer: PreTrainedTokenizerBase) -> boo
         if any(s in text for s in stops):
             del slot.generated[end:]
             del slot.origins[end:]
+            if slot.logprobs is not None:
+                del slot.logprobs[end:]
             return True
     return False
 
@@ -125,10 +128,18 @@ def completion(slot: Slot, tokenizer: PreTrainedTokenizerBase, eos: set[int], no
     slot.stats.total_time_s = now - slot.started
     params = slot.request.params
     stats = slot.stats.to_dict() | {"drafter": slot.routed_drafter or slot.drafter, "exact": not params.lossy,
-                                    "verification": params.verification}  # fmt: skip
+                                    "verification": params.verification, "processors": list(params.processors)}  # fmt: skip
     if slot.fell_back_at is not None:
         stats["fallback"] = {"to": slot.drafter, "at_token": slot.fell_back_at}
-    return Completion(tokens, text, reason, stats, origins=list(slot.origins))
+    logprobs = None if slot.logprobs is None else list(slot.logprobs)
+    return Completion(tokens, text, reason, stats, origins=list(slot.origins), logprobs=logprobs)
+
+
+def host_logprobs(lp, b: int, tokens: list[int], n: int) -> list[TokenLogprob]:
+    """Row ``b``'s logprobs of ``tokens`` (a step's committed tokens, in position order) from a
+    ``StepLogprobs`` (``serving.engine.speculative``), with its ``n`` most likely alternatives."""
+    chosen, ids, top = lp.chosen[b].tolist(), lp.top_ids[b, :, :n].tolist(), lp.top[b, :, :n].tolist()
+    return [TokenLogprob(t, chosen[i], tuple(zip(ids[i], top[i]))) for i, t in enumerate(tokens)]
 
 
 def check_fits(r: Request, config: EngineConfig, drafter_names: list[str], k_max: int) -> None:

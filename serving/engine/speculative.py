@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from serving.engine.acceptance import accept_reject, threshold_accepts
+from serving.engine.processors import first_rows, process
 from serving.engine.runner import ModelRunner
 from serving.engine.sampling import SamplingParams, SamplingTensors, probs_from_logits, sample
 
@@ -147,6 +148,49 @@ def draft_half(
     return draft_tokens, q_all, n_draft  # n_draft <= K: it grows once per loop pass at most
 
 
+def verify_logits(
+    target: ModelRunner,
+    state: DecodeState,
+    sampling: SamplingTensors,
+    draft_tokens: torch.Tensor,  # [B, K] long
+    n_draft: torch.Tensor | None = None,  # [B] long: real draft tokens per row (None: all K)
+) -> torch.Tensor:
+    """Step 2: one target forward over [x_{n-1}, drafts]; returns the logits of the K+1 verified
+    positions [B, K+1, V] (fp32), processed by the rows' logits processors, each position with the
+    drafts before it in its history (``serving.engine.processors``). Writes only the target's cache."""
+    k = draft_tokens.shape[1]
+    n = state.lengths  # [B]
+    current = state.tokens.gather(1, (n - 1).unsqueeze(1))  # [B, 1] x_{n-1}
+    verify_in = torch.cat([current, draft_tokens], dim=1)  # [B, K+1]
+    verify_pos = (n - 1).unsqueeze(1) + torch.arange(k + 1, device=n.device)  # [B, K+1]
+    # A done (frozen) row still runs through the forward; it may have reserved room for a smaller
+    # K than this step's (a session of another K on a shared target), so keep its writes inside
+    # the cache. Everything at or past its n-1 is stale to it and rewritten before it is read.
+    verify_pos = torch.where(state.done.unsqueeze(1), verify_pos.clamp(max=target.max_len - 1), verify_pos)
+    logits = target.forward(verify_in, verify_pos).float()  # [B, K+1, V]
+    if sampling.processors is not None:
+        logits = process(logits, sampling.processors, draft_tokens, n_draft)
+    return logits
+
+
+def accept_logits(
+    logits: torch.Tensor,  # [B, K+1, V] the verified positions' processed logits
+    sampling: SamplingTensors,
+    rand: StepRandom,
+    draft_tokens: torch.Tensor,  # [B, K] long
+    q: torch.Tensor,  # [B, K, V] the distributions the draft tokens were sampled from
+    n_draft: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 3: p from the logits under each row's sampling settings, then accept/reject (Leviathan
+    et al. 2023); returns (n_accepted [B], next_token [B]), the correction or bonus token."""
+    k = draft_tokens.shape[1]
+    p = probs_from_logits(logits, sampling)  # [B, K+1, V]
+    lossy = None
+    if sampling.lossy:  # only batches holding a threshold row compute it (its own, plain softmax)
+        lossy = threshold_accepts(logits[:, :k].softmax(-1), draft_tokens, sampling.threshold)  # [B, K]
+    return accept_reject(p, q, draft_tokens, rand.accept[:, :k], rand.next, n_draft, lossy)
+
+
 def verify_tokens(
     target: ModelRunner,
     state: DecodeState,
@@ -157,30 +201,33 @@ def verify_tokens(
     n_draft: torch.Tensor | None = None,  # [B] long: real draft tokens per row (None: all K)
     clock: Callable[[str], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Steps 2-3: one target forward over [x_{n-1}, drafts], then accept/reject. Reads ``state``
-    (writes only the target's cache); returns (n_accepted [B], next_token [B]), the correction or
-    bonus token, for ``commit``. ``clock("target")`` after the forward."""
-    k = draft_tokens.shape[1]
-    n = state.lengths  # [B]
-    current = state.tokens.gather(1, (n - 1).unsqueeze(1))  # [B, 1] x_{n-1}
-
-    # 2. Verify all K draft tokens and get the bonus distribution in one target forward.
-    verify_in = torch.cat([current, draft_tokens], dim=1)  # [B, K+1]
-    verify_pos = (n - 1).unsqueeze(1) + torch.arange(k + 1, device=n.device)  # [B, K+1]
-    # A done (frozen) row still runs through the forward; it may have reserved room for a smaller
-    # K than this step's (a session of another K on a shared target), so keep its writes inside
-    # the cache. Everything at or past its n-1 is stale to it and rewritten before it is read.
-    verify_pos = torch.where(state.done.unsqueeze(1), verify_pos.clamp(max=target.max_len - 1), verify_pos)
-    logits = target.forward(verify_in, verify_pos)  # [B, K+1, V]
-    p = probs_from_logits(logits, sampling)  # [B, K+1, V]
-    lossy = None
-    if sampling.lossy:  # only batches holding a threshold row compute it (its own, plain softmax)
-        lossy = threshold_accepts(logits[:, :k].float().softmax(-1), draft_tokens, sampling.threshold)  # [B, K]
+    """Steps 2-3: ``verify_logits`` then ``accept_logits``. Reads ``state`` (writes only the target's
+    cache); returns (n_accepted [B], next_token [B]) for ``commit``. ``clock("target")`` after the forward."""
+    logits = verify_logits(target, state, sampling, draft_tokens, n_draft)
     if clock is not None:
         clock("target")
+    return accept_logits(logits, sampling, rand, draft_tokens, q, n_draft)
 
-    # 3. Accept/reject (Leviathan et al. 2023); the residual or bonus token comes with it.
-    return accept_reject(p, q, draft_tokens, rand.accept[:, :k], rand.next, n_draft, lossy)
+
+@dataclass
+class StepLogprobs:
+    """Log probabilities of the tokens a step committed, per verified position (position t holds
+    the t-th committed token: a draft while t < n_accepted, then the correction or bonus token)."""
+
+    chosen: torch.Tensor  # [B, K+1] float
+    top_ids: torch.Tensor  # [B, K+1, N] long, most likely first
+    top: torch.Tensor  # [B, K+1, N] float
+
+
+def step_logprobs(logits: torch.Tensor, draft_tokens: torch.Tensor, n_accepted: torch.Tensor, next_token: torch.Tensor,
+                  n: int) -> StepLogprobs:  # fmt: skip
+    """Logprobs of the processed logits [B, K+1, V] (before temperature) at the committed tokens,
+    with the ``n`` most likely alternatives."""
+    B, k = draft_tokens.shape
+    lp = torch.log_softmax(logits, -1)  # [B, K+1, V]
+    new = torch.cat([draft_tokens, draft_tokens.new_zeros(B, 1)], 1).scatter(1, n_accepted.unsqueeze(1), next_token.unsqueeze(1))
+    top, ids = lp.topk(n, dim=-1) if n else (lp.new_zeros(B, k + 1, 0), new.new_zeros(B, k + 1, 0))
+    return StepLogprobs(lp.gather(2, new.unsqueeze(2)).squeeze(2), ids, top)
 
 
 def verify_half(
@@ -235,14 +282,22 @@ def prefill_first_token(
 ) -> int:
     """Prefill ``prompt`` ([1, L] long) into the target's cache row ``slot`` and draw the first new
     token with uniform ``u`` ([1]) under ``params``."""
-    return first_token(target.prefill(prompt, slot), params, u)
+    return first_token(target.prefill(prompt, slot), params, u, prompt[0].tolist())[0]
 
 
-def first_token(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor) -> int:
+def first_token(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor,
+                prompt: list[int] | None = None) -> tuple[int, StepLogprobs | None]:  # fmt: skip
     """The first new token from the logits after the prompt ([1, 1, V]), drawn with uniform ``u``
-    ([1]) under ``params``."""
+    ([1]) under ``params`` (its processors see the ``prompt``), and its logprobs if it asks."""
+    rows = first_rows(params, prompt or [], logits.shape[-1], logits.device)
+    logits = logits.float() if rows is None else process(logits.float(), rows)
     probs = probs_from_logits(logits, SamplingTensors.build([params], logits.device))
-    return int(sample(probs[:, 0], u.to(logits.device)))
+    token = sample(probs[:, 0], u.to(logits.device))  # [1]
+    lp = None
+    if params.logprobs is not None:
+        empty = token.new_zeros(1, 0)
+        lp = step_logprobs(logits, empty, empty.new_zeros(1), token, params.logprobs)
+    return int(token), lp
 
 
 def start_row(state: DecodeState, slot: int, prompt: torch.Tensor, first: int, max_new_tokens: int) -> bool:

@@ -28,7 +28,7 @@ import torch
 from serving.engine.models import eos_token_ids
 from serving.engine.runner import ModelRunner
 from serving.engine.sampling import SamplingParams, SamplingTensors
-from serving.engine.speculative import DecodeState, StepRandom, first_token, verify_tokens
+from serving.engine.speculative import DecodeState, StepLogprobs, StepRandom, accept_logits, first_token, step_logprobs, verify_logits
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -71,6 +71,7 @@ class Verdict(NamedTuple):
     # [B, K+1, n * H] with ``capture``: the target's features at the verified positions (x_{n-1}, then
     # the drafts), of which a row's first n_accepted + 1 are the features of committed tokens.
     features: torch.Tensor | None = None
+    logprobs: StepLogprobs | None = None  # when a row asks for them: the committed positions' logprobs
 
 
 class Verifier(ABC):
@@ -86,6 +87,8 @@ class Verifier(ABC):
     # After each ``prefill``: the measured seconds of the prefill it reused instead of computing
     # (``EngineConfig.reuse_prefill``); None when it computed one.
     reused_prefill_s: float | None = None
+    # After each ``prefill`` of a request that asks for logprobs: its first token's (else None).
+    first_logprobs: StepLogprobs | None = None
 
     @abstractmethod
     def bind(self, config: EngineConfig) -> None:
@@ -173,23 +176,27 @@ class LocalVerifier(Verifier):
         kept = self._kept.get(row) if self.reuse else None
         if kept is not None and kept[0].shape == prompt.shape and torch.equal(kept[0], prompt):
             self.reused_prefill_s = kept[2]
-            return first_token(kept[1], params, u)
+            first, self.first_logprobs = first_token(kept[1], params, u, prompt[0].tolist())
+            return first
         self.reused_prefill_s = None
         self._kept.pop(row, None)  # a prefill that fails midway leaves the row holding neither prompt
         started = time.perf_counter()
         logits = self.runner.prefill(prompt, row)  # [1, 1, V]
         if self.runner.capture:
             self.prompt_features = self.runner.prefill_features[0]  # [L, n * H]
-        first = first_token(logits, params, u)  # int(): the device has finished the prefill
+        first, self.first_logprobs = first_token(logits, params, u, prompt[0].tolist())  # int(): the prefill has finished
         if self.reuse:
             # Copies: a compiled forward may hand out the same output buffer again on its next call.
             self._kept[row] = (prompt.clone(), logits.clone(), time.perf_counter() - started)
         return first
 
     def verify(self, batch: VerifyBatch) -> Verdict:
-        n_accepted, next_token = verify_tokens(self.runner, batch.state, batch.sampling, batch.rand, batch.draft_tokens,
-                                               batch.q, batch.n_draft)  # fmt: skip
-        return Verdict(n_accepted, next_token, features=self.runner.last_features if self.runner.capture else None)
+        s = batch.sampling
+        logits = verify_logits(self.runner, batch.state, s, batch.draft_tokens, batch.n_draft)  # [B, K+1, V]
+        n_accepted, next_token = accept_logits(logits, s, batch.rand, batch.draft_tokens, batch.q, batch.n_draft)
+        logprobs = None if s.logprobs is None else step_logprobs(logits, batch.draft_tokens, n_accepted, next_token, s.logprobs)
+        return Verdict(n_accepted, next_token, features=self.runner.last_features if self.runner.capture else None,
+                       logprobs=logprobs)  # fmt: skip
 
     def capture(self, layers: tuple[int, ...]) -> None:
         self.runner.capture_layers(layers)
