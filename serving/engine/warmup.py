@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch._inductor.config
@@ -20,8 +20,7 @@ from serving.engine.drafting import distinct
 from serving.engine.goodput import RowCosts
 from serving.engine.verifier import LocalVerifier
 
-if TYPE_CHECKING:
-    from serving.engine.core import SpeculativeEngine
+SpeculativeEngine = Any  # serving.engine.core.SpeculativeEngine, which calls these (not imported: it imports this module)
 
 
 def verify_widths(engine: SpeculativeEngine) -> tuple[int, ...]:
