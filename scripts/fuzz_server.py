@@ -24,9 +24,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 from serving.server.launch import serving
 
+# Request fields, and "5": a token id, as a logit_bias key.
 FUZZ_KEYS = ["model", "prompt", "messages", "role", "content", "type", "text", "max_tokens", "temperature", "top_p",
              "top_k", "seed", "stop", "stream", "stream_options", "include_usage", "n", "draft", "prediction", "logprobs",
-             "echo", "best_of", "tools", "logit_bias", "response_format", "suffix", "user", "x"]  # fmt: skip
+             "echo", "best_of", "tools", "logit_bias", "response_format", "suffix", "user", "x", "top_logprobs",
+             "frequency_penalty", "presence_penalty", "min_p", "repetition_penalty", "5"]  # fmt: skip
 CHAT = [{"role": "user", "content": "Say hi."}]
 NEIGHBOURS = [("completions", {"prompt": "def f(x):", "max_tokens": 6, "temperature": 0}),
               ("chat", {"messages": CHAT, "max_tokens": 6, "temperature": 0})]  # fmt: skip

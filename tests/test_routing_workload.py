@@ -394,6 +394,7 @@ def test_served_requests_draft_the_routers_k_and_land_in_the_request_log(model_d
     assert len(rows) == 3 and len({row_key(r) for r in rows}) == 3
     assert [r["repeat"] for r in rows] == [0, 0, 1]  # the same prompt again: the key's next repeat
     assert all(r["source"] == "served" and r["target_weights"] == "fp32" and r["new_tokens"] == 12 for r in rows)
+    assert all(r["processors"] == [] for r in rows)  # no logit_bias, penalty or min_p
     assert [r["k"] for r in rows] == [o.model_extra["choral"]["k"] for o in outs]
     # what was drafted, as the simulator's profile reads it: at most K, less where the answer's end capped it
     assert all(0 < r["mean_k"] <= r["k"] for r in rows)

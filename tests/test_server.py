@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from routing.router import Router
 from serving.config import load_config
 from serving.engine import EngineSettings, Request, load_engine
+from serving.engine.request import TokenLogprob
 from serving.server import cli_serve
 from serving.server.app import create_app
 from serving.server.serve_config import ServeConfig
@@ -295,7 +296,7 @@ BAD = [
     # Lax coercions that answered what the client did not ask for, and features silently dropped:
     ("completions", b'{"model": "MODEL", "prompt": "x", "max_tokens": true}', 400, "max_tokens"),
     ("completions", b'{"model": "MODEL", "prompt": "x", "max_tokens": 4, "stream": "yes"}', 400, "stream"),
-    ("completions", {"logprobs": 2}, 400, "logprobs"),
+    ("completions", {"logprobs": 6}, 400, "logprobs"),  # OpenAI's completions take 0..5
     ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tools"),
     # The second round of probes (issue 61): an integer of 4,301+ digits was a 500 from int();
     # booleans and strings were read as numbers; OpenAI fields that change the answer were dropped.
@@ -305,10 +306,18 @@ BAD = [
     ("completions", b'{"model": "MODEL", "prompt": "x", "max_tokens": 4, "temperature": true}', 400, "temperature"),
     ("chat", b'{"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "top_p": "0.5"}', 400, "top_p"),
     ("completions", {"stream_options": {"include_usage": True}}, 400, "stream_options"),
-    ("completions", {"logit_bias": {"15": 100}}, 400, "logit_bias"),
     ("chat", {"response_format": {"type": "json_object"}}, 400, "response_format"),
-    ("chat", {"frequency_penalty": 0.5}, 400, "frequency_penalty"),
-    ("completions", {"presence_penalty": 1}, 400, "presence_penalty"),
+    # Issue 71: the logits processors and logprobs, refused outside OpenAI's (or vLLM's) ranges.
+    ("completions", {"logit_bias": {"15": 101}}, 400, "logit_bias"),
+    ("completions", {"logit_bias": {"x15": 5}}, 400, "logit_bias"),
+    ("chat", {"logit_bias": {"100000": -100}}, 400, "logit_bias"),  # beyond the tokenizer's vocabulary
+    ("chat", {"frequency_penalty": 2.5}, 400, "frequency_penalty"),
+    ("completions", {"presence_penalty": -3}, 400, "presence_penalty"),
+    ("completions", {"extra_body": {"min_p": 1.5}}, 400, "min_p"),
+    ("chat", {"extra_body": {"repetition_penalty": 0}}, 400, "repetition_penalty"),
+    ("chat", {"top_logprobs": 3}, 400, "top_logprobs"),  # without logprobs=true
+    ("chat", {"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("completions", {"echo": True}, 400, "echo"),
     ("completions", {"suffix": "return x"}, 400, "suffix"),
     ("chat", b'{"model": "MODEL", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}', 400, "messages"),
     ("completions", {"stop": ["ok", "y" * 1_500_000]}, 400, "stop"),  # refused by its length before any step
@@ -323,6 +332,7 @@ NO_OPS = [
     ("chat", {"frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "response_format": {"type": "text"},
               "temperature": 0, "user": "someone", "metadata": {"k": "v"}}),
     ("completions", {"logprobs": None, "suffix": "", "top_p": 1, "extra_body": {"top_k": 0}}),
+    ("chat", {"logprobs": False, "top_logprobs": 0, "extra_body": {"min_p": 0, "repetition_penalty": 1}}),
 ]
 
 
@@ -821,3 +831,141 @@ def test_api_key_guards_every_route_but_health_and_metrics(router_file, monkeypa
         assert srv.request("GET", "/docs", headers={"Authorization": "Bearer s3cret"})[0] == 404  # docs off by default
     finally:
         srv.stop()
+
+
+# ---- issue 71: logits processors and logprobs ----------------------------------------------------
+
+
+def stand_in_logprobs(live, monkeypatch) -> None:
+    """Where the engine leaves a request's logprobs empty although it asked for them, its step
+    outputs get stand-in entries (a function of the token id: the same for a streamed and a
+    non-streamed answer of the same tokens), so the server's shapes and alignment are tested
+    whatever the engine fills; where the engine fills them, its own values are tested."""
+    engine, tickets = live.backend.models.engine, live.backend.scheduler._tickets
+    step = engine.step
+
+    def entry(token: int, n: int) -> TokenLogprob:
+        lp = -0.25 - token % 5
+        return TokenLogprob(token, lp, tuple([(token, lp)] + [((token + j) % 320, lp - j) for j in range(1, n)])[:n])
+
+    def filled():
+        outputs = step()
+        for out in outputs:
+            ticket = tickets.get(out.request_id)  # the scheduler thread runs this: its table is stable here
+            n = ticket.request.params.logprobs if ticket is not None else None
+            if n is None:
+                continue
+            if out.new_token_logprobs is None:
+                out.new_token_logprobs = [entry(t, n) for t in out.new_token_ids]
+            if out.finished is not None and out.finished.logprobs is None:
+                out.finished.logprobs = [entry(t, n) for t in out.finished.token_ids]
+        return outputs
+
+    monkeypatch.setattr(engine, "step", filled)
+
+
+@pytest.mark.e2e
+def test_sampling_fields_reach_sampling_params_and_are_reported(live, monkeypatch):
+    seen = []
+    submit = live.backend.scheduler.submit
+    monkeypatch.setattr(live.backend.scheduler, "submit", lambda ticket: seen.append(ticket.request.params) or submit(ticket))
+    before = live.metrics()
+    out = live.client.chat.completions.create(
+        model=live.model, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2,
+        logit_bias={"17": 2.5, "5": -100}, frequency_penalty=0.5, presence_penalty=-0.25,
+        extra_body={"min_p": 0.05, "repetition_penalty": 1.1})  # fmt: skip
+    params = seen[-1]
+    assert params.logit_bias == ((5, -100.0), (17, 2.5)) and params.logprobs == 2
+    assert (params.frequency_penalty, params.presence_penalty, params.min_p, params.repetition_penalty) == (0.5, -0.25, 0.05, 1.1)
+    assert out.model_extra["choral"]["processors"] == list(params.processors) == [
+        "logit_bias", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_p"]  # fmt: skip
+    plain = live.client.completions.create(model=live.model, prompt="def add(a, b):", max_tokens=2, temperature=0, logprobs=3)
+    assert seen[-1].logprobs == 3 and seen[-1].processors == () and plain.model_extra["choral"]["processors"] == []
+    after = live.metrics()
+    for name in params.processors:
+        key = ("choral_processor_requests_total", (("processor", name),))
+        assert after[key] - before.get(key, 0.0) == 1
+
+
+def _chat_entries(chunks) -> list:
+    return [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+
+
+@pytest.mark.e2e
+def test_logprobs_shapes_parse_and_streamed_equal_non_streamed(live, monkeypatch):
+    stand_in_logprobs(live, monkeypatch)
+    kw = dict(model=live.model, max_tokens=12, temperature=0, extra_body={"draft": "code"})
+    chat = live.client.chat.completions.create(messages=CHAT, logprobs=True, top_logprobs=3, **kw)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(e.top_logprobs) == 3 and isinstance(e.bytes, list) for e in content)
+    assert content[0].top_logprobs[0].token == content[0].token  # greedy: the chosen token is the most likely
+    chunks = list(live.client.chat.completions.create(messages=CHAT, logprobs=True, top_logprobs=3, stream=True, **kw))
+    assert [e.model_dump() for e in _chat_entries(chunks)] == [e.model_dump() for e in content]
+    for c in chunks:  # each chunk carries the logprobs of the tokens whose text it carries
+        if c.choices:
+            tokens = (c.model_extra.get("choral") or {}).get("tokens", [])
+            assert len(c.choices[0].logprobs.content if c.choices[0].logprobs else []) == len(tokens)
+            assert [e.token for e in (c.choices[0].logprobs.content if tokens else [])] == [
+                live.backend.models.tokenizer.decode([t["id"]]) for t in tokens]  # fmt: skip
+
+    prompt = "The quick brown"
+    comp = live.client.completions.create(prompt=prompt, logprobs=2, **kw)
+    lp = comp.choices[0].logprobs
+    n = comp.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert all(lp.tokens[i] in lp.top_logprobs[i] and len(lp.top_logprobs[i]) <= 3 for i in range(n))
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(comp.choices[0].text)
+    chunks = list(live.client.completions.create(prompt=prompt, logprobs=2, stream=True, **kw))
+    joined = {k: [x for c in chunks if c.choices[0].logprobs for x in getattr(c.choices[0].logprobs, k)]
+              for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}  # fmt: skip
+    assert joined == {k: getattr(lp, k) for k in joined}
+    for c in chunks:  # a chunk's offsets start where its text does
+        if c.choices[0].logprobs:
+            start = sum(len(d.choices[0].text) for d in chunks[: chunks.index(c)])
+            assert c.choices[0].logprobs.text_offset[0] == start
+    # Not asked for: null, streamed or not.
+    assert live.client.completions.create(prompt=prompt, **kw).choices[0].logprobs is None
+    assert all(c.choices[0].logprobs is None for c in live.client.completions.create(prompt=prompt, stream=True, **kw))
+
+
+@pytest.mark.e2e
+def test_logprobs_are_the_targets_log_softmax(live, model_dirs):
+    """Needs the engine's logprobs (issue 71's engine side): without processors, each token's
+    logprob and its alternatives are the target's log-softmax at that position, under
+    speculation (a model drafter proposes, the target verifies), the EOS's entry included."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = live.client.completions.create(model=live.model, prompt="def add(a, b):", max_tokens=10, temperature=0,
+                                         logprobs=5, stream=True, extra_body={"draft": "code"})  # fmt: skip
+    chunks = list(out)
+    ids = [t["id"] for c in chunks for t in c.model_extra["choral"]["tokens"]]
+    lps = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+    assert len(lps) == len(ids), "the engine returned no logprobs"
+    target = AutoModelForCausalLM.from_pretrained(model_dirs["target"]).eval()
+    prompt = model_tokens(live, "def add(a, b):")
+    with torch.no_grad():
+        logits = target(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].float()
+    expected = logits.log_softmax(-1)  # [len(ids), V]
+    got = torch.tensor(lps)
+    assert torch.allclose(got, expected[torch.arange(len(ids)), torch.tensor(ids)], atol=1e-3)
+    tops = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.top_logprobs]
+    assert all(abs(max(t.values()) - expected[i].max().item()) < 1e-3 for i, t in enumerate(tops))
+
+
+@pytest.mark.e2e
+def test_logit_bias_bans_the_greedy_first_token_under_speculation(live):
+    """Needs the engine's processors (issue 71's engine side): a bias of -100 on the target's
+    greedy first token changes the first token, and the banned token appears nowhere in the answer
+    though the drafter (which knows nothing of the bias) may propose it."""
+
+    def token_ids(**extra) -> list[int]:
+        chunks = live.client.completions.create(model=live.model, prompt="The quick brown", max_tokens=8, temperature=0,
+                                                stream=True, extra_body={"draft": "code"}, **extra)  # fmt: skip
+        return [t["id"] for c in chunks for t in c.model_extra["choral"]["tokens"]]
+
+    first = token_ids()[0]
+    assert first < len(live.backend.models.tokenizer)  # a token logit_bias may name
+    banned = token_ids(logit_bias={str(first): -100})
+    assert banned[0] != first and first not in banned

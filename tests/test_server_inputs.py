@@ -128,14 +128,21 @@ def test_grpc_node_tokens_exclude_a_shared_token_and_caps_are_positive():
 
 
 def test_the_vllm_front_forwards_fields_vllm_implements():
-    """Penalties, logit_bias and response_format are refused by Choral's own engine but forwarded
-    by the vLLM front (its replicas implement them); tools stay refused on both."""
+    """response_format is refused by Choral's own engine but forwarded by the vLLM front (its
+    replicas implement it); the logits processors and logprobs are accepted by both, within the
+    same ranges; tools stay refused on both."""
     from serving.server.vllm_backend import VLLM_IMPLEMENTS
 
     raw = b'{"model": "m", "prompt": "x", "frequency_penalty": 0.5, "logit_bias": {"5": 3}, "response_format": {"type": "json_object"}}'
-    with pytest.raises(APIError, match="frequency_penalty"):
+    with pytest.raises(APIError, match="response_format"):
         parse_request(raw, CompletionRequest)
-    assert parse_request(raw, CompletionRequest, implemented=VLLM_IMPLEMENTS).frequency_penalty == 0.5
+    body = parse_request(raw, CompletionRequest, implemented=VLLM_IMPLEMENTS)
+    assert body.frequency_penalty == 0.5 and body.logit_bias == {"5": 3}
+    processors = b'{"model": "m", "prompt": "x", "logprobs": 2, "logit_bias": {"5": 3}, "min_p": 0.1, "repetition_penalty": 1.1}'
+    for implemented in (frozenset(), VLLM_IMPLEMENTS):
+        assert parse_request(processors, CompletionRequest, implemented=implemented).sampling_fields()["min_p"] == 0.1
+    with pytest.raises(APIError, match="min_p"):
+        parse_request(b'{"model": "m", "prompt": "x", "min_p": 2}', CompletionRequest, implemented=VLLM_IMPLEMENTS)
     with pytest.raises(APIError, match="tools"):
         parse_request(b'{"model": "m", "prompt": "x", "tools": [{"type": "function"}]}', CompletionRequest, implemented=VLLM_IMPLEMENTS)
 

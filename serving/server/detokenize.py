@@ -58,3 +58,24 @@ class IncrementalDetokenizer:
                     best = n
                     break
         return best
+
+
+def fit_texts(entries: list[dict], text: str) -> list[dict]:
+    """The final chunk's token entries with their texts cut to ``text`` (the final text's rest,
+    which a stop string may have cut), in order; text no entry released goes to the last one."""
+    out, at = [], 0
+    for e in entries:
+        piece = text[at : at + len(e["text"])]
+        at += len(piece)
+        out.append(e | {"text": piece})
+    if at < len(text) and out:
+        out[-1]["text"] += text[at:]
+    return out
+
+
+def token_texts(tokenizer: PreTrainedTokenizerBase, stop: tuple[str, ...], token_ids: list[int], final_text: str) -> list[str]:
+    """The text each token releases, as a stream hands them out (``choral.tokens``), for a whole
+    answer at once: the same tokens pushed one at a time, then fitted to the final text."""
+    detok = IncrementalDetokenizer(tokenizer, stop)
+    entries = [{"text": detok.push([t])} for t in token_ids]
+    return [e["text"] for e in fit_texts(entries, final_text)]

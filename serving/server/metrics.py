@@ -38,6 +38,9 @@ class ServerMetrics:
                                      "by the request's draft", ["draft", "drafter"], registry=r)  # fmt: skip
         self.draft_choices = Counter("choral_draft_choices", "requests per draft; forced = chosen by the client",
                                      ["draft", "forced"], registry=r)  # fmt: skip
+        self.processor_requests = Counter("choral_processor_requests", "admitted requests that use a logits processor, by "
+                                          "processor (logit_bias, repetition_penalty, frequency_penalty, presence_penalty, "
+                                          "min_p); a request using several counts under each", ["processor"], registry=r)  # fmt: skip
         self.verification = Counter("choral_verification_requests", "finished requests by how they were verified "
                                     "(exact: the target's own output; threshold: lossy, opt-in)", ["verification"],
                                     registry=r)  # fmt: skip

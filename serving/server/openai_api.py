@@ -9,10 +9,12 @@ with the offending field in ``param``. Types are strict: a boolean is not a numb
 digits is not a number, and an integer of more digits than any field can hold is refused by the
 field it was sent in (Python would otherwise raise on its 4,301st digit). OpenAI fields the server
 does not implement are refused with a 400 naming the field unless they hold their no-op value
-(``NOT_IMPLEMENTED``: penalties, ``logit_bias``, ``response_format``, tools, logprobs, ...), since
-silently dropping them would change the answer or what the client reads; ``user``, ``metadata``,
-``store`` and ``service_tier`` only label a request and are accepted and ignored, as are keys
-OpenAI does not define.
+(``NOT_IMPLEMENTED``: ``response_format``, tools, ``suffix``, ...), since silently dropping them
+would change the answer or what the client reads; ``user``, ``metadata``, ``store`` and
+``service_tier`` only label a request and are accepted and ignored, as are keys OpenAI does not
+define. The logits processors (``logit_bias``, the penalties, vLLM's ``min_p`` and
+``repetition_penalty``) and ``logprobs`` are implemented: checked here against OpenAI's and vLLM's
+ranges, and mapped onto ``SamplingParams`` by ``sampling_fields``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError, field_validator, model_validator
 
-from serving.engine.sampling import INT64_MAX, SEED_RANGE  # the bounds the engine itself enforces
+from serving.engine.sampling import INT64_MAX, MAX_LOGPROBS, SEED_RANGE  # the bounds the engine itself enforces
 
 
 class APIError(Exception):
@@ -81,17 +83,15 @@ def _parse_int(text: str) -> int | OversizedInt:
     return int(text) if len(text) <= MAX_INT_DIGITS else OversizedInt(text)
 
 
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit of the completions endpoint's logprobs (chat's top_logprobs: 20)
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's: a bias in [-100, 100]
+
 # OpenAI request fields Choral does not implement -> the values that ask for nothing (accepted).
 NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
     "response_format": (None, {"type": "text"}),
     "modalities": (None, ["text"]),
     "audio": (None,),
@@ -167,18 +167,20 @@ class _Sampling(BaseModel):
     n: StrictInt = 1
     stream: StrictBool = False
     stream_options: dict[str, StrictBool | None] | None = None
+    # Logits processors (serving.engine.processors), applied to the target's logits at every
+    # position a step verifies: exact under speculation whatever the drafter. None: off.
+    logit_bias: dict[StrictStr, StrictFloat] | None = None  # token id (a string, as JSON keys are) -> bias
+    frequency_penalty: StrictFloat | None = None
+    presence_penalty: StrictFloat | None = None
+    min_p: StrictFloat | None = None  # vLLM's extension
+    repetition_penalty: StrictFloat | None = None  # vLLM's extension
     # Not implemented (NOT_IMPLEMENTED), and refused when asked for: a client that sends tools
-    # expects tool calls, one that asks for logprobs reads them, one that sets a penalty or a
-    # response format expects another answer; silence would hand each a wrong one.
-    logprobs: Any = None
-    top_logprobs: Any = None
+    # expects tool calls, one that sets a response format expects another answer; silence would
+    # hand each a wrong one.
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
-    logit_bias: Any = None
     response_format: Any = None
     modalities: Any = None
     audio: Any = None
@@ -194,6 +196,42 @@ class _Sampling(BaseModel):
         if not _is_no_op(info.field_name, v):
             allowed = " or ".join(json.dumps(x) for x in NOT_IMPLEMENTED[info.field_name])
             raise ValueError(f"{info.field_name}={_short(v)} is not supported by this server; omit it (or send {allowed})")
+        return v
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _penalty(cls, v: float | None, info) -> float | None:
+        if v is not None and not -2 <= v <= 2:  # (NaN fails every comparison: refused too)
+            raise ValueError(f"{info.field_name}={v} must be in [-2, 2] (0 = off)")
+        return v
+
+    @field_validator("min_p")
+    @classmethod
+    def _min_p(cls, v: float | None) -> float | None:
+        if v is not None and not 0 <= v <= 1:
+            raise ValueError(f"min_p={v} must be in [0, 1] (0 = off)")
+        return v
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _repetition_penalty(cls, v: float | None) -> float | None:
+        if v is not None and not (v > 0 and math.isfinite(v)):
+            raise ValueError(f"repetition_penalty={v} must be a finite number > 0 (1 = off; above 1 discourages repeats)")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            # No sign, space or fraction, and no leading zero ("05" and "5" would bias one token twice).
+            if not (key.isascii() and key.isdigit() and (key == "0" or key[0] != "0")):
+                raise ValueError(f"logit_bias key {_short(key)} is not a token id: keys are token ids written in "
+                                 "decimal, e.g. {\"1234\": -100}")  # fmt: skip
+            if len(key) > MAX_INT_DIGITS:  # int() of a longer key is slow, or raises past 4,300 digits
+                raise ValueError(f"logit_bias key {_short(key)} is beyond any vocabulary")
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise ValueError(f"logit_bias[{key!r}]={bias} must be in [-100, 100] (-100 bans the token, 100 "
+                                 "all but forces it)")  # fmt: skip
         return v
 
     draft: StrictStr | None = None  # Choral: force a drafter name, or "none" for the target alone
@@ -283,12 +321,50 @@ class _Sampling(BaseModel):
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
 
+    @property
+    def logprob_count(self) -> int | None:
+        """``SamplingParams.logprobs``: None (no logprobs), or the alternatives per token."""
+        return None
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The request's logits processors and logprobs as ``SamplingParams`` keyword arguments
+        (``logit_bias`` as sorted (token id, bias) pairs); fields not sent keep their defaults."""
+        out: dict[str, Any] = {"logprobs": self.logprob_count}
+        if self.logit_bias:
+            out["logit_bias"] = tuple(sorted((int(k), float(b)) for k, b in self.logit_bias.items()))
+        for name in ("frequency_penalty", "presence_penalty", "min_p", "repetition_penalty"):
+            if getattr(self, name) is not None:
+                out[name] = float(getattr(self, name))
+        return out
+
 
 class CompletionRequest(_Sampling):
     prompt: StrictStr | list[StrictStr] | list[StrictInt]
     echo: StrictBool = False
     best_of: StrictInt | None = None
     suffix: Any = None  # text after the completion (insertion): not implemented (NOT_IMPLEMENTED)
+    logprobs: StrictInt | None = None  # the chosen token's logprob and the N most likely tokens' (0..5)
+    top_logprobs: Any = None  # chat's field: refused here unless null
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v: int | None) -> int | None:
+        if v is not None and not 0 <= v <= MAX_COMPLETION_LOGPROBS:
+            raise ValueError(f"logprobs={v} must be in [0, {MAX_COMPLETION_LOGPROBS}] (the most likely tokens returned "
+                             "with each token's own logprob; chat takes up to 20 as top_logprobs)")  # fmt: skip
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v: Any) -> Any:
+        if v is not None:
+            raise ValueError(f"top_logprobs={_short(v)} is a chat field: the completions endpoint takes logprobs=N "
+                             f"(0..{MAX_COMPLETION_LOGPROBS}) instead")  # fmt: skip
+        return v
+
+    @property
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -308,7 +384,7 @@ class CompletionRequest(_Sampling):
     @classmethod
     def _echo(cls, v: bool) -> bool:
         if v:
-            raise ValueError("echo=true is not supported")
+            raise ValueError("echo=true is not supported (the prompt's text and logprobs are not returned); omit it")
         return v
 
     @field_validator("best_of")
@@ -344,6 +420,22 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: StrictInt | None = None  # newer clients' name for max_tokens
+    logprobs: StrictBool | None = None  # each token's logprob in choices[0].logprobs.content
+    top_logprobs: StrictInt | None = None  # with logprobs=true: the N most likely tokens too (0..20)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v: int | None, info) -> int | None:
+        if v is not None and not 0 <= v <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs={v} must be in [0, {MAX_LOGPROBS}] (the most likely tokens returned with "
+                             "each token)")  # fmt: skip
+        if v and not info.data.get("logprobs"):  # logprobs is declared (so validated) first
+            raise ValueError(f"top_logprobs={v} needs logprobs=true: send both (or drop top_logprobs)")
+        return v
+
+    @property
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("messages")
     @classmethod
@@ -366,6 +458,13 @@ class ChatCompletionRequest(_Sampling):
         if self.max_tokens is None:
             self.max_tokens = self.max_completion_tokens
         return self
+
+
+def sampling_error(error: ValueError) -> APIError:
+    """A 400 of ``SamplingParams``' own check, naming the field its message starts with."""
+    message = str(error)
+    name = message.split("=")[0].split(" ")[0]
+    return APIError(400, message, param=name if name in _Sampling.model_fields or name == "logprobs" else None)
 
 
 def parse_json(raw: bytes) -> Any:
@@ -433,8 +532,10 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
 
 
-def completion_body(rid: str, model: str, text: str, finish_reason: str, usage: dict, choral: dict, chat: bool) -> dict:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+def completion_body(rid: str, model: str, text: str, finish_reason: str, usage: dict, choral: dict, chat: bool,
+                    logprobs: dict | None = None) -> dict:  # fmt: skip
+    """A whole response; ``logprobs``: the choice's (``serving.server.logprobs``), None when not asked for."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": logprobs}
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
@@ -444,12 +545,14 @@ def completion_body(rid: str, model: str, text: str, finish_reason: str, usage: 
 
 
 def chunk_body(rid: str, model: str, created: int, chat: bool, *, text: str | None = None, role: bool = False,
-               finish_reason: str | None = None, choral: dict | None = None, usage: dict | None = None) -> dict:  # fmt: skip
-    """One streamed chunk; ``text=None`` with ``usage`` set gives the final usage-only chunk."""
+               finish_reason: str | None = None, choral: dict | None = None, usage: dict | None = None,
+               logprobs: dict | None = None) -> dict:  # fmt: skip
+    """One streamed chunk; ``text=None`` with ``usage`` set gives the final usage-only chunk;
+    ``logprobs``: those of the tokens whose text the chunk carries."""
     body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                             "created": created, "model": model, "choices": []}  # fmt: skip
     if text is not None or role or finish_reason is not None:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": logprobs}
         if chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:

@@ -29,9 +29,10 @@ class RequestLog:
         self.draft_weights = draft_weights
 
     def row(self, *, text: str, chat: bool, draft: str, choice: Any, explored: bool, k: int, occupancy: int,
-            prompt_tokens: int, greedy: bool, completion: Completion) -> dict:  # fmt: skip
+            prompt_tokens: int, greedy: bool, completion: Completion, processors: tuple[str, ...] = ()) -> dict:  # fmt: skip
         """The row of one finished request (``choice``: the router's ``Choice``; ``explored``: routing.explore
-        sent it to ``draft`` instead of the router's choice)."""
+        sent it to ``draft`` instead of the router's choice; ``processors``: the logits processors it used,
+        ``SamplingParams.processors``, which change the target's distribution and so its acceptance)."""
         s = completion.stats
         prompt_id = f"{SERVED_DOMAIN}/{hashlib.sha256(text.encode()).hexdigest()[:16]}"
         mode = "greedy" if greedy else "sampled"
@@ -57,6 +58,7 @@ class RequestLog:
             "predicted_rate_at_k": choice.expected_rate if choice is not None and not explored else None,
             "fallback": s.get("fallback"),
             "explored": explored,
+            "processors": list(processors),
         }  # fmt: skip
 
     def append(self, row: dict) -> None:

@@ -117,6 +117,7 @@ class Routed:
 class Tokens:
     ids: list[int]
     origins: list | None = None  # [len(ids)] the engine's TokenOrigin of each
+    logprobs: list | None = None  # [len(ids)] the engine's TokenLogprob of each, when the request asked
 
 
 @dataclass
@@ -321,6 +322,8 @@ class Scheduler:
             ticket.draft = draft
             self._tickets[ticket.request_id] = ticket
             self.metrics.draft_choices.labels(draft, str(ticket.forced_draft is not None).lower()).inc()
+            for processor in ticket.request.params.processors:
+                self.metrics.processor_requests.labels(processor).inc()
             if ticket.explored:
                 self.metrics.explored.labels(choice.draft).inc()
             self.metrics.prompt_tokens.inc(len(ticket.request.prompt_ids))
@@ -408,7 +411,7 @@ class Scheduler:
             if out.finished is not None:
                 self._finish(ticket, out.finished, now)
             elif out.new_token_ids and ticket.stream:
-                ticket.send(Tokens(out.new_token_ids, out.new_token_origins))
+                ticket.send(Tokens(out.new_token_ids, out.new_token_origins, out.new_token_logprobs))
 
     def _observe_tokens(self, ticket: Ticket, n: int, now: float) -> None:
         if ticket.first_token is None:
@@ -462,7 +465,7 @@ class Scheduler:
             self.request_log.append(self.request_log.row(
                 text=ticket.route_text, chat=ticket.chat, draft=ticket.draft, choice=ticket.choice,
                 explored=ticket.explored, k=k, occupancy=ticket.occupancy, prompt_tokens=len(r.prompt_ids),
-                greedy=r.params.greedy, completion=completion))  # fmt: skip
+                greedy=r.params.greedy, completion=completion, processors=r.params.processors))  # fmt: skip
             self.metrics.logged_rows.inc()
         except Exception:
             log.exception("could not write the request log's row")

@@ -35,11 +35,13 @@ from serving.engine.drafters.registry import named_refs
 from serving.engine.loader import load_engine
 from serving.engine.models import load_tokenizer
 from serving.engine.sampling import SamplingParams
-from serving.server.detokenize import IncrementalDetokenizer
+from serving.server.detokenize import IncrementalDetokenizer, fit_texts, token_texts
 from serving.server.http import check_model, json_error, not_ready, read_body, requested_draft, wait_disconnect
+from serving.server.logprobs import TokenStrings, chat_logprobs, completion_logprobs, text_offsets
 from serving.server.metrics import ServerMetrics
 from serving.server.openai_api import (
-    APIError, ChatCompletionRequest, CompletionRequest, chunk_body, completion_body, new_id, parse_request, sse, usage,
+    APIError, ChatCompletionRequest, CompletionRequest, chunk_body, completion_body, new_id, parse_request, sampling_error,
+    sse, usage,
 )  # fmt: skip
 from serving.server.request_log import RequestLog
 from serving.server.scheduler import Engine, Failed, Finished, Routed, Scheduler, Ticket, Tokens
@@ -174,6 +176,7 @@ class EngineServer:
                                   queue_limit=self.cfg.queue_limit, unavailable=models.unavailable, routing=self.cfg.routing,
                                   request_log=request_log)  # fmt: skip
             scheduler.start()
+            self.token_strings = TokenStrings(models.tokenizer)  # logprobs' token texts and bytes, cached
             self.models, self.scheduler, self.ready = models, scheduler, True
             log.info("choral: ready in %.1f s: model %r, drafters %s", time.perf_counter() - t0, models.model_name,
                      ", ".join(scheduler.drafter_names))  # fmt: skip
@@ -219,7 +222,8 @@ class EngineServer:
             return json_error(e)
         # Counted when the response ends (_Context.count), with the status the client saw last.
         context = _Context(endpoint, self.metrics, new_id("chatcmpl" if chat else "cmpl"), self.models.model_name, chat, body,
-                           len(ticket.request.prompt_ids), first, ticket.forced_draft is not None)  # fmt: skip
+                           len(ticket.request.prompt_ids), first, ticket.forced_draft is not None,
+                           ticket.request.params.processors)  # fmt: skip
         if body.stream:
             return StreamingResponse(self._stream(ticket, context), media_type="text/event-stream")
         return await self._collect(http, ticket, context)
@@ -263,9 +267,18 @@ class EngineServer:
         if verification == "threshold" and self.cfg.role == "draft":
             raise APIError(400, "verification='threshold' is not carried to a target service (role=draft); send "
                            "verification='exact'", param="verification")  # fmt: skip
-        params = SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=body.seed,
-                                verification=verification,
-                                verification_threshold=body.verification_threshold or self.cfg.verification_threshold)  # fmt: skip
+        vocab = len(self.models.tokenizer)
+        outside = [k for k in (body.logit_bias or {}) if int(k) >= vocab]
+        if outside:
+            raise APIError(400, f"logit_bias keys {outside[:5]} are outside the vocabulary: token ids are in [0, {vocab})",
+                           param="logit_bias")  # fmt: skip
+        try:
+            params = SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=body.seed,
+                                    verification=verification,
+                                    verification_threshold=body.verification_threshold or self.cfg.verification_threshold,
+                                    **body.sampling_fields())  # fmt: skip
+        except ValueError as e:  # the request's fields were checked against the same ranges: a guard
+            raise sampling_error(e) from None
         request = Request(prompt_ids, params, max_tokens, body.stops, prediction=prediction)
         return Ticket(request, route_text, asyncio.get_running_loop(), forced_draft=forced, stream=body.stream,
                       chat=isinstance(body, ChatCompletionRequest), timeout_s=self.cfg.request_timeout_s)  # fmt: skip
@@ -346,24 +359,46 @@ class EngineServer:
             return JSONResponse(event.error.body(), status_code=event.error.status)
         c.count(200)
         out = event.completion
+        logprobs = None
+        if c.body.logprob_count is not None and out.logprobs is not None:
+            if c.chat:
+                logprobs = chat_logprobs(out.logprobs, self.token_strings)
+            else:  # text_offset: where each token's text starts, as a stream releases it
+                texts = token_texts(self.models.tokenizer, c.body.stops, out.token_ids, out.text)
+                logprobs = completion_logprobs(out.logprobs, self.token_strings, text_offsets(texts))
         body = completion_body(c.id, c.model, out.text, out.finish_reason, usage(c.prompt_tokens, len(out.token_ids)),
-                               c.choral(out.stats), c.chat)  # fmt: skip
+                               c.choral(out.stats), c.chat, logprobs)  # fmt: skip
         return JSONResponse(body)
 
     async def _stream(self, ticket: Ticket, c: "_Context") -> AsyncIterator[bytes]:
         detok = IncrementalDetokenizer(self.models.tokenizer, c.body.stops)
         created = int(time.time())
 
+        sent = 0  # characters of the answer's text sent so far (completions' text_offset counts from 0)
+
         def chunk(**kw: Any) -> bytes:
+            nonlocal sent
+            sent += len(kw.get("text") or "")
             return sse(chunk_body(c.id, c.model, created, c.chat, **kw))
 
         pending: list[dict] = []  # the tokens whose text has not gone out yet, in order
+        pending_lp: list = []  # their TokenLogprob entries (when asked for and the engine gave them)
+        wants_logprobs = c.body.logprob_count is not None
 
-        def push(ids: list[int], origins: list | None) -> None:
+        def push(ids: list[int], origins: list | None, logprobs: list | None = None) -> None:
             """Detokenize one token at a time, so each token's entry holds the text it released."""
             for i, token in enumerate(ids):
                 origin = origins[i].to_dict() if origins else {"origin": None, "drafter": None}
                 pending.append({"id": token, "text": detok.push([token])} | origin)
+                pending_lp.append(logprobs[i] if logprobs else None)
+
+        def chunk_logprobs(entries: list[dict]) -> dict | None:
+            """The logprobs of the tokens whose text a chunk carries (``entries``: their choral.tokens)."""
+            if not wants_logprobs or not entries or any(lp is None for lp in pending_lp):
+                return None
+            if c.chat:
+                return chat_logprobs(pending_lp, self.token_strings)
+            return completion_logprobs(pending_lp, self.token_strings, text_offsets([e["text"] for e in entries], sent))
 
         try:
             if c.chat:
@@ -371,20 +406,24 @@ class EngineServer:
             while True:
                 event = await ticket.events.get()
                 if isinstance(event, Tokens):
-                    push(event.ids, event.origins)
+                    push(event.ids, event.origins, event.logprobs)
                     delta = "".join(e["text"] for e in pending)
                     if delta:
-                        yield chunk(text=delta, choral={"tokens": pending})
-                        pending = []
+                        logprobs = chunk_logprobs(pending)
+                        yield chunk(text=delta, choral={"tokens": pending}, logprobs=logprobs)
+                        pending, pending_lp = [], []
                 elif isinstance(event, Finished):
                     c.count(200)
                     out = event.completion
                     rest = detok.finish(out.text)  # what is left of the final text, stop strings cut
                     seen = len(detok.ids)
-                    push(out.token_ids[seen:], out.origins[seen:] if out.origins else None)
+                    push(out.token_ids[seen:], out.origins[seen:] if out.origins else None,
+                         out.logprobs[seen:] if out.logprobs else None)  # fmt: skip
                     n_usage = usage(c.prompt_tokens, len(out.token_ids))
+                    tokens = fit_texts(pending, rest)
+                    logprobs = chunk_logprobs(tokens)
                     yield chunk(text=rest if rest or not c.chat else None, finish_reason=out.finish_reason,
-                                choral=c.choral(out.stats) | {"tokens": fit_texts(pending, rest)})  # fmt: skip
+                                choral=c.choral(out.stats) | {"tokens": tokens}, logprobs=logprobs)  # fmt: skip
                     if c.body.include_usage:
                         yield chunk(usage=n_usage)
                     yield sse("[DONE]")
@@ -401,19 +440,6 @@ class EngineServer:
             c.count(499)  # no-op once counted
 
 
-def fit_texts(entries: list[dict], text: str) -> list[dict]:
-    """The final chunk's token entries with their texts cut to ``text`` (the final text's rest,
-    which a stop string may have cut), in order; text no entry released goes to the last one."""
-    out, at = [], 0
-    for e in entries:
-        piece = text[at : at + len(e["text"])]
-        at += len(piece)
-        out.append(e | {"text": piece})
-    if at < len(text) and out:
-        out[-1]["text"] += text[at:]
-    return out
-
-
 @dataclass
 class _Context:
     endpoint: str
@@ -425,6 +451,7 @@ class _Context:
     prompt_tokens: int
     routed: Routed
     forced: bool
+    processors: tuple[str, ...] = ()  # the request's logits processors (SamplingParams.processors)
     counted: bool = False
 
     def count(self, status: int) -> None:
@@ -458,4 +485,5 @@ class _Context:
             "explored": self.routed.explored,  # routing.explore drew another drafter than router_choice
             "fallback": stats.get("fallback"),  # {"to": "none", "at_token": n} when the drafter stopped paying
             "exact": stats.get("exact", True),  # false: threshold verification, the output may not be the target's
+            "processors": list(self.processors),  # the logits processors it used: logit_bias, min_p, penalties
         }

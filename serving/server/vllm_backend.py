@@ -64,7 +64,9 @@ log = logging.getLogger("choral.fleet")
 RUNNING, WAITING, SPEC_DRAFTS = "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:spec_decode_num_drafts"
 CHORAL_FIELDS = ("draft", "verification", "verification_threshold")  # request fields only Choral reads; not forwarded
 # OpenAI fields Choral's own engine refuses (openai_api.NOT_IMPLEMENTED) that vLLM implements: forwarded.
-VLLM_IMPLEMENTS = frozenset({"frequency_penalty", "presence_penalty", "logit_bias", "response_format"})
+# (logprobs, top_logprobs, logit_bias, the penalties, min_p and repetition_penalty both implement:
+# checked by the same request models, then forwarded as sent; vLLM's answer carries its logprobs.)
+VLLM_IMPLEMENTS = frozenset({"response_format"})
 
 
 def _holds_oversized(value) -> bool:
