@@ -279,11 +279,21 @@ def test_replay_ceiling_replays_every_drafter_on_the_targets_answers(models, tmp
 
 
 @pytest.mark.e2e
+def test_bench_processors_times_the_processors_and_keeps_every_drafter_identical(models, tmp_path):
+    _run("scripts/experiments/bench_processors.py", ["--target", models["target"], "--draft", models["draft"], "--prompts", "2",
+                                                     "--max-tokens", "4", "--batch", "2", "--reps", "1", "--max-len", "2048", "--out", str(tmp_path)])  # fmt: skip
+    report = json.loads((tmp_path / "processors.json").read_text())
+    assert report["cost"]["batch"] == 2 and report["cost"]["share_of_verify"] > -1
+    assert {d: r["identical_to_target_alone"] for d, r in report["runs"].items()} == dict.fromkeys(report["runs"], 2)
+    assert all(r["logprobs_per_token"] for r in report["runs"].values())
+
+
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_probe_goodput_runs_each_drafter_k_and_step_k_in_one_engine(models, tmp_path, monkeypatch):
-    import serving.engine.core as core
+    import serving.engine.k_policy as k_policy
 
-    monkeypatch.setattr(core, "plan_cap", core.plan_cap)  # the script counts the planner's caps by wrapping it
+    monkeypatch.setattr(k_policy, "plan_cap", k_policy.plan_cap)  # the script counts the planner's caps by wrapping it
     _run("scripts/experiments/probe_goodput.py", ["none:2:rows", "ngram:2:goodput", "--target", models["target"], "--weights", "fp32",
                               "--per-family", "1", "--max-tokens", "4", "--batch", "2", "--profile", "none", "--out", str(tmp_path)])  # fmt: skip
     runs = json.loads((tmp_path / "probe.json").read_text())["runs"]

@@ -36,3 +36,15 @@ def test_calibrate_simulator_compares_a_loopback_server_with_its_simulation(tmp_
                                     "--n-prompts", "1", "--out", str(tmp_path)])  # fmt: skip
     report = json.loads((tmp_path / "calibration.json").read_text())
     assert "| fused |" in (tmp_path / "calibration.md").read_text() and report
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_check_processors_served_sends_every_sampling_field_through_the_openai_client(models, tmp_path, monkeypatch):
+    _serving_env(monkeypatch)
+    _run("scripts/experiments/check_processors_served.py", ["--target", models["target"], "--draft", models["draft"], "--prompts", "1",
+                                                            "--max-tokens", "4", "--streamed", "1", "--serve-arg", "engine.max_len=2048",
+                                                            "--out", str(tmp_path)])  # fmt: skip
+    report = json.loads((tmp_path / "processors_served.json").read_text())
+    assert all(report["checks"].values()), report["checks"]
+    assert {d: s["identical_to_target_alone"] for d, s in report["summary"].items()} == dict.fromkeys(report["summary"], 1)

@@ -93,6 +93,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--out", default="runs/processors")
     args = ap.parse_args(argv)
 
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
     from serving.workload import load_workload
 
     refs = {"none": None, "ngram": "ngram", "suffix": "suffix", "draft": args.draft, "auto": "auto"}
-    loaded = load_engine(EngineSettings(device="cpu", max_len=1024, k=args.k, max_batch_size=args.batch), args.target, refs)
+    loaded = load_engine(EngineSettings(device="cpu", max_len=args.max_len, k=args.k, max_batch_size=args.batch), args.target, refs)
     engine, tok = loaded.engine, loaded.tokenizer
     params = settings(tok)
     per_family = max(1, -(-args.prompts // 6))

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import serving.engine.core as core  # noqa: E402
+import serving.engine.k_policy as k_policy  # noqa: E402
 from serving.engine import Request  # noqa: E402
 from serving.engine.engine_settings import EngineSettings
 from serving.engine.loader import load_engine
@@ -68,14 +68,14 @@ def main(argv: list[str] | None = None) -> int:
 
     prompt_ids = [ids(p) for p in prompts]
     caps: collections.Counter = collections.Counter()
-    plan = core.plan_cap
+    plan = k_policy.plan_cap
 
     def counted(expected, fixed, cost, ks):
         cap = plan(expected, fixed, cost, ks)
         caps[(len(expected), cap)] += 1
         return cap
 
-    core.plan_cap = counted
+    k_policy.plan_cap = counted
     phases: collections.defaultdict = collections.defaultdict(list)  # name -> ms of each call, this run
     if args.phases:
         import serving.engine.speculative as speculative
