@@ -227,6 +227,10 @@ MUTANTS = [
            "    return accept_reject(p, q, draft_tokens, rand.accept[:, :k], rand.next, n_draft, lossy)\n",
            "    return accept_reject(p, p[:, :k] if sampling.processors is not None else q, draft_tokens, "
            "rand.accept[:, :k], rand.next, n_draft, lossy)\n", ("tests/test_processors.py",)),
+    Mutant("processors-stop-on-fallback", "a row that falls back to the target alone loses its processors",
+           "serving/engine/core.py", "    def _stop_drafter(self, b: int, slot: Slot, finished: bool) -> None:\n",
+           "    def _stop_drafter(self, b: int, slot: Slot, finished: bool) -> None:\n        self.processors.stop(b)\n",
+           ("tests/test_processors.py", "-k", "falls_back")),
     Mutant("threshold-on-exact-rows", "an exact request in a batch with a threshold one gets the threshold rule too",
            "serving/engine/sampling.py", "p.verification_threshold if p.lossy else 0.0 for p in params",
            "p.verification_threshold for p in params", THRESHOLD_TESTS),

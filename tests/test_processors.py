@@ -370,3 +370,25 @@ def test_threshold_rows_never_accept_a_token_the_processors_ban(tiny_target, tok
     outs = engine.generate([Request(p, params, max_new_tokens=12, drafter="banned") for p in ragged_prompts(2, seed=75)])
     for out in outs:
         assert 13 not in out.token_ids and out.stats["accepted"] == 0 and out.stats["drafted"] > 0
+
+
+@pytest.mark.integration
+def test_a_row_that_falls_back_to_the_target_alone_keeps_its_processors(engines, tiny_target, tokenizer):
+    """A fallback stops the row's drafter, not its processors: the rest of its answer is still the
+    processed target's."""
+    from serving.engine.drafters.base import HostDrafter
+    from serving.engine.request import Fallback
+
+    class Wrong(HostDrafter):
+        def propose(self, row, tokens, k):
+            return [(tokens[-1] + 1) % 300 + 3] * k
+
+    _, alone = engines
+    engine = SpeculativeEngine(tiny_target, tokenizer, config=EngineConfig(max_batch_size=2, max_len=128, k=3),
+                               drafters={"wrong": Wrong()})  # fmt: skip
+    params = SamplingParams(**PROCESSORS["all"])
+    for prompt in ragged_prompts(2, seed=76):
+        [want] = alone.generate([Request(prompt, params, max_new_tokens=24)])
+        [out] = engine.generate([Request(prompt, params, max_new_tokens=24, drafter="wrong",
+                                         fallback=Fallback(min_acceptance=0.5, after_drafted=3))])  # fmt: skip
+        assert out.stats["fallback"]["at_token"] < 12 and out.token_ids == want.token_ids

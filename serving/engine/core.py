@@ -393,7 +393,6 @@ class SpeculativeEngine:
         return PREDICTION if request.prediction and PREDICTION in self.drafters else self.default_drafter
 
     def _stop_drafter(self, b: int, slot: Slot, finished: bool) -> None:
-        self.processors.stop(b)
         if slot.drafter in self.drafters:
             self.drafters[slot.drafter].stop(b, finished)
 
@@ -422,6 +421,7 @@ class SpeculativeEngine:
         self.state.done[b] = True
         self._sampling = None
         self._stop_drafter(b, slot, finished=True)
+        self.processors.stop(b)
         self.verifier.release(b)
         return completion(slot, self.tokenizer, self._eos, time.perf_counter())
 
@@ -436,6 +436,7 @@ class SpeculativeEngine:
             self._slots[b] = None
             self.state.done[b] = True
             self._stop_drafter(b, slot, finished=False)
+            self.processors.stop(b)
             self.verifier.release(b)
         self._sampling = None
         return ids
