@@ -814,3 +814,46 @@ def test_the_attention_fallback_gives_each_row_exactly_its_own_keys(monkeypatch)
         for b in range(B):
             own, _ = cpu_kernels._rowwise_sdpa(None, q[b : b + 1], k[b : b + 1], v[b : b + 1], mask[2:3].clone(), scaling=0.25)
             assert torch.equal(shared[b : b + 1], own)
+
+
+def _kernel_machine() -> str | None:
+    """Why this machine cannot build the kernels (None: it can: x86-64 Linux, AVX2 or AVX-512, a C++ compiler)."""
+    import platform
+    import shutil
+
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"the kernels are built for x86-64 Linux; this is {platform.system()} {platform.machine()}"
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return f"the kernels need AVX2 or AVX-512; this CPU is {torch.backends.cpu.get_cpu_capability()}"
+    if not (shutil.which("c++") or shutil.which("g++")):
+        return "no C++ compiler on PATH"
+    return None
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(_kernel_machine() is not None, reason=str(_kernel_machine()))
+def test_the_kernels_build_on_every_machine_that_can_build_them():
+    """The default precision (q4) runs on these kernels: where they can be built, a build that
+    falls back is a broken build, never a reason to skip the tests that need it."""
+    assert cpu_kernels.rowdot_available(), "the rowdot kernel failed to build here (see the log's warning)"
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(_kernel_machine() is not None, reason=str(_kernel_machine()))
+def test_a_broken_kernel_build_fails_loudly_where_kernels_are_required(tmp_path, monkeypatch):
+    """With CHORAL_REQUIRE_KERNELS=1 (CI sets it) a source that does not compile raises with the
+    compiler's error instead of falling back (and the tests gated on the kernels then fail to
+    collect rather than skip)."""
+    broken = tmp_path / "rowdot.cpp"
+    broken.write_text(cpu_kernels.ROWDOT_SOURCE.read_text() + "\nthis is not C++;\n")
+    monkeypatch.setattr(cpu_kernels, "ROWDOT_SOURCE", broken)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setenv(cpu_kernels.REQUIRE_KERNELS, "1")
+    cpu_kernels._rowdot_ext.cache_clear()
+    try:
+        with pytest.raises(cpu_kernels.KernelBuildError, match=r"rowdot.cpp\) failed and CHORAL_REQUIRE_KERNELS=1: .*Error building"):
+            cpu_kernels._rowdot_ext()
+        monkeypatch.delenv(cpu_kernels.REQUIRE_KERNELS)
+        assert cpu_kernels._rowdot_ext.__wrapped__() is None  # without it: the fallback, with a warning
+    finally:
+        cpu_kernels._rowdot_ext.cache_clear()

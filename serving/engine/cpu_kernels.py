@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import weakref
 from pathlib import Path
 from types import SimpleNamespace
@@ -42,10 +43,23 @@ ATTN_NAME = "choral_rowwise_sdpa"
 ROWDOT_SOURCE = Path(__file__).with_name("rowdot.cpp")
 
 
+REQUIRE_KERNELS = "CHORAL_REQUIRE_KERNELS"  # "1": a kernel that cannot be built is an error, not a fallback (CI sets it)
+
+
+class KernelBuildError(RuntimeError):
+    """The C++ kernels could not be built where they were required (``CHORAL_REQUIRE_KERNELS=1``)."""
+
+
 @functools.lru_cache(maxsize=None)
 def _rowdot_ext():
-    """Build (or load the cached build of) the kernel; None where that is not possible."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+    """Build (or load the cached build of) the kernel; None where that is not possible, unless
+    ``CHORAL_REQUIRE_KERNELS=1``, where it raises ``KernelBuildError`` with the compiler's error."""
+    required = os.environ.get(REQUIRE_KERNELS) == "1"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        if required:
+            raise KernelBuildError(f"{REQUIRE_KERNELS}=1 but this CPU's capability is {capability}: the kernels need "
+                                   "AVX2 or AVX-512 (unset it to run on the fallback)")  # fmt: skip
         return None
     try:
         from torch.utils.cpp_extension import load_inline
@@ -60,6 +74,9 @@ def _rowdot_ext():
             extra_ldflags=["-fopenmp"], verbose=False,
         )
     except Exception as exc:  # noqa: BLE001 - no compiler, no headers: fall back, say why
+        if required:
+            raise KernelBuildError(f"building the rowdot CPU kernel ({ROWDOT_SOURCE}) failed and {REQUIRE_KERNELS}=1: "
+                                   f"{exc}") from exc  # fmt: skip
         log.warning("choral: building the rowdot CPU kernel failed (%s); using MKL packed sgemm", exc)
         return None
 
