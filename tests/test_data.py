@@ -1,7 +1,7 @@
 """Training data: packing, padding, splits, per-domain sources kept apart from evaluation, local files."""
 
-import importlib.util
 import json
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -178,16 +178,18 @@ def test_local_unsupported_paths(tmp_path):
         load_local_texts(tmp_path)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("pyarrow") is not None, reason="pyarrow is installed")
-def test_parquet_without_pyarrow_is_a_clear_error(tmp_path):
+def test_parquet_without_pyarrow_is_a_clear_error(tmp_path, monkeypatch):
+    # pyarrow is a dependency: a machine without it is made by hiding it (None in sys.modules fails its import)
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     path = tmp_path / "docs.parquet"
     path.write_bytes(b"PAR1")
     with pytest.raises(ImportError, match="pip install pyarrow"):
         load_local_texts(path)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("datasets") is not None, reason="datasets is installed")
-def test_datasets_folder_without_datasets_is_a_clear_error(tmp_path):
+def test_datasets_folder_without_datasets_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)
     (tmp_path / "dataset_info.json").write_text("{}")
     with pytest.raises(ImportError, match="pip install datasets"):
         load_local_texts(tmp_path)

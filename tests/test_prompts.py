@@ -5,7 +5,6 @@ import random
 
 import pytest
 
-from serving.engine.bundled import choral_home
 from serving.prompts import (
     ALL_DOMAINS,
     DOMAINS,
@@ -144,15 +143,13 @@ def test_grounded_edit_names_the_variable_it_renames():
         assert f"`{g.quotes[1]}`" in g.prompt.text and f"def {g.quotes[0]}(" in g.source
 
 
+@pytest.mark.bundled
 def test_grounded_prompts_fit_the_qwen_tokenizer_budget():
-    # Checks the tokenizer-free estimate against the real count; the bundled target's folder holds
-    # the tokenizer once `resolve_bundled` has converted it (the bundled tier does).
-    folder = choral_home() / "models" / "qwen2.5-coder-1.5b-instruct"
-    if not (folder / "tokenizer.json").is_file():
-        pytest.skip(f"no converted bundled target at {folder}")
-    from transformers import AutoTokenizer
+    # Checks the tokenizer-free estimate against the real count, with the bundled target's own
+    # tokenizer (converted on first use, as every bundled test does; never left to another test).
+    from serving.engine.models import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = load_tokenizer("qwen2.5-coder-1.5b-instruct")
     for domain in GROUNDED_DOMAINS:
         for p in load_prompts(domain, GROUNDED_ROWS):
             assert len(encode_prompt(tokenizer, p)) <= MAX_PROMPT_TOKENS, p.id
