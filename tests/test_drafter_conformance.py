@@ -434,6 +434,27 @@ def test_greedy_output_is_the_targets_alone_and_in_every_slot(kit, kind):
     assert sum(o.stats["drafted"] for o in outs if o.stats["drafter"] == kind) > 0, "the kind never drafted"
 
 
+@pytest.mark.parametrize("kind", NAMES)
+def test_greedy_output_with_logits_processors_is_the_processed_targets(kit, kind):
+    """Issue 71 through the kit: the kind's rows with logit_bias and the three penalties (and
+    logprobs), beside rows without them, equal the target alone with the same settings, logprobs
+    to 1e-5; the processors move the output, so the check has something to see."""
+    params = SamplingParams(logit_bias=((7, 4.0), (11, -100.0)), repetition_penalty=1.6, frequency_penalty=0.8,
+                            presence_penalty=0.5, logprobs=2)  # fmt: skip
+    a, b, c = ragged_prompts(3, seed=17)
+    alone = SpeculativeEngine(kit.target, kit.tokenizer, config=kit.config(2, k=0))
+    want = {tuple(p): alone.generate([Request(list(p), params, max_new_tokens=MAX_NEW)])[0] for p in (a, c)}
+    assert any(w.token_ids != kit.answer(p) for p, w in zip((a, c), want.values())), "the processors moved nothing"
+    engine, _ = kit.engine()
+    fill = others(kind)[0]
+    outs = engine.generate([kit.request(kind, a, params), kit.request(fill, b), kit.request(kind, c, params)])
+    for p, out in ((a, outs[0]), (c, outs[2])):
+        w = want[tuple(p)]
+        assert out.token_ids == w.token_ids and out.stats["processors"] == list(params.processors)
+        assert [x.logprob for x in out.logprobs] == pytest.approx([x.logprob for x in w.logprobs], abs=1e-5)
+    assert outs[1].token_ids == kit.answer(b) and outs[1].logprobs is None
+
+
 # ---- 2. seeded sampled output and statistics do not depend on the batch ----------------------
 
 
