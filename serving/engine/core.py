@@ -127,7 +127,7 @@ class SpeculativeEngine:
         self._eos = set(self.state.eos_ids.tolist())
         self._sampling: SamplingTensors | None = None  # rebuilt when a slot's request or the bucket changes
         self.k_policy = KPolicy(config, self.drafters)
-        self.processors = Processors(B, self.vocab_size, self.device)  # logit_bias and penalties, per row
+        self.processors = Processors(B, self.vocab_size, self.device, tokenizer)  # bias, penalties, grammars per row
         self._slots = SlotTable(B)
         self._carry: list[StepOutput] = []  # outputs of a step that raised, handed out by the next one
         # Measured step times by (rows, width): what step_k goodput prices a step with; a profiled
@@ -506,6 +506,7 @@ class SpeculativeEngine:
             try:
                 # Stop strings first: a step that also reaches the length limit must still cut at the stop.
                 stopped = hit_stop(slot, before, self.tokenizer)
+                self.processors.observe(b, slot.generated[before:])
                 if slot.drafter in self.drafters and len(slot.generated) > before:  # what the row kept
                     self._observe(b, slot, before, verdict.features)
             except Exception as e:  # committed already: this row fails, the step stands for the others

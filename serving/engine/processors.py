@@ -25,10 +25,12 @@ the penalties, before temperature (vLLM's processed logprobs).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from serving.engine.grammar import apply_masks, grammars_for
 from serving.engine.sampling import SamplingParams
 
 
@@ -45,6 +47,9 @@ class ProcessorRows:
     presence: torch.Tensor  # [B] float, 0 = off
     biased: bool = True
     penalized: bool = True
+    # Grammar rows: (row, its matcher) and the grammars they come from (serving.engine.grammar).
+    grammar: list[tuple[int, Any]] = field(default_factory=list)
+    grammars: Any = None
 
 
 def penalties(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor, repetition: torch.Tensor,
@@ -64,8 +69,20 @@ def process(logits: torch.Tensor, rows: ProcessorRows, drafts: torch.Tensor | No
     B, T, V = logits.shape
     if rows.biased:
         logits = logits + rows.bias.unsqueeze(1)  # [B, T, V]
-    if not rows.penalized:
-        return logits
+    if rows.penalized:
+        logits = _penalized(logits, rows, drafts, n_draft)
+    if rows.grammar:  # each grammar row's mask at each position, its matcher along the drafts before it
+        real = [int(n) for n in n_draft.tolist()] if n_draft is not None else [T - 1] * B
+        listed = drafts.tolist() if drafts is not None else [[] for _ in range(B)]
+        masks = rows.grammars.masks([(b, m, listed[b][: real[b]]) for b, m in rows.grammar], B, T)
+        logits = apply_masks(logits, masks)
+    return logits
+
+
+def _penalized(logits: torch.Tensor, rows: ProcessorRows, drafts: torch.Tensor | None,
+               n_draft: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """The penalties at each position, with the drafts before it counted."""
+    B, T, V = logits.shape
     r, f, p = (x.view(B, 1, 1) for x in (rows.repetition, rows.frequency, rows.presence))
     # Every token at its committed count: right for any token no draft before t equals.
     out = penalties(logits, rows.counts.unsqueeze(1), rows.seen.unsqueeze(1), r, f, p)  # [B, T, V]
@@ -90,10 +107,11 @@ class Processors:
     processor (then kept: static shapes). ``start`` sets a row for its request, ``commit`` adds
     a step's committed tokens, ``rows`` hands the verifier a batch's rows."""
 
-    def __init__(self, batch_size: int, vocab_size: int, device: torch.device) -> None:
-        self.B, self.V, self.device = batch_size, vocab_size, device
+    def __init__(self, batch_size: int, vocab_size: int, device: torch.device, tokenizer: Any = None) -> None:
+        self.B, self.V, self.device, self.tokenizer = batch_size, vocab_size, device, tokenizer
         self.state: ProcessorRows | None = None
         self.active: list[bool] = [False] * batch_size  # rows whose request uses a processor
+        self.matchers: dict[int, Any] = {}  # grammar rows: row -> its matcher after its committed tokens
 
     def _allocate(self) -> ProcessorRows:
         B, V, dev = self.B, self.V, self.device
@@ -104,6 +122,11 @@ class Processors:
     def start(self, row: int, params: SamplingParams, prompt: Sequence[int], first: int) -> None:
         """The row's request was admitted with ``prompt`` and its first token ``first``."""
         self.active[row] = bool(params.processors)
+        self.matchers.pop(row, None)
+        if params.grammar is not None:
+            matcher = grammars_for(self.tokenizer, self.V).matcher(params.grammar)
+            matcher.consume_token(first)  # drawn under the grammar's mask (the prefill's first_token)
+            self.matchers[row] = matcher
         if self.state is None and self.active[row]:
             self.state = self._allocate()
         if self.state is not None:  # a row without processors is reset too: its neighbours' batches read it
@@ -111,6 +134,14 @@ class Processors:
 
     def stop(self, row: int) -> None:
         self.active[row] = False
+        self.matchers.pop(row, None)
+
+    def observe(self, row: int, tokens: Sequence[int]) -> None:
+        """The step committed ``tokens`` to ``row`` (host side, after the step's sync): a grammar
+        row's matcher follows them."""
+        matcher = self.matchers.get(row)
+        if matcher is not None and tokens:
+            matcher.consume_tokens(list(tokens))
 
     def rows(self, n: int, params: Sequence[SamplingParams | None]) -> ProcessorRows | None:
         """The first ``n`` rows (a step's batch bucket), or None when none of them uses a processor."""
@@ -119,7 +150,9 @@ class Processors:
         s = self.state
         return ProcessorRows(s.counts[:n], s.seen[:n], s.bias[:n], s.repetition[:n], s.frequency[:n], s.presence[:n],
                              biased=any(p is not None and bool(p.logit_bias) for p in params),
-                             penalized=any(p is not None and p.penalized for p in params))  # fmt: skip
+                             penalized=any(p is not None and p.penalized for p in params),
+                             grammar=[(b, m) for b, m in sorted(self.matchers.items()) if b < n],
+                             grammars=grammars_for(self.tokenizer, self.V) if self.matchers else None)  # fmt: skip
 
     def commit(self, tokens: torch.Tensor, n_new: torch.Tensor) -> None:
         """A step committed ``tokens[b, :n_new[b]]`` ([n, T] long, [n] long) to each of the first n rows."""
@@ -151,13 +184,17 @@ def fill_row(state: ProcessorRows, row: int, params: SamplingParams, prompt: Seq
         params.repetition_penalty, params.frequency_penalty, params.presence_penalty)
 
 
-def first_rows(params: SamplingParams, prompt: Sequence[int], vocab_size: int, device) -> ProcessorRows | None:
+def first_rows(params: SamplingParams, prompt: Sequence[int], vocab_size: int, device, tokenizer: Any = None) -> ProcessorRows | None:
     """One row's state before its first token (for the prefill's draw), or None without processors."""
     if not params.processors:
         return None
+    grammar = []
+    if params.grammar is not None:
+        grammar = [(0, grammars_for(tokenizer, vocab_size).matcher(params.grammar))]
     state = ProcessorRows(torch.zeros(1, vocab_size, device=device), torch.zeros(1, vocab_size, dtype=torch.bool, device=device),
                           torch.zeros(1, vocab_size, device=device), torch.ones(1, device=device),
                           torch.zeros(1, device=device), torch.zeros(1, device=device),
-                          biased=bool(params.logit_bias), penalized=params.penalized)  # fmt: skip
+                          biased=bool(params.logit_bias), penalized=params.penalized, grammar=grammar,
+                          grammars=grammars_for(tokenizer, vocab_size) if grammar else None)  # fmt: skip
     fill_row(state, 0, params, prompt, [])
     return state

@@ -51,6 +51,8 @@ class SamplingParams:
     logprobs: None, or how many most likely alternatives to return with each generated token's
         own log probability (0..20), of the distribution after the processors and before
         temperature (vLLM's processed logprobs).
+    grammar: an llguidance grammar the output must follow (``serving.engine.grammar``: JSON mode,
+        a JSON schema): tokens it does not allow get no probability at any verified position.
     """
 
     temperature: float = 0.0
@@ -65,6 +67,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     min_p: float = 0.0
     logprobs: int | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature < float("inf"):
@@ -122,7 +125,7 @@ class SamplingParams:
         """The logits processors this request uses, by their OpenAI / vLLM field names."""
         used = (("logit_bias", bool(self.logit_bias)), ("repetition_penalty", self.repetition_penalty != 1.0),
                 ("frequency_penalty", self.frequency_penalty != 0.0), ("presence_penalty", self.presence_penalty != 0.0),
-                ("min_p", self.min_p > 0.0))  # fmt: skip
+                ("min_p", self.min_p > 0.0), ("grammar", self.grammar is not None))  # fmt: skip
         return tuple(name for name, on in used if on)
 
 

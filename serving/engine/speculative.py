@@ -285,11 +285,12 @@ def prefill_first_token(
     return first_token(target.prefill(prompt, slot), params, u, prompt[0].tolist())[0]
 
 
-def first_token(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor,
-                prompt: list[int] | None = None) -> tuple[int, StepLogprobs | None]:  # fmt: skip
+def first_token(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor, prompt: list[int] | None = None,
+                tokenizer=None) -> tuple[int, StepLogprobs | None]:  # fmt: skip
     """The first new token from the logits after the prompt ([1, 1, V]), drawn with uniform ``u``
-    ([1]) under ``params`` (its processors see the ``prompt``), and its logprobs if it asks."""
-    rows = first_rows(params, prompt or [], logits.shape[-1], logits.device)
+    ([1]) under ``params`` (its processors see the ``prompt``; a grammar needs the ``tokenizer``),
+    and its logprobs if it asks."""
+    rows = first_rows(params, prompt or [], logits.shape[-1], logits.device, tokenizer)
     logits = logits.float() if rows is None else process(logits.float(), rows)
     probs = probs_from_logits(logits, SamplingTensors.build([params], logits.device))
     token = sample(probs[:, 0], u.to(logits.device))  # [1]

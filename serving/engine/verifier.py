@@ -150,6 +150,7 @@ class LocalVerifier(Verifier):
 
     def __init__(self, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
         self.model = target
+        self.tokenizer = tokenizer  # a grammar's first token is masked with it
         self.eos_ids = eos_token_ids(target, tokenizer)
         self.max_position_embeddings = getattr(target.config, "max_position_embeddings", None) or 2048
         self.runner: ModelRunner | None = None  # built by bind, for the engine's batch
@@ -176,7 +177,7 @@ class LocalVerifier(Verifier):
         kept = self._kept.get(row) if self.reuse else None
         if kept is not None and kept[0].shape == prompt.shape and torch.equal(kept[0], prompt):
             self.reused_prefill_s = kept[2]
-            first, self.first_logprobs = first_token(kept[1], params, u, prompt[0].tolist())
+            first, self.first_logprobs = first_token(kept[1], params, u, prompt[0].tolist(), self.tokenizer)
             return first
         self.reused_prefill_s = None
         self._kept.pop(row, None)  # a prefill that fails midway leaves the row holding neither prompt
@@ -184,7 +185,7 @@ class LocalVerifier(Verifier):
         logits = self.runner.prefill(prompt, row)  # [1, 1, V]
         if self.runner.capture:
             self.prompt_features = self.runner.prefill_features[0]  # [L, n * H]
-        first, self.first_logprobs = first_token(logits, params, u, prompt[0].tolist())  # int(): the prefill has finished
+        first, self.first_logprobs = first_token(logits, params, u, prompt[0].tolist(), self.tokenizer)  # int(): it has finished
         if self.reuse:
             # Copies: a compiled forward may hand out the same output buffer again on its next call.
             self._kept[row] = (prompt.clone(), logits.clone(), time.perf_counter() - started)

@@ -1,0 +1,120 @@
+"""Grammar-constrained rows (JSON mode, JSON schema) with llguidance, exact under speculation.
+
+A row with a grammar (``SamplingParams.grammar``: an llguidance grammar, e.g. from
+``json_schema_grammar``) holds a matcher: the grammar's parser state after the row's committed
+tokens. A step's verify masks the target's logits at each of its K + 1 positions with the tokens
+the grammar allows there, the matcher advanced along the drafts before that position and rolled
+back afterwards (llguidance's ``fill_next_token_bitmask_par_with_draft_tokens``). A draft token the
+grammar forbids then has p = 0 and is rejected by the acceptance rule like any other; the residual
+and bonus draws come from the masked p, so the output is distributed exactly as the constrained
+target alone (greedy: the same tokens). Only ``commit`` moves a matcher: the step's committed
+tokens, never a rejected draft.
+
+llguidance was picked over xgrammar: no dependencies (xgrammar pulls triton), a draft-aware mask
+call, rollback, and forced-token computation (docs/experiments/grammar-libraries.md).
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+MAX_GRAMMAR_BYTES = 256 * 1024  # a schema larger than this is refused (it would stall the step compiling)
+CACHED_GRAMMARS = 64  # compiled grammars kept (one pristine matcher each, copied per request)
+
+
+class GrammarError(ValueError):
+    """A grammar (a JSON schema) that cannot be compiled, named with llguidance's reason."""
+
+
+def json_schema_grammar(schema: dict | None) -> str:
+    """The llguidance grammar of a JSON schema (None: any JSON object, OpenAI's ``json_object``),
+    compact: no whitespace between tokens beyond ``", "`` and ``": "`` (so a model cannot pad an
+    answer with spaces until it runs out of tokens)."""
+    import llguidance
+
+    text = json.dumps({"type": "object"} if schema is None else schema)
+    if len(text) > MAX_GRAMMAR_BYTES:
+        raise GrammarError(f"the JSON schema is {len(text)} bytes; at most {MAX_GRAMMAR_BYTES} are compiled")
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(text, overrides={"whitespace_flexible": False})
+    except ValueError as e:
+        raise GrammarError(f"the JSON schema cannot be compiled: {e}") from None
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise GrammarError(f"the JSON schema cannot be compiled: {error}")
+    return grammar
+
+
+class Grammars:
+    """llguidance's view of one tokenizer (its vocabulary at the logits' width) and the grammars
+    compiled for it, kept per grammar text (a pristine matcher, deep-copied per request)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        import llguidance
+        import llguidance.hf
+
+        self.vocab_size = vocab_size
+        # Logits wider than the tokenizer's vocabulary: ids past it are never allowed.
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        self.executor = llguidance.LLExecutor(num_threads=1)
+        self._compiled: OrderedDict[str, Any] = OrderedDict()
+
+    def matcher(self, grammar: str) -> Any:
+        """A fresh matcher of ``grammar`` (compiled once, then copied)."""
+        import llguidance
+
+        pristine = self._compiled.get(grammar)
+        if pristine is None:
+            pristine = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+            if pristine.is_error():
+                raise GrammarError(f"the grammar cannot be compiled: {pristine.get_error()}")
+            self._compiled[grammar] = pristine
+            if len(self._compiled) > CACHED_GRAMMARS:
+                self._compiled.popitem(last=False)
+        self._compiled.move_to_end(grammar)
+        return pristine.deep_copy()
+
+    def bitmask(self, rows: int) -> torch.Tensor:
+        import llguidance.torch
+
+        return llguidance.torch.allocate_token_bitmask(rows, self.vocab_size)  # [rows, ceil(V / 32)] int32
+
+    def masks(self, matchers: Sequence[tuple[int, Any, list[int]]], B: int, T: int) -> torch.Tensor:
+        """[B * T, W] bitmasks: row b's position t allows what its grammar allows after its drafts
+        before t (``matchers``: (row, matcher, drafts)); every other entry allows every token."""
+        import llguidance.torch
+
+        bitmask = self.bitmask(B * T)
+        bitmask.fill_(-1)
+        drafting = [(m, b * T, drafts[: T - 1]) for b, m, drafts in matchers if drafts]
+        if drafting:  # the draft-aware call takes rows with drafts only
+            llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(self.executor, drafting, bitmask)
+        plain = [(m, b * T) for b, m, drafts in matchers if not drafts]
+        if plain:
+            llguidance.torch.fill_next_token_bitmask_par(self.executor, plain, bitmask)
+        return bitmask
+
+
+_BY_TOKENIZER: "weakref.WeakKeyDictionary[Any, Grammars]" = weakref.WeakKeyDictionary()
+
+
+def grammars_for(tokenizer: Any, vocab_size: int) -> Grammars:
+    """The ``Grammars`` of a tokenizer (built on first use: about a second for a 150K vocabulary)."""
+    g = _BY_TOKENIZER.get(tokenizer)
+    if g is None or g.vocab_size != vocab_size:
+        g = _BY_TOKENIZER[tokenizer] = Grammars(tokenizer, vocab_size)
+    return g
+
+
+def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """``logits`` [B, T, V] with every token a bitmask ([B * T, W] int32) disallows set to -inf."""
+    B, T, V = logits.shape
+    bits = torch.arange(32, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().view(B * T, -1)[:, :V]  # [B * T, V]
+    return logits.masked_fill(~allowed.view(B, T, V).to(logits.device), float("-inf"))
