@@ -380,6 +380,34 @@ def test_workload_hindsight_checks_identical_work_and_a_longer_k_in_hindsight(tm
     assert "routed with its ngram/suffix choices at K = 8: 2.250x, 1.452 of the best single, 1.000 of the oracle" in out
 
 
+# ---- structured outputs ------------------------------------------------------------------------
+
+
+@pytest.mark.e2e
+def test_grammar_libraries_measures_llguidance_on_the_tiny_tokenizer(tokenizer, tmp_path):
+    """Issue 72's measurement of the grammar library, on the tiny tokenizer: every schema's sample
+    answer is accepted token by token, the verify masks of one call equal those filled a position
+    at a time, and each measurement is there. Only llguidance (the library the record picks); it
+    is not a dependency yet, so the test skips until pyproject.toml declares it."""
+    pytest.importorskip("llguidance", reason="llguidance is not installed (issue 72 adds it to pyproject.toml)")
+    folder = tmp_path / "tokenizer"
+    tokenizer.save_pretrained(folder)
+    out = tmp_path / "out"
+    script = load_script("scripts/experiments/grammar_libraries.py")
+    assert script.main(["--tokenizer", str(folder), "--libraries", "llguidance", "--schemas", "3", "--tokens", "12",
+                        "--batch", "2", "--reps", "1", "--rounds", "1", "--no-compiled-apply", "--out", str(out)]) == 0  # fmt: skip
+    record = json.loads((out / "grammar_libraries.json").read_text())
+    r = record["results"]["llguidance"]
+    assert [row["schema"] for row in r["compile"]["per_schema"]] == ["person", "invoice", "event", "json_object"]
+    assert r["masks"]["loop"]["step_ms"]["n"] == r["masks"]["batch"]["step_ms"]["n"] == 12
+    assert r["masks"]["loop"]["rejected_tokens"] == r["masks"]["batch"]["rejected_tokens"] == 0  # valid answers
+    spec = r["speculation"]
+    assert spec["verify_masks_equal"] and spec["positions"] == sum(s["tokens"] - 1 for s in record["schemas"])
+    assert all(0 <= n <= 4 for n in spec["validate_counts"]) and min(spec["validate_counts"]) < 4  # a wrong token stops it
+    assert r["apply"]["library_cpu_equals_plain_torch"] and r["installed"]["own_mib"] > 0
+    assert record["agreement"] == {} and len(r["load_averages"]) == 1
+
+
 # ---- fleets and the simulator --------------------------------------------------------------------
 
 
