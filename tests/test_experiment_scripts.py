@@ -389,7 +389,6 @@ def test_grammar_libraries_measures_llguidance_on_the_tiny_tokenizer(tokenizer, 
     answer is accepted token by token, the verify masks of one call equal those filled a position
     at a time, and each measurement is there. Only llguidance (the library the record picks); it
     is not a dependency yet, so the test skips until pyproject.toml declares it."""
-    pytest.importorskip("llguidance", reason="llguidance is not installed (issue 72 adds it to pyproject.toml)")
     folder = tmp_path / "tokenizer"
     tokenizer.save_pretrained(folder)
     out = tmp_path / "out"

@@ -22,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 MAX_GRAMMAR_BYTES = 256 * 1024  # a schema larger than this is refused (it would stall the step compiling)
@@ -80,25 +81,26 @@ class Grammars:
         self._compiled.move_to_end(grammar)
         return pristine.deep_copy()
 
-    def bitmask(self, rows: int) -> torch.Tensor:
-        import llguidance.torch
+    def bitmask(self, rows: int) -> np.ndarray:
+        import llguidance.numpy
 
-        return llguidance.torch.allocate_token_bitmask(rows, self.vocab_size)  # [rows, ceil(V / 32)] int32
+        return llguidance.numpy.allocate_token_bitmask(rows, self.vocab_size)  # [rows, ceil(V / 32)] int32
 
     def masks(self, matchers: Sequence[tuple[int, Any, list[int]]], B: int, T: int) -> torch.Tensor:
         """[B * T, W] bitmasks: row b's position t allows what its grammar allows after its drafts
-        before t (``matchers``: (row, matcher, drafts)); every other entry allows every token."""
-        import llguidance.torch
+        before t (``matchers``: (row, matcher, drafts)); every other entry allows every token.
+        (llguidance's numpy helpers: its torch ones are compiled with torch.compile on first use.)"""
+        import llguidance.numpy
 
         bitmask = self.bitmask(B * T)
-        bitmask.fill_(-1)
+        bitmask.fill(-1)
         drafting = [(m, b * T, drafts[: T - 1]) for b, m, drafts in matchers if drafts]
         if drafting:  # the draft-aware call takes rows with drafts only
-            llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(self.executor, drafting, bitmask)
+            llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(self.executor, drafting, bitmask)
         plain = [(m, b * T) for b, m, drafts in matchers if not drafts]
         if plain:
-            llguidance.torch.fill_next_token_bitmask_par(self.executor, plain, bitmask)
-        return bitmask
+            llguidance.numpy.fill_next_token_bitmask_par(self.executor, plain, bitmask)
+        return torch.from_numpy(bitmask)
 
 
 _BY_TOKENIZER: "weakref.WeakKeyDictionary[Any, Grammars]" = weakref.WeakKeyDictionary()
