@@ -128,14 +128,16 @@ def test_grpc_node_tokens_exclude_a_shared_token_and_caps_are_positive():
 
 
 def test_the_vllm_front_forwards_fields_vllm_implements():
-    """response_format is refused by Choral's own engine but forwarded by the vLLM front (its
-    replicas implement it); the logits processors and logprobs are accepted by both, within the
-    same ranges; tools stay refused on both."""
+    """response_format is checked by Choral's own engine (OpenAI's shapes) and forwarded as it is by
+    the vLLM front (its replicas check it); the logits processors and logprobs are accepted by both,
+    within the same ranges; tools stay refused on both."""
     from serving.server.vllm_backend import VLLM_IMPLEMENTS
 
     raw = b'{"model": "m", "prompt": "x", "frequency_penalty": 0.5, "logit_bias": {"5": 3}, "response_format": {"type": "json_object"}}'
+    assert parse_request(raw, CompletionRequest).json_schema == (True, None)
     with pytest.raises(APIError, match="response_format"):
-        parse_request(raw, CompletionRequest)
+        parse_request(raw.replace(b"json_object", b"xml"), CompletionRequest)
+    assert parse_request(raw.replace(b"json_object", b"xml"), CompletionRequest, implemented=VLLM_IMPLEMENTS)
     body = parse_request(raw, CompletionRequest, implemented=VLLM_IMPLEMENTS)
     assert body.frequency_penalty == 0.5 and body.logit_bias == {"5": 3}
     processors = b'{"model": "m", "prompt": "x", "logprobs": 2, "logit_bias": {"5": 3}, "min_p": 0.1, "repetition_penalty": 1.1}'

@@ -17,6 +17,7 @@ call, rollback, and forced-token computation (docs/experiments/grammar-libraries
 from __future__ import annotations
 
 import json
+import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -65,21 +66,23 @@ class Grammars:
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
         self.executor = llguidance.LLExecutor(num_threads=1)
         self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()  # the server compiles on its event loop while the engine's thread starts rows
 
     def matcher(self, grammar: str) -> Any:
         """A fresh matcher of ``grammar`` (compiled once, then copied)."""
         import llguidance
 
-        pristine = self._compiled.get(grammar)
-        if pristine is None:
-            pristine = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
-            if pristine.is_error():
-                raise GrammarError(f"the grammar cannot be compiled: {pristine.get_error()}")
-            self._compiled[grammar] = pristine
-            if len(self._compiled) > CACHED_GRAMMARS:
-                self._compiled.popitem(last=False)
-        self._compiled.move_to_end(grammar)
-        return pristine.deep_copy()
+        with self._lock:
+            pristine = self._compiled.get(grammar)
+            if pristine is None:
+                pristine = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+                if pristine.is_error():
+                    raise GrammarError(f"the grammar cannot be compiled: {pristine.get_error()}")
+                self._compiled[grammar] = pristine
+                if len(self._compiled) > CACHED_GRAMMARS:
+                    self._compiled.popitem(last=False)
+            self._compiled.move_to_end(grammar)
+            return pristine.deep_copy()
 
     def bitmask(self, rows: int) -> np.ndarray:
         import llguidance.numpy

@@ -92,7 +92,6 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "modalities": (None, ["text"]),
     "audio": (None,),
     "reasoning_effort": (None,),
@@ -181,6 +180,8 @@ class _Sampling(BaseModel):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
+    # JSON mode and JSON schema (serving.engine.grammar): {"type": "text" | "json_object"}, or
+    # {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}.
     response_format: Any = None
     modalities: Any = None
     audio: Any = None
@@ -197,6 +198,34 @@ class _Sampling(BaseModel):
             allowed = " or ".join(json.dumps(x) for x in NOT_IMPLEMENTED[info.field_name])
             raise ValueError(f"{info.field_name}={_short(v)} is not supported by this server; omit it (or send {allowed})")
         return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v: Any, info) -> Any:
+        if v is None or "response_format" in ((info.context or {}).get("implemented") or ()):
+            return v
+        kind = v.get("type") if isinstance(v, dict) else None
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"response_format={_short(v)} must be {{\"type\": \"text\"}}, {{\"type\": \"json_object\"}} or "
+                             "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}")  # fmt: skip
+        if kind == "json_schema":
+            spec = v.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise ValueError(f"response_format.json_schema={_short(spec)} must be an object whose \"schema\" is a JSON "
+                                 "schema object")  # fmt: skip
+            if "name" in spec and not isinstance(spec["name"], str):
+                raise ValueError(f"response_format.json_schema.name={_short(spec['name'])} must be a string")
+        return v
+
+    @property
+    def json_schema(self) -> tuple[bool, dict | None]:
+        """(whether the answer must be JSON, its schema: None for any JSON object)."""
+        kind = (self.response_format or {}).get("type", "text")
+        if kind == "json_object":
+            return True, None
+        if kind == "json_schema":
+            return True, self.response_format["json_schema"].get("schema") or {}
+        return False, None
 
     @field_validator("frequency_penalty", "presence_penalty")
     @classmethod

@@ -34,6 +34,7 @@ from serving.engine.drafters.base import NONE, PREDICTION
 from serving.engine.drafters.registry import named_refs
 from serving.engine.loader import load_engine
 from serving.engine.models import load_tokenizer
+from serving.engine.grammar import GrammarError, grammars_for, json_schema_grammar
 from serving.engine.sampling import SamplingParams
 from serving.server.detokenize import IncrementalDetokenizer, fit_texts, token_texts
 from serving.server.http import check_model, json_error, not_ready, read_body, requested_draft, wait_disconnect
@@ -276,12 +277,28 @@ class EngineServer:
             params = SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=body.seed,
                                     verification=verification,
                                     verification_threshold=body.verification_threshold or self.cfg.verification_threshold,
-                                    **body.sampling_fields())  # fmt: skip
+                                    grammar=self._grammar(body), **body.sampling_fields())  # fmt: skip
         except ValueError as e:  # the request's fields were checked against the same ranges: a guard
             raise sampling_error(e) from None
+        if params.processors and self.cfg.role == "draft":
+            raise APIError(400, f"{', '.join(params.processors)} are not carried to a target service (role=draft); serve "
+                           "the target in this process (role fused) to use them", param=params.processors[0])  # fmt: skip
         request = Request(prompt_ids, params, max_tokens, body.stops, prediction=prediction)
         return Ticket(request, route_text, asyncio.get_running_loop(), forced_draft=forced, stream=body.stream,
                       chat=isinstance(body, ChatCompletionRequest), timeout_s=self.cfg.request_timeout_s)  # fmt: skip
+
+    def _grammar(self, body: Any) -> str | None:
+        """The llguidance grammar of the request's response_format (compiled here, on the event
+        loop, so a schema that cannot compile is the client's 400 and never reaches the step)."""
+        wanted, schema = body.json_schema
+        if not wanted:
+            return None
+        try:
+            grammar = json_schema_grammar(schema)
+            grammars_for(self.models.tokenizer, self.models.engine.vocab_size).matcher(grammar)  # compiled and cached
+        except GrammarError as e:
+            raise APIError(400, f"response_format: {e}", param="response_format") from None
+        return grammar
 
     def _longest_token(self) -> int:
         """An upper bound on the characters one token holds: the longest vocabulary entry (a
