@@ -129,3 +129,27 @@ def test_after_every_step_a_rows_matcher_is_where_its_committed_tokens_put_it(en
             assert torch.equal(g.masks([(0, mine, [])], 1, 1), g.masks([(0, fresh, [])], 1, 1))
             checked += 1
     assert checked > 5
+
+
+@pytest.mark.integration
+def test_the_grammars_forced_tokens_are_free_drafts_never_rejected(engines):
+    """Where the schema forces the next tokens (keys, punctuation), they are proposed as drafts of
+    the ``grammar`` proposer: counted apart in the statistics and the token origins, and never
+    rejected (the mask allows the canonical tokens only); the output is still the target's."""
+    engine, alone = engines
+    params = SamplingParams(grammar=json_schema_grammar(SCHEMA))
+    prompts = ragged_prompts(4, seed=84)
+    outs = engine.generate([Request(p, params, max_new_tokens=128, drafter=d) for p, d in zip(prompts, ["ngram", "small", "none", "auto"])])
+    wants = alone.generate([Request(p, params, max_new_tokens=128) for p in prompts])
+    assert [o.token_ids for o in outs] == [w.token_ids for w in wants]
+    forced = 0
+    for out in outs:
+        origins = out.origins
+        for i, o in enumerate(origins):
+            if o.origin == "draft" and o.drafter == "grammar":
+                forced += 1
+                after = next((x for x in origins[i + 1:] if not (x.origin == "draft" and x.drafter == "grammar")), None)
+                assert after is None or after.origin != "correction", "a forced draft was rejected"
+        if out.stats["drafter"] != "none":
+            assert out.stats["drafter_shares"].get("grammar", 0) > 0
+    assert forced >= 8

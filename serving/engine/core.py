@@ -466,7 +466,7 @@ class SpeculativeEngine:
         started = time.perf_counter()
         # 1. Draft: every drafter proposes for its own rows, padded to the step's K bucket.
         d = draft(self.drafters, slots, s, sampling, rand, k_rows, self.k_policy, self.step_costs, self.config,
-                  self.vocab_size, self.device)  # fmt: skip
+                  self.vocab_size, self.device, self.processors.forced(B))  # fmt: skip
         synchronize(self.device)
         drafted_at = time.perf_counter()
         # 2-3. Verify once and accept/reject: the target's accepted count and next token per row.
@@ -500,7 +500,7 @@ class SpeculativeEngine:
             proposer = d.proposers.get(b, slot.drafter) if drafted else NONE
             slot.origins += step_origins(proposer, drafted, accepted, new)
             slot.stats.record_step(drafted, accepted, new, times["draft"], times["target"], drafter=proposer)
-            if b in d.proposers:  # a routing drafter: the verdict on its choice
+            if b in d.routed:  # a routing drafter: the verdict on its choice
                 self.drafters[slot.drafter].settle(b, drafted, accepted)
             self.k_policy.after_step(slot, d.budgets[b], drafted, accepted)
             try:

@@ -30,6 +30,8 @@ from serving.engine.k_policy import KPolicy
 from serving.engine.slots import Slot
 from serving.engine.speculative import DecodeState, StepRandom
 
+GRAMMAR = "grammar"  # the proposer of a grammar's forced tokens (statistics, token origins, /metrics)
+
 
 @dataclass
 class Drafts:
@@ -39,7 +41,8 @@ class Drafts:
     q: torch.Tensor  # [B, K, V] the distributions the tokens were drawn from
     n: torch.Tensor  # [B] long: real draft tokens per row, the rest of K is padding
     budgets: list[int]  # [B] each row's budget after a goodput cap
-    proposers: dict[int, str]  # row -> the drafter a routing drafter chose for it this step
+    proposers: dict[int, str]  # row -> who proposed its tokens when not its own drafter ("grammar", or auto's choice)
+    routed: set[int]  # rows whose routing drafter (auto) chose this step's drafter: it hears the verdict
     model_s: float = 0.0  # time of the device drafters' forwards
     forwards: int = 0  # device forwards run
 
@@ -51,21 +54,28 @@ def distinct(drafters: Mapping[str, Drafter]) -> list[Drafter]:
 
 def draft(drafters: Mapping[str, Drafter], slots: Sequence[Slot | None], state: DecodeState, sampling, rand: StepRandom,
           budgets: list[int], policy: KPolicy, step_costs: StepCosts, config: EngineConfig, vocab_size: int,
-          device: torch.device) -> Drafts:  # fmt: skip
-    """Step 1 for every drafter's rows (see the module docstring). ``budgets``: each row's K."""
+          device: torch.device, forced: Mapping[int, list[int]] | None = None) -> Drafts:  # fmt: skip
+    """Step 1 for every drafter's rows (see the module docstring). ``budgets``: each row's K.
+    ``forced``: row -> tokens its grammar forces next: proposed instead of its drafter's (free, and
+    never rejected where the grammar allows one token only)."""
     B = len(slots)
     budgets = policy.cap(slots, list(budgets), None, step_costs)  # before proposing: a row capped at 0 proposes nothing
     host: list[list[int] | None] = [None] * B  # row -> tokens already proposed on the host
     routes: dict[int, Drafter] = {}  # row -> the device drafter that drafts it this step
     proposers: dict[int, str] = {}
+    routed: set[int] = set()
     for b, slot in enumerate(slots):
         drafter = drafters.get(slot.drafter) if slot is not None else None
         if drafter is None:
+            continue
+        if budgets[b] and forced and forced.get(b):  # the grammar's forced tokens: the row's drafter sits this step out
+            host[b], proposers[b] = forced[b][: budgets[b]], GRAMMAR
             continue
         if budgets[b] and drafter.routes:  # auto: this step's drafter for the row
             choice = drafter.choose(b, slot.tokens, budgets[b], slot.request.drafter_priors)
             budgets[b] = choice.k if choice.drafter is not None else 0
             proposers[b] = choice.drafter or NONE
+            routed.add(b)
             if choice.tokens is not None:
                 host[b] = choice.tokens[: budgets[b]]
             elif choice.drafter is not None:
@@ -91,7 +101,7 @@ def draft(drafters: Mapping[str, Drafter], slots: Sequence[Slot | None], state: 
         synchronize(device)
     model_s = time.perf_counter() - started
     tokens, q, n = merge([t or [] for t in host], proposals, config.k_buckets, vocab_size, device)
-    return Drafts(tokens, q, n, budgets, proposers, model_s, forwards)
+    return Drafts(tokens, q, n, budgets, proposers, routed, model_s, forwards)
 
 
 def merge(host: list[list[int]], proposals: list[tuple[Proposal, torch.Tensor]], k_buckets: Sequence[int], V: int,

@@ -136,6 +136,15 @@ class Processors:
         self.active[row] = False
         self.matchers.pop(row, None)
 
+    def forced(self, rows: int) -> dict[int, list[int]]:
+        """Grammar rows among the first ``rows`` whose grammar forces their next tokens: row -> the
+        forced text's canonical tokens (llguidance's fast-forward tokens), proposed as free drafts."""
+        out = {}
+        for b, m in self.matchers.items():
+            if b < rows and (tokens := m.compute_ff_tokens()):
+                out[b] = tokens
+        return out
+
     def observe(self, row: int, tokens: Sequence[int]) -> None:
         """The step committed ``tokens`` to ``row`` (host side, after the step's sync): a grammar
         row's matcher follows them."""
