@@ -48,3 +48,16 @@ def test_check_processors_served_sends_every_sampling_field_through_the_openai_c
     report = json.loads((tmp_path / "processors_served.json").read_text())
     assert all(report["checks"].values()), report["checks"]
     assert {d: s["identical_to_target_alone"] for d, s in report["summary"].items()} == dict.fromkeys(report["summary"], 1)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_check_json_served_validates_every_drafters_json_through_the_openai_client(models, tmp_path, monkeypatch):
+    _serving_env(monkeypatch)
+    _run("scripts/experiments/check_json_served.py", ["--target", models["target"], "--draft", models["draft"], "--prompts", "3",
+                                                      "--max-tokens", "48", "--streamed", "1", "--serve-arg", "engine.max_len=2048",
+                                                      "--out", str(tmp_path)])  # fmt: skip
+    report = json.loads((tmp_path / "json_served.json").read_text())
+    assert report["prompts"] == 3 and report["streamed_equal"] == [True]
+    for s in report["summary"].values():  # a tiny random model may run out of tokens inside a value: identity holds always
+        assert s["identical_to_target_alone"] == 3
