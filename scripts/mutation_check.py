@@ -216,7 +216,7 @@ MUTANTS = [
            KIT_FAST),
     # Logits processors under speculation (issue 71).
     Mutant("penalties-ignore-drafts", "a verified position's penalties ignore the draft tokens before it",
-           "serving/engine/processors.py", "    if K == 0 or T == 1:\n        return out\n", "    if True:\n        return out\n",
+           "serving/engine/processors.py", "    if not K:\n        return\n", "    if True:\n        return\n",
            ("tests/test_processors.py",)),
     Mutant("bonus-unprocessed", "the bonus position's p is the unprocessed target's", "serving/engine/speculative.py",
            "        logits = process(logits, sampling.processors, draft_tokens, n_draft)\n",

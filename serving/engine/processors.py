@@ -63,43 +63,49 @@ def penalties(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor, re
 
 def process(logits: torch.Tensor, rows: ProcessorRows, drafts: torch.Tensor | None = None,
             n_draft: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """The processed logits [B, T, V] at T verified positions (``logits`` [B, T, V] fp32): position t
-    sees the row's committed tokens and ``drafts[:, :t]`` ([B, T-1] long; only the first
-    ``n_draft`` [B] of a row are real, the rest padding that no position sees)."""
+    """The processed logits [B, T, V] at T verified positions (``logits`` [B, T, V] fp32, left as
+    it is): position t sees the row's committed tokens and ``drafts[:, :t]`` ([B, T-1] long; only
+    the first ``n_draft`` [B] of a row are real, the rest padding that no position sees).
+
+    Sparse where the processors are: a bias moves the tokens some row biases, a penalty the tokens
+    some row has seen (or drafts), so only those columns are touched (a few thousand of 150K)."""
     B, T, V = logits.shape
+    out = logits.clone()  # the forward's own output buffer stays as it was
     if rows.biased:
-        logits = logits + rows.bias.unsqueeze(1)  # [B, T, V]
+        ids = rows.bias.ne(0).any(0).nonzero().flatten()  # [U] tokens any row biases
+        out[:, :, ids] += rows.bias[:, ids].unsqueeze(1)
     if rows.penalized:
-        logits = _penalized(logits, rows, drafts, n_draft)
+        _penalize(out, rows, drafts, n_draft)
     if rows.grammar:  # each grammar row's mask at each position, its matcher along the drafts before it
         real = [int(n) for n in n_draft.tolist()] if n_draft is not None else [T - 1] * B
         listed = drafts.tolist() if drafts is not None else [[] for _ in range(B)]
         masks = rows.grammars.masks([(b, m, listed[b][: real[b]]) for b, m in rows.grammar], B, T)
-        logits = apply_masks(logits, masks)
-    return logits
+        out = apply_masks(out, masks)
+    return out
 
 
-def _penalized(logits: torch.Tensor, rows: ProcessorRows, drafts: torch.Tensor | None,
-               n_draft: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
-    """The penalties at each position, with the drafts before it counted."""
-    B, T, V = logits.shape
+def _penalize(out: torch.Tensor, rows: ProcessorRows, drafts: torch.Tensor | None, n_draft: torch.Tensor | None) -> None:
+    """The penalties, in place on ``out`` [B, T, V]: every seen token at its committed count, then
+    each draft token's own id at each position with the drafts before it counted."""
+    B, T, V = out.shape
     r, f, p = (x.view(B, 1, 1) for x in (rows.repetition, rows.frequency, rows.presence))
-    # Every token at its committed count: right for any token no draft before t equals.
-    out = penalties(logits, rows.counts.unsqueeze(1), rows.seen.unsqueeze(1), r, f, p)  # [B, T, V]
-    K = 0 if drafts is None else drafts.shape[1]
-    if K == 0 or T == 1:
-        return out
-    # The draft tokens' own ids, at each position with the drafts before it counted: [B, T, K].
+    K = 0 if drafts is None or T == 1 else drafts.shape[1]
+    if K:
+        ids = drafts.unsqueeze(1).expand(B, T, K)  # [B, T, K]
+        before_penalty = out.gather(2, ids)  # [B, T, K] the draft ids' logits, biased, not yet penalised
+    seen_ids = rows.seen.any(0).nonzero().flatten()  # [U] tokens any row has seen: the only ones a count moves
+    out[:, :, seen_ids] = penalties(out[:, :, seen_ids], rows.counts[:, seen_ids].unsqueeze(1),
+                                    rows.seen[:, seen_ids].unsqueeze(1), r, f, p)  # fmt: skip
+    if not K:
+        return
     real = torch.ones_like(drafts, dtype=torch.bool) if n_draft is None else (
         torch.arange(K, device=drafts.device) < n_draft.unsqueeze(1))  # [B, K]  # fmt: skip
     same = ((drafts.unsqueeze(2) == drafts.unsqueeze(1)) & real.unsqueeze(2)).float()  # [B, K(i), K(j)] real d_i == d_j
     before = (torch.arange(K, device=drafts.device) < torch.arange(T, device=drafts.device).unsqueeze(1)).float()  # [T, K(i)]
     extra = torch.einsum("ti,bij->btj", before, same)  # [B, T, K] real drafts before t equal to d_j
-    ids = drafts.unsqueeze(1).expand(B, T, K)  # [B, T, K]
     counts = rows.counts.gather(1, drafts).unsqueeze(1) + extra  # [B, T, K]
     seen = rows.seen.gather(1, drafts).unsqueeze(1) | (extra > 0)  # [B, T, K]
-    at = penalties(logits.gather(2, ids), counts, seen, r, f, p)  # [B, T, K]
-    return out.scatter(2, ids, at)
+    out.scatter_(2, ids, penalties(before_penalty, counts, seen, r, f, p))
 
 
 class Processors:
