@@ -4,8 +4,8 @@ greedy output stays identical across drafters with them on.
     python scripts/experiments/bench_processors.py --prompts 12 --max-tokens 48 --out docs/experiments/data
 
 1. Cost: the processors' own work on a batch-8 verify (``processors.process`` over [8, K+1, V]
-   with every processor on, plus min_p in ``probs_from_logits``) against the target's verify
-   forward at the same shape, each the fastest of ``--reps``.
+   with every processor on, plus min_p in ``probs_from_logits`` on sampled rows) against the
+   target's verify forward at the same shape, each the fastest of ``--reps``; logprobs apart.
 2. End to end: held-out workload prompts (test split) decoded greedily at batch 8, the target
    alone and each drafter, with and without the processors (bias, repetition, frequency and
    presence penalties, min_p), interleaved. Every output with the processors is checked against
@@ -34,7 +34,7 @@ def settings(tok):
 
     banned = tok.encode(" however", add_special_tokens=False)[0]
     return SamplingParams(logit_bias=((banned, -100.0),), repetition_penalty=1.1, frequency_penalty=0.3,
-                          presence_penalty=0.3, min_p=0.05, logprobs=2)  # fmt: skip
+                          presence_penalty=0.3, min_p=0.05)  # fmt: skip
 
 
 def fastest_ms(run, reps: int) -> float:
@@ -48,11 +48,16 @@ def fastest_ms(run, reps: int) -> float:
 
 
 def cost(engine, params, args) -> dict:
-    """The processors' work on a batch-8 verify of K+1 positions against the verify forward."""
+    """The processors' work on a batch-8 verify of K+1 positions against the verify forward: the
+    bias and penalties (``process``), min_p on sampled rows (temperature 1, against the same rows
+    without it), and, apart, the logprobs of a step (``step_logprobs``, 2 alternatives)."""
+    import dataclasses
+
     import torch
 
     from serving.engine.processors import Processors, process
     from serving.engine.sampling import SamplingTensors, probs_from_logits
+    from serving.engine.speculative import step_logprobs
 
     B, K, V = args.batch, args.k, engine.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -64,15 +69,19 @@ def cost(engine, params, args) -> dict:
     logits = torch.randn(B, K + 1, V, generator=g)
     drafts = torch.randint(0, V, (B, K), generator=g)
     n = torch.full((B,), K)
-    plain = SamplingTensors.build([params.__class__()] * B, "cpu")
-    with_min_p = SamplingTensors.build([params] * B, "cpu", rows)
+    sampled = dataclasses.replace(params, temperature=1.0)
+    plain = SamplingTensors.build([dataclasses.replace(sampled, min_p=0.0)] * B, "cpu")
+    with_min_p = SamplingTensors.build([sampled] * B, "cpu", rows)
     processing = fastest_ms(lambda: process(logits, rows, drafts, n), args.reps)
     sampling_plain = fastest_ms(lambda: probs_from_logits(logits, plain), args.reps)
     sampling_min_p = fastest_ms(lambda: probs_from_logits(logits, with_min_p), args.reps)
+    nxt = torch.zeros(B, dtype=torch.long)
+    logprobs = fastest_ms(lambda: step_logprobs(logits, drafts, n, nxt, 2), args.reps)
     verify = fastest_ms(lambda: engine.verifier.warmup((K + 1,), B), args.reps)
-    extra = processing + sampling_min_p - sampling_plain
+    extra = processing + max(0.0, sampling_min_p - sampling_plain)
     return {"batch": B, "width": K + 1, "vocab": V, "process_ms": processing, "min_p_ms": sampling_min_p - sampling_plain,
-            "verify_forward_ms": verify, "share_of_verify": extra / verify}  # fmt: skip
+            "logprobs_ms": logprobs, "verify_forward_ms": verify, "share_of_verify": extra / verify,
+            "logprobs_share_of_verify": logprobs / verify}  # fmt: skip
 
 
 def run(engine, prompts, params, drafter, max_tokens):
@@ -126,7 +135,6 @@ def main(argv=None) -> int:
                 ids = [o.token_ids for o in outs]
                 reference = ids if drafter == "none" else reference
                 row["identical_to_target_alone"] = sum(a == b for a, b in zip(ids, reference))
-                row["logprobs_per_token"] = all(o.logprobs is not None and len(o.logprobs) == len(o.token_ids) for o in outs)
             print(f"{drafter:7s} {label:9s} {row[label]['tokens_per_s']:.2f} tok/s, {row[label]['tokens_per_call']:.2f} tokens/call",
                   flush=True)  # fmt: skip
         result["runs"][drafter] = row
