@@ -455,6 +455,25 @@ def test_greedy_output_with_logits_processors_is_the_processed_targets(kit, kind
     assert outs[1].token_ids == kit.answer(b) and outs[1].logprobs is None
 
 
+@pytest.mark.parametrize("kind", NAMES)
+def test_greedy_output_under_a_json_schema_is_the_constrained_targets(kit, kind):
+    """Issue 72 through the kit: the kind's rows under a JSON schema, beside an unconstrained row,
+    equal the constrained target alone (its forced tokens drafted as the ``grammar`` proposer)."""
+    from serving.engine.grammar import json_schema_grammar
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
+              "required": ["ok", "n"], "additionalProperties": False}  # fmt: skip
+    params = SamplingParams(grammar=json_schema_grammar(schema))
+    a, b, c = ragged_prompts(3, seed=18)
+    alone = SpeculativeEngine(kit.target, kit.tokenizer, config=kit.config(2, k=0))
+    want = {tuple(p): alone.generate([Request(list(p), params, max_new_tokens=MAX_NEW)])[0].token_ids for p in (a, c)}
+    engine, _ = kit.engine()
+    outs = engine.generate([kit.request(kind, a, params), kit.request(others(kind)[0], b), kit.request(kind, c, params)])
+    assert [outs[0].token_ids, outs[2].token_ids] == [want[tuple(a)], want[tuple(c)]]
+    assert outs[1].token_ids == kit.answer(b)
+    assert all(o.text.startswith("{") for o in (outs[0], outs[2]))
+
+
 # ---- 2. seeded sampled output and statistics do not depend on the batch ----------------------
 
 

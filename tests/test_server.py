@@ -1001,3 +1001,55 @@ def test_json_schema_and_json_mode_answers_parse_streamed_and_not(live):
         assert isinstance(json.loads(obj.choices[0].message.content), dict)
     else:  # a tiny random model may write one long string: cut at max_tokens, still JSON so far
         assert obj.choices[0].message.content.startswith("{")
+
+
+def _fuzzed_schemas(n: int, seed: int = 0) -> list:
+    """Schemas a client may send: valid ones, unsupported features, wrong types, huge ones, junk."""
+    import random
+
+    rng = random.Random(seed)
+    leaves = [{"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}, {"enum": ["a", "b", 3]},
+              {"type": "no-such"}, {"$ref": "#/$defs/missing"}, {"type": "string", "pattern": "["}, {"not": {}},
+              {"type": "array", "items": {"type": "integer"}, "minItems": 3, "maxItems": 1}, {"anyOf": []}, 5, "x", None]  # fmt: skip
+
+    def node(depth):
+        if depth > 2 or rng.random() < 0.4:
+            return rng.choice(leaves)
+        props = {f"k{i}": node(depth + 1) for i in range(rng.randint(0, 3))}
+        return {"type": "object", "properties": props, "required": list(props)[: rng.randint(0, len(props))]}
+
+    out = [node(0) for _ in range(n)]
+    out += [{"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(20_000)}}, [], "schema", 7]
+    return out
+
+
+@pytest.mark.e2e
+def test_fuzzed_schemas_are_answered_or_refused_never_a_500_and_neighbours_finish(live):
+    """Schemas a client may send (valid, unsupported, malformed, over the size cap) beside valid
+    requests: each is answered (200) or refused by name (400 naming response_format), never a
+    500, and the neighbours' answers are unchanged."""
+    import concurrent.futures
+
+    want = live.client.chat.completions.create(model=live.model, messages=CHAT, max_tokens=8, temperature=0).choices[0].message.content
+    bodies = [{"model": live.model, "messages": CHAT, "max_tokens": 3, "temperature": 0,
+               "response_format": {"type": "json_schema", "json_schema": {"name": "f", "schema": schema}}}
+              for schema in _fuzzed_schemas(60)]  # fmt: skip
+
+    def neighbour():
+        return live.client.chat.completions.create(model=live.model, messages=CHAT, max_tokens=8, temperature=0).choices[0].message.content
+
+    def fuzz(body) -> tuple[int, str | None]:  # (status, the param a 400 names)
+        try:
+            live.client.chat.completions.create(**body)
+        except openai.APIStatusError as e:
+            return e.status_code, e.param
+        return 200, None
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        fuzzed = [pool.submit(fuzz, body) for body in bodies]
+        neighbours = [pool.submit(neighbour) for _ in range(8)]
+        results = [f.result() for f in fuzzed]
+        assert all(n.result() == want for n in neighbours)
+    assert {status for status, _ in results} <= {200, 400}, sorted({s for s, _ in results})
+    assert all(param == "response_format" for status, param in results if status == 400)
+    assert sum(status == 200 for status, _ in results) >= 10 and sum(status == 400 for status, _ in results) >= 10
