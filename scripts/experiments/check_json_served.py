@@ -94,7 +94,38 @@ def prompts(n: int) -> list[tuple[str, str, dict]]:
     from serving.prompts import load_grounded
 
     extract = [(g.prompt.id, g.prompt.text + '\n\nAnswer as {"items": [...]}.', ITEMS) for g in load_grounded("extract", n // 2)]
-    return extract + generated(n - len(extract))
+    made = generated(n - len(extract))
+    # Interleaved, so a run cut short still holds both kinds.
+    return [p for pair in zip(extract, made) for p in pair] + extract[len(made):] + made[len(extract):]
+
+
+def write(rows: list[dict], args) -> dict:
+    """The summary of the rows so far, written to ``--out`` (after every prompt: a run cut short keeps what it measured)."""
+    from serving.engine.devices import describe_machine
+    from serving.files import atomic_path
+
+    summary = {}
+    for drafter in DRAFTERS:
+        answers = [r["answers"][drafter] for r in rows]
+        calls = sum(a["target_calls"] or 0 for a in answers)
+        summary[drafter] = {
+            "valid": sum(a["valid"] for a in answers), "stop": sum(a["finish_reason"] == "stop" for a in answers),
+            "identical_to_target_alone": sum(a["content"] == r["answers"]["none"]["content"] for a, r in zip(answers, rows)),
+            "tokens_per_s": sum(a["tokens"] for a in answers) / sum(a["seconds"] for a in answers),
+            "tokens_per_call": sum(a["tokens"] for a in answers) / max(1, calls),
+            "grammar_share": sum((a["drafter_shares"] or {}).get("grammar", 0.0) for a in answers) / max(1, len(answers)),
+        }  # fmt: skip
+    base = summary["none"]["tokens_per_s"]
+    for s in summary.values():
+        s["speedup"] = s["tokens_per_s"] / base
+    result = {"date": datetime.date.today().isoformat(), "machine": describe_machine(with_threads=True),
+              "command": "python " + " ".join(sys.argv), "prompts": len(rows),
+              "streamed_equal": [r["streamed_equal"] for r in rows if "streamed_equal" in r], "summary": summary, "rows": rows}  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out / "json_served.json") as tmp:
+        tmp.write_text(json.dumps(result, indent=1) + "\n")
+    return result
 
 
 def main(argv=None) -> int:
@@ -111,7 +142,6 @@ def main(argv=None) -> int:
     import openai
 
     from routing.router import Router
-    from serving.engine.devices import describe_machine
     from serving.server.launch import serving
 
     cases = prompts(args.prompts)
@@ -146,29 +176,13 @@ def main(argv=None) -> int:
                                            if c.choices)  # fmt: skip
                         row["streamed_equal"] = streamed == content
                 rows.append(row)
+                write(rows, args)
                 a = row["answers"]
                 print(f"{pid}: " + ", ".join(f"{d} {a[d]['tokens'] / a[d]['seconds']:.1f} tok/s{'' if a[d]['valid'] else ' INVALID'}"
                                              for d in DRAFTERS), flush=True)  # fmt: skip
-    summary = {}
-    for drafter in DRAFTERS:
-        answers = [r["answers"][drafter] for r in rows]
-        calls = sum(a["target_calls"] or 0 for a in answers)
-        summary[drafter] = {
-            "valid": sum(a["valid"] for a in answers), "stop": sum(a["finish_reason"] == "stop" for a in answers),
-            "identical_to_target_alone": sum(a["content"] == r["answers"]["none"]["content"] for a, r in zip(answers, rows)),
-            "tokens_per_s": sum(a["tokens"] for a in answers) / sum(a["seconds"] for a in answers),
-            "tokens_per_call": sum(a["tokens"] for a in answers) / max(1, calls),
-        }  # fmt: skip
-    base = summary["none"]["tokens_per_s"]
-    for s in summary.values():
-        s["speedup"] = s["tokens_per_s"] / base
-    result = {"date": datetime.date.today().isoformat(), "machine": describe_machine(with_threads=True),
-              "command": "python " + " ".join(sys.argv), "prompts": len(rows),
-              "streamed_equal": [r["streamed_equal"] for r in rows if "streamed_equal" in r], "summary": summary, "rows": rows}  # fmt: skip
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "json_served.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({"summary": summary, "streamed_equal": result["streamed_equal"]}, indent=1))
+    result = write(rows, args)
+    print(json.dumps({"summary": result["summary"], "streamed_equal": result["streamed_equal"]}, indent=1))
+    summary = result["summary"]
     ok = all(s["valid"] == len(rows) and s["identical_to_target_alone"] == len(rows) for s in summary.values())
     return 0 if ok and all(result["streamed_equal"]) else 1
 
