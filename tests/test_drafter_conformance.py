@@ -53,6 +53,7 @@ from serving.engine.goodput import RowCosts
 from serving.engine.request import Request, RequestFailed, TokenOrigin
 from serving.engine.sampling import SamplingParams
 from tests.conftest import perturbed, tiny_qwen2
+from tests.test_eagle3 import peaked_target  # its greedy answers loop: the copying drafters' proposals are accepted
 from tests.test_engine_tiny import hf_greedy, ragged_prompts
 
 pytestmark = pytest.mark.integration
@@ -187,19 +188,6 @@ def others(kind: str) -> list[str]:
 # ---- models, engines and a spy on what each step verified ------------------------------------
 
 AUX = (1, 2, 3)
-
-
-def peaked_target(seed: int = 1):
-    """A 4-layer tiny target whose next token depends mostly on the last one (tests/test_eagle3.py's:
-    its layers write little into the residual stream, its head is sharp): its greedy answers loop,
-    so the copying drafters' proposals are accepted."""
-    target = tiny_qwen2(seed, layers=4)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(8)
-        for layer in target.model.layers:
-            layer.self_attn.o_proj.weight.mul_(0.1)
-            layer.mlp.down_proj.weight.mul_(0.1)
-    return target
 
 
 def context_draft(target):
