@@ -20,7 +20,6 @@ import datetime
 import json
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -139,47 +138,38 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="runs/json-served")
     args = ap.parse_args(argv)
 
-    import openai
-
-    from routing.router import Router
-    from serving.server.launch import serving
+    from serving.server.launch import serving_drafts
 
     cases = prompts(args.prompts)
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        router = Path(tmp) / "router.pt"
-        Router.create({"draft": args.draft}, args.target).save(router)
-        command = " ".join([sys.executable, "-m", "serving.server.cli_serve", "--router", str(router), *args.serve_arg])
-        with serving(command) as (url, _):
-            client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=900)
-            model = client.models.list().data[0].id
-            for i, (pid, text, schema) in enumerate(cases):
-                fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
-                row = {"id": pid, "answers": {}}
-                for drafter in DRAFTERS:
-                    kw = dict(model=model, messages=[{"role": "user", "content": text}], max_tokens=args.max_tokens, temperature=0,
-                              response_format=fmt, extra_body={"draft": drafter})  # fmt: skip
-                    started = time.perf_counter()
-                    r = client.chat.completions.create(**kw)
-                    seconds = time.perf_counter() - started
-                    content = r.choices[0].message.content
-                    try:
-                        valid = follows(json.loads(content), schema)
-                    except json.JSONDecodeError:
-                        valid = False
-                    choral = (r.model_extra or {}).get("choral", {})
-                    row["answers"][drafter] = {"content": content, "valid": valid, "finish_reason": r.choices[0].finish_reason,
-                                               "tokens": r.usage.completion_tokens, "seconds": seconds,
-                                               "target_calls": choral.get("target_calls"), "drafter_shares": choral.get("drafter_shares")}  # fmt: skip
-                    if drafter == "draft" and i < args.streamed:
-                        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
-                                           if c.choices)  # fmt: skip
-                        row["streamed_equal"] = streamed == content
-                rows.append(row)
-                write(rows, args)
-                a = row["answers"]
-                print(f"{pid}: " + ", ".join(f"{d} {a[d]['tokens'] / a[d]['seconds']:.1f} tok/s{'' if a[d]['valid'] else ' INVALID'}"
-                                             for d in DRAFTERS), flush=True)  # fmt: skip
+    with serving_drafts(args.target, {"draft": args.draft}, args.serve_arg) as (client, model):
+        for i, (pid, text, schema) in enumerate(cases):
+            fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+            row = {"id": pid, "answers": {}}
+            for drafter in DRAFTERS:
+                kw = dict(model=model, messages=[{"role": "user", "content": text}], max_tokens=args.max_tokens, temperature=0,
+                          response_format=fmt, extra_body={"draft": drafter})  # fmt: skip
+                started = time.perf_counter()
+                r = client.chat.completions.create(**kw)
+                seconds = time.perf_counter() - started
+                content = r.choices[0].message.content
+                try:
+                    valid = follows(json.loads(content), schema)
+                except json.JSONDecodeError:
+                    valid = False
+                choral = (r.model_extra or {}).get("choral", {})
+                row["answers"][drafter] = {"content": content, "valid": valid, "finish_reason": r.choices[0].finish_reason,
+                                           "tokens": r.usage.completion_tokens, "seconds": seconds,
+                                           "target_calls": choral.get("target_calls"), "drafter_shares": choral.get("drafter_shares")}  # fmt: skip
+                if drafter == "draft" and i < args.streamed:
+                    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+                                       if c.choices)  # fmt: skip
+                    row["streamed_equal"] = streamed == content
+            rows.append(row)
+            write(rows, args)
+            a = row["answers"]
+            print(f"{pid}: " + ", ".join(f"{d} {a[d]['tokens'] / a[d]['seconds']:.1f} tok/s{'' if a[d]['valid'] else ' INVALID'}"
+                                         for d in DRAFTERS), flush=True)  # fmt: skip
     result = write(rows, args)
     print(json.dumps({"summary": result["summary"], "streamed_equal": result["streamed_equal"]}, indent=1))
     summary = result["summary"]

@@ -18,7 +18,6 @@ import argparse
 import datetime
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -66,12 +65,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="runs/processors-served")
     args = ap.parse_args(argv)
 
-    import openai
-
-    from routing.router import Router
     from serving.engine.devices import describe_machine
     from serving.engine.models import load_tokenizer
-    from serving.server.launch import serving
+    from serving.server.launch import serving_drafts
     from serving.workload import load_workload
 
     per_family = max(1, -(-args.prompts // 6))
@@ -81,29 +77,24 @@ def main(argv=None) -> int:
     extra = fields(banned)
     rows: dict[str, list] = {d: [] for d in DRAFTERS}
     checks = {"top_logprobs_3": True, "one_logprob_per_token": True, "banned_never_sent": True, "streamed_equal": True}
-    with tempfile.TemporaryDirectory() as tmp:
-        router = Path(tmp) / "router.pt"
-        Router.create({"draft": args.draft}, args.target).save(router)
-        with serving(" ".join([sys.executable, "-m", "serving.server.cli_serve", "--router", str(router), *args.serve_arg])) as (url, _):
-            client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=600)
-            model = client.models.list().data[0].id
-            for i, text in enumerate(texts):
-                for drafter in DRAFTERS:  # interleaved per prompt
-                    plain, plain_s = ask(client, model, text, drafter, args.max_tokens, None)
-                    r, s = ask(client, model, text, drafter, args.max_tokens, extra)
-                    content, lp = r.choices[0].message.content, r.choices[0].logprobs.content
-                    checks["top_logprobs_3"] &= all(len(t.top_logprobs) == 3 for t in lp)
-                    checks["one_logprob_per_token"] &= len(lp) == r.usage.completion_tokens
-                    checks["banned_never_sent"] &= tok.decode([banned]) not in "".join(t.token for t in lp)
-                    row = {"prompt": i, "content": content, "tokens": r.usage.completion_tokens, "seconds": s,
-                           "plain_tokens": plain.usage.completion_tokens, "plain_seconds": plain_s,
-                           "choral": {k: v for k, v in (r.model_extra or {}).get("choral", {}).items() if k in ("draft", "processors")}}  # fmt: skip
-                    if i < args.streamed:
-                        s_content, s_lp = streamed(client, model, text, drafter, args.max_tokens, extra)
-                        checks["streamed_equal"] &= s_content == content and s_lp == [(t.token, round(t.logprob, 5)) for t in lp]
-                    rows[drafter].append(row)
-                print(f"prompt {i}: " + ", ".join(f"{d} {rows[d][-1]['tokens'] / rows[d][-1]['seconds']:.1f} tok/s" for d in DRAFTERS),
-                      flush=True)  # fmt: skip
+    with serving_drafts(args.target, {"draft": args.draft}, args.serve_arg) as (client, model):
+        for i, text in enumerate(texts):
+            for drafter in DRAFTERS:  # interleaved per prompt
+                plain, plain_s = ask(client, model, text, drafter, args.max_tokens, None)
+                r, s = ask(client, model, text, drafter, args.max_tokens, extra)
+                content, lp = r.choices[0].message.content, r.choices[0].logprobs.content
+                checks["top_logprobs_3"] &= all(len(t.top_logprobs) == 3 for t in lp)
+                checks["one_logprob_per_token"] &= len(lp) == r.usage.completion_tokens
+                checks["banned_never_sent"] &= tok.decode([banned]) not in "".join(t.token for t in lp)
+                row = {"prompt": i, "content": content, "tokens": r.usage.completion_tokens, "seconds": s,
+                       "plain_tokens": plain.usage.completion_tokens, "plain_seconds": plain_s,
+                       "choral": {k: v for k, v in (r.model_extra or {}).get("choral", {}).items() if k in ("draft", "processors")}}  # fmt: skip
+                if i < args.streamed:
+                    s_content, s_lp = streamed(client, model, text, drafter, args.max_tokens, extra)
+                    checks["streamed_equal"] &= s_content == content and s_lp == [(t.token, round(t.logprob, 5)) for t in lp]
+                rows[drafter].append(row)
+            print(f"prompt {i}: " + ", ".join(f"{d} {rows[d][-1]['tokens'] / rows[d][-1]['seconds']:.1f} tok/s" for d in DRAFTERS),
+                  flush=True)  # fmt: skip
     reference = [r["content"] for r in rows["none"]]
     summary = {}
     for drafter, rs in rows.items():

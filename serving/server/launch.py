@@ -6,10 +6,13 @@ from __future__ import annotations
 import shlex
 import socket
 import subprocess
+import sys
+import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -60,3 +63,21 @@ def serving(command: str, timeout_s: float = 900.0) -> Iterator[tuple[str, subpr
         yield url, proc
     finally:
         stop([proc])
+
+
+@contextmanager
+def serving_drafts(target: str, drafts: dict[str, str], serve_args: Sequence[str] = (), timeout_s: float = 900.0):
+    """``serve`` over an untrained router naming ``drafts`` (name -> model reference) for ``target``,
+    as the checks that force each request's drafter use it (the router's choices are never asked):
+    yields (an ``openai.OpenAI`` client of it, the served model's name)."""
+    import openai
+
+    from routing.router import Router
+
+    with tempfile.TemporaryDirectory() as tmp:
+        router = Path(tmp) / "router.pt"
+        Router.create(dict(drafts), target).save(router)
+        command = " ".join([sys.executable, "-m", "serving.server.cli_serve", "--router", str(router), *serve_args])
+        with serving(command) as (url, _):
+            client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=timeout_s)
+            yield client, client.models.list().data[0].id
