@@ -51,8 +51,7 @@ PROCESSORS = {  # one setting per processor, strong enough to move greedy output
 def rows_for(params: list[SamplingParams], histories: list[tuple[list[int], list[int]]], V: int) -> ProcessorRows:
     """ProcessorRows for rows with (prompt, generated) histories."""
     B = len(params)
-    rows = ProcessorRows(torch.zeros(B, V), torch.zeros(B, V, dtype=torch.bool), torch.zeros(B, V), torch.ones(B),
-                         torch.zeros(B), torch.zeros(B))  # fmt: skip
+    rows = ProcessorRows.empty(B, V, "cpu")
     for b, (p, (prompt, generated)) in enumerate(zip(params, histories)):
         fill_row(rows, b, p, prompt, generated)
     return rows

@@ -51,6 +51,13 @@ class ProcessorRows:
     grammar: list[tuple[int, Any]] = field(default_factory=list)
     grammars: Any = None
 
+    @classmethod
+    def empty(cls, rows: int, vocab_size: int, device, **flags) -> "ProcessorRows":
+        """``rows`` rows that process nothing yet (no counts, no bias, every penalty off)."""
+        zeros = lambda *shape, **kw: torch.zeros(*shape, device=device, **kw)  # noqa: E731
+        return cls(zeros(rows, vocab_size), zeros(rows, vocab_size, dtype=torch.bool), zeros(rows, vocab_size),
+                   torch.ones(rows, device=device), zeros(rows), zeros(rows), **flags)  # fmt: skip
+
 
 def penalties(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor, repetition: torch.Tensor,
               frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:  # fmt: skip
@@ -119,12 +126,6 @@ class Processors:
         self.active: list[bool] = [False] * batch_size  # rows whose request uses a processor
         self.matchers: dict[int, Any] = {}  # grammar rows: row -> its matcher after its committed tokens
 
-    def _allocate(self) -> ProcessorRows:
-        B, V, dev = self.B, self.V, self.device
-        return ProcessorRows(torch.zeros(B, V, device=dev), torch.zeros(B, V, dtype=torch.bool, device=dev),
-                             torch.zeros(B, V, device=dev), torch.ones(B, device=dev), torch.zeros(B, device=dev),
-                             torch.zeros(B, device=dev))  # fmt: skip
-
     def start(self, row: int, params: SamplingParams, prompt: Sequence[int], first: int) -> None:
         """The row's request was admitted with ``prompt`` and its first token ``first``."""
         self.active[row] = bool(params.processors)
@@ -134,7 +135,7 @@ class Processors:
             matcher.consume_token(first)  # drawn under the grammar's mask (the prefill's first_token)
             self.matchers[row] = matcher
         if self.state is None and self.active[row]:
-            self.state = self._allocate()
+            self.state = ProcessorRows.empty(self.B, self.V, self.device)
         if self.state is not None:  # a row without processors is reset too: its neighbours' batches read it
             fill_row(self.state, row, params, prompt, [first])
 
@@ -203,13 +204,8 @@ def first_rows(params: SamplingParams, prompt: Sequence[int], vocab_size: int, d
     """One row's state before its first token (for the prefill's draw), or None without processors."""
     if not params.processors:
         return None
-    grammar = []
-    if params.grammar is not None:
-        grammar = [(0, grammars_for(tokenizer, vocab_size).matcher(params.grammar))]
-    state = ProcessorRows(torch.zeros(1, vocab_size, device=device), torch.zeros(1, vocab_size, dtype=torch.bool, device=device),
-                          torch.zeros(1, vocab_size, device=device), torch.ones(1, device=device),
-                          torch.zeros(1, device=device), torch.zeros(1, device=device),
-                          biased=bool(params.logit_bias), penalized=params.penalized, grammar=grammar,
-                          grammars=grammars_for(tokenizer, vocab_size) if grammar else None)  # fmt: skip
+    grammars = grammars_for(tokenizer, vocab_size) if params.grammar is not None else None
+    state = ProcessorRows.empty(1, vocab_size, device, biased=bool(params.logit_bias), penalized=params.penalized,
+                                grammar=[(0, grammars.matcher(params.grammar))] if grammars else [], grammars=grammars)  # fmt: skip
     fill_row(state, 0, params, prompt, [])
     return state
