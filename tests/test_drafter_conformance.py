@@ -31,6 +31,7 @@ choices off its ``choose``.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import itertools
@@ -160,10 +161,14 @@ class Kind:
     draft model), the kind's own name among them, new ones on every call. ``prediction``: its
     requests carry a prediction (the prediction drafter drafts only those). ``fresh``: a fresh row
     admitted on a row's committed tokens is what that row's drafter must propose from (False where
-    the proposal depends on where the prompt ends: the prediction aligns the answer only)."""
+    the proposal depends on where the prompt ends: the prediction aligns the answer only).
+    ``grammar``: its requests (those without processors of their own) carry a grammar forcing the
+    target's own greedy answer token by token (the grammar drafter drafts only what a grammar
+    forces; the output stays the target's; a fresh row's grammar is its own prompt's answer)."""
 
     build: Callable[[Models], dict]
     prediction: bool = False
+    grammar: bool = False
     fresh: bool = True
 
 
@@ -175,6 +180,7 @@ KINDS: dict[str, Kind] = {
     "model": Kind(lambda m: {"model": m.draft}),
     "eagle3": Kind(lambda m: {"eagle3": Eagle3Drafter(m.head)}),
     "random_length": Kind(lambda m: {"random_length": RandomLength()}),
+    "grammar": Kind(lambda m: {"grammar": registry.build("grammar", SETTINGS)}, grammar=True, fresh=False),
 }
 NAMES = list(KINDS)
 
@@ -339,6 +345,8 @@ class Kit:
         if kind in KINDS and KINDS[kind].prediction:
             prediction = list(self.answer(prompt, max_new))
             prediction[len(prediction) // 2] = 3 + (prediction[len(prediction) // 2] + 1) % 380
+        if kind in KINDS and KINDS[kind].grammar and not params.processors:  # a request's own processors stand
+            params = dataclasses.replace(params, grammar=token_grammar([[t] for t in self.answer(prompt, max_new)]))
         return Request(list(prompt), params, max_new_tokens=max_new, drafter=kind, k=k, prediction=prediction)
 
     def solo(self, request: Request):
@@ -349,6 +357,13 @@ class Kit:
             engine, _ = self.engine(kind, batch=1)
             [self._solos[key]] = engine.generate([request])
         return self._solos[key]
+
+
+def token_grammar(positions: list[list[int]]) -> str:
+    """An llguidance grammar of token ids: at each position, one of the listed ids (one: forced)."""
+    import llguidance
+
+    return llguidance.grammar_from("lark", "start: " + " ".join("(" + "|".join(f"<[{t}]>" for t in ids) + ")" for ids in positions))
 
 
 @pytest.fixture(scope="module")
@@ -566,7 +581,7 @@ def test_a_row_that_skipped_steps_proposes_what_a_row_that_never_skipped_propose
     toggle = Toggle()
     engine, spy = kit.engine(kind, batch=4, step_k="goodput")
     engine.step_costs = toggle
-    ps = ragged_prompts(3, seed=14)
+    ps = ragged_prompts(4, seed=14)
     since = spy.mark()
     ids = [engine.add_request(kit.request(kind, p, max_new=24)) for p in ps]
     done, step = {}, 0
@@ -700,6 +715,7 @@ def test_a_requests_k_bounds_its_drafts_beside_larger_ks(kit, kind):
 SMALL_V = 8  # the chi-square's target: a vocabulary of 8 (its EOS outside it), so 8^3 sequences
 SMALL_PROMPT = [1, 2, 3, 1, 2]
 SMALL_N = 3000  # seeded requests per kind
+SMALL_FORCED = 4  # the grammar kind's forced second token
 
 
 class SmallKit(Kit):
@@ -769,7 +785,10 @@ def test_sampled_output_follows_the_targets_distribution(small_kit, kind):
     """SMALL_N seeded requests of the kind (temperature 1, K 3) through one engine: the joint
     distribution of their three tokens passes a chi-square test against the target's own. It has
     the power to see a head that draws its drafts with the acceptance tests' uniforms."""
-    params = [SamplingParams(temperature=1.0, seed=1000 + i) for i in range(SMALL_N)]
+    # The grammar kind: the second token forced (its one draft; the first is the prefill's), the others free.
+    free = list(range(SMALL_V))
+    grammar = token_grammar([free, [SMALL_FORCED], free]) if KINDS[kind].grammar else None
+    params = [SamplingParams(temperature=1.0, seed=1000 + i, grammar=grammar) for i in range(SMALL_N)]
     engine, _ = small_kit.engine(kind, batch=64)
     prediction = list(range(SMALL_V)) * 2 if KINDS[kind].prediction else None
     requests = [Request(SMALL_PROMPT, p, max_new_tokens=3, drafter=kind, prediction=prediction) for p in params]
@@ -777,7 +796,12 @@ def test_sampled_output_follows_the_targets_distribution(small_kit, kind):
     samples = torch.tensor([o.token_ids for o in outs])
     assert samples.shape == (SMALL_N, 3)
     assert sum(o.stats["drafted"] for o in outs) > SMALL_N // 2, "the kind hardly drafted"
-    assert joint_p_value(samples, exact_joint(small_kit.target, SMALL_PROMPT, SamplingParams(temperature=1.0))) > 1e-3
+    exact = exact_joint(small_kit.target, SMALL_PROMPT, SamplingParams(temperature=1.0))  # [V, V, V]
+    if grammar is not None:  # x2 forced: P(x1) P(x3 | x1, forced)
+        given = exact[:, SMALL_FORCED] / exact[:, SMALL_FORCED].sum(-1, keepdim=True)  # [V(x1), V(x3)]
+        exact = torch.zeros_like(exact).index_copy_(1, torch.tensor([SMALL_FORCED]),
+                                                    (exact.sum((1, 2))[:, None] * given).unsqueeze(1))  # fmt: skip
+    assert joint_p_value(samples, exact) > 1e-3
 
 
 # ---- 9. every kind is in the kit -------------------------------------------------------------

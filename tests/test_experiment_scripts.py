@@ -523,3 +523,21 @@ def _serving_env(monkeypatch) -> None:
     """Scripts that start `serve` as a command: this interpreter's, running this checkout."""
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     monkeypatch.setenv("PYTHONPATH", f"{ROOT}:{os.environ.get('PYTHONPATH', '')}")
+
+
+@pytest.mark.e2e
+def test_bench_json_times_each_drafter_on_constrained_answers(models, tmp_path, monkeypatch):
+    """bench_json.py on the tiny pair (Choral only: no llama-server), batches 1 and 2: every system
+    answers every prompt, each drafter's answers are its constrained target alone's."""
+    module = load_script("scripts/experiments/bench_json.py")
+    monkeypatch.setattr(module, "TARGET", models["target"])
+    out = tmp_path / "out"
+    assert module.main(["--prompts", "2", "--batches", "1,2", "--max-tokens", "24", "--k", "4", "--target-weights", "fp32",
+                        "--out", str(out)]) == 0  # fmt: skip
+    record = json.loads((out / "json_bench.json").read_text())
+    assert set(record["batches"]) == {"1", "2"}
+    for batch in record["batches"].values():
+        s = batch["summary"]
+        assert list(s) == ["Choral none", "Choral grammar", "Choral suffix", "Choral auto"]
+        assert all(v["prompts"] == 2 and v["identical_to_target_alone"] == 2 for v in s.values())
+        assert s["Choral grammar"]["forced_share"] > 0 and 0 < s["Choral none"]["single_choice_share"] <= 1

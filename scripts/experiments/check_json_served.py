@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
-DRAFTERS = ("none", "draft", "suffix", "auto")
+DRAFTERS = ("none", "grammar", "draft", "suffix", "auto")
 ITEMS = {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string"}}}, "required": ["items"],
          "additionalProperties": False}  # fmt: skip
 INVOICE = {"type": "object", "properties": {"vendor": {"type": "string"}, "date": {"type": "string"}, "amount": {"type": "number"},

@@ -57,7 +57,7 @@ from serving.engine.devices import synchronize
 from serving.engine.drafters.base import NONE, PREDICTION, Drafter, RowContext
 from serving.engine.drafters.model import as_drafter
 from serving.engine.drafters.prediction import PredictionDrafter
-from serving.engine.drafting import distinct, draft
+from serving.engine.drafting import GRAMMAR, distinct, draft
 from serving.engine.engine_settings import EngineConfig
 from serving.engine.fallback import fall_back
 from serving.engine.goodput import StepCosts
@@ -67,7 +67,7 @@ from serving.engine.request import (
     TARGET_ORIGIN, Completion, Request, RequestFailed, StepOutput, describe_errors, step_origins,
 )
 from serving.engine.sampling import SamplingParams, SamplingTensors
-from serving.engine.slots import Slot, SlotTable, check_fits, completion, hit_stop, host_logprobs
+from serving.engine.slots import Slot, SlotTable, check_fits, completion, drafter_of, hit_stop, host_logprobs
 from serving.engine.speculative import DecodeState, commit, start_row, step_uniforms
 from serving.engine.stats import RequestStats
 from serving.engine.verifier import LocalVerifier, Verifier, VerifierError, VerifyBatch
@@ -353,7 +353,7 @@ class SpeculativeEngine:
         seed = request.params.seed if request.params.seed is not None else secrets.randbits(63)
         generator = torch.Generator().manual_seed(seed)
         ids = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)  # [1, L]
-        name = self._drafter_of(request)
+        name = drafter_of(request, self.drafters, self.default_drafter)
         k_max = self.config.k_max if self.drafting else 0
         try:
             first_id = self.verifier.prefill(b, ids, request.params, torch.rand(1, generator=generator),
@@ -385,12 +385,6 @@ class SpeculativeEngine:
         if drafter is not None:  # the prompt's features came with start: none are new
             drafter.observe(b, slot.generated, hidden=None if features is None else features[:0])
         return slot, done or stopped
-
-    def _drafter_of(self, request: Request) -> str:
-        """The one it names, else ``prediction`` when it carries one, else the engine's default."""
-        if request.drafter is not None:
-            return request.drafter
-        return PREDICTION if request.prediction and PREDICTION in self.drafters else self.default_drafter
 
     def _stop_drafter(self, b: int, slot: Slot, finished: bool) -> None:
         if slot.drafter in self.drafters:
@@ -486,21 +480,22 @@ class SpeculativeEngine:
         committed = s.tokens.gather(1, n_before.unsqueeze(1) + torch.arange(k + 1, device=self.device))  # [B, K+1]
         self.processors.commit(committed, n_new)
         # 5. The single host sync of the step (logprobs, when a row asks, come with it).
-        rows = torch.cat([n_acc[:, None], n_new[:, None], s.done[:, None].long(), d.n[:, None], committed], 1).tolist()
+        rows = torch.cat([n_acc[:, None], n_new[:, None], s.done[:, None].long(), d.n[:, None], d.forced[:, None].long(),
+                          committed], 1).tolist()  # fmt: skip
         logprobs = verdict.logprobs
         finished, after_commit = [], {}
         for b, slot in enumerate(slots):
             if slot is None or b in lost:
                 continue
-            accepted, new, done, drafted, tokens = rows[b][0], rows[b][1], bool(rows[b][2]), rows[b][3], rows[b][4:]
+            accepted, new, done, drafted, grammar, tokens = (*rows[b][:2], bool(rows[b][2]), *rows[b][3:5], rows[b][5:])
             before = len(slot.generated)
             slot.generated += tokens[:new]
             if slot.logprobs is not None:
                 slot.logprobs += host_logprobs(logprobs, b, tokens[:new], slot.request.params.logprobs)
-            proposer = d.proposers.get(b, slot.drafter) if drafted else NONE
+            proposer = (GRAMMAR if grammar else d.proposers.get(b, slot.drafter)) if drafted else NONE
             slot.origins += step_origins(proposer, drafted, accepted, new)
             slot.stats.record_step(drafted, accepted, new, times["draft"], times["target"], drafter=proposer)
-            if b in d.routed:  # a routing drafter: the verdict on its choice
+            if b in d.routed and not grammar:  # a routing drafter: the verdict on its choice
                 self.drafters[slot.drafter].settle(b, drafted, accepted)
             self.k_policy.after_step(slot, d.budgets[b], drafted, accepted)
             try:

@@ -12,6 +12,12 @@ Per row, by what its drafter declares (``serving.engine.drafters.base``, no swit
 The proposals are merged into ``tokens`` [B, K], ``q`` [B, K, V] and ``n`` [B] at the step's K,
 the smallest K bucket holding every proposal (a compiled verify width); rows past their own
 proposal are padding the acceptance rule masks.
+
+A row whose grammar forces its next tokens (``forced``: a JSON schema's keys, punctuation) still
+asks its drafter, then joins the two: the drafter's proposal where it begins with the forced
+tokens (it carries on past them), else the forced tokens alone (free drafts). ``Drafts.forced``
+marks the rows drafted by the grammar alone: their tokens are counted as the ``grammar``
+proposer's, and a routing drafter hears no verdict on a choice it did not draft.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ class Drafts:
     budgets: list[int]  # [B] each row's budget after a goodput cap
     proposers: dict[int, str]  # row -> who proposed its tokens when not its own drafter ("grammar", or auto's choice)
     routed: set[int]  # rows whose routing drafter (auto) chose this step's drafter: it hears the verdict
+    forced: torch.Tensor  # [B] bool: rows whose drafts are the grammar's forced tokens alone
     model_s: float = 0.0  # time of the device drafters' forwards
     forwards: int = 0  # device forwards run
 
@@ -64,13 +71,13 @@ def draft(drafters: Mapping[str, Drafter], slots: Sequence[Slot | None], state: 
     routes: dict[int, Drafter] = {}  # row -> the device drafter that drafts it this step
     proposers: dict[int, str] = {}
     routed: set[int] = set()
+    ahead: dict[int, list[int]] = {}  # row -> the tokens its grammar forces next, within its budget
     for b, slot in enumerate(slots):
         drafter = drafters.get(slot.drafter) if slot is not None else None
         if drafter is None:
             continue
-        if budgets[b] and forced and forced.get(b):  # the grammar's forced tokens: the row's drafter sits this step out
-            host[b], proposers[b] = forced[b][: budgets[b]], GRAMMAR
-            continue
+        if budgets[b] and forced and forced.get(b):
+            ahead[b] = forced[b][: budgets[b]]
         if budgets[b] and drafter.routes:  # auto: this step's drafter for the row
             choice = drafter.choose(b, slot.tokens, budgets[b], slot.request.drafter_priors)
             budgets[b] = choice.k if choice.drafter is not None else 0
@@ -86,6 +93,10 @@ def draft(drafters: Mapping[str, Drafter], slots: Sequence[Slot | None], state: 
             routes[b] = drafter
     budgets = policy.cap(slots, budgets, [None if t is None else len(t) for t in host], step_costs)
     host = [None if t is None else t[: budgets[b]] for b, t in enumerate(host)]
+    alone = [False] * B  # rows drafted by their grammar alone
+    for b, f in ahead.items():  # host rows join here, device rows in ``merge``
+        if b not in routes and (host[b] or [])[: len(f)] != f:
+            host[b], alone[b] = f, True
     proposals = []
     started, forwards = time.perf_counter(), 0
     for drafter in distinct(drafters):
@@ -100,16 +111,22 @@ def draft(drafters: Mapping[str, Drafter], slots: Sequence[Slot | None], state: 
     if forwards:
         synchronize(device)
     model_s = time.perf_counter() - started
-    tokens, q, n = merge([t or [] for t in host], proposals, config.k_buckets, vocab_size, device)
-    return Drafts(tokens, q, n, budgets, proposers, routed, model_s, forwards)
+    tokens, q, n, joined = merge([t or [] for t in host], proposals, config.k_buckets, vocab_size, device,
+                                 {b: f for b, f in ahead.items() if b in routes})  # fmt: skip
+    forced_only = torch.tensor(alone, device=device) | ~joined  # [B]
+    return Drafts(tokens, q, n, budgets, proposers, routed, forced_only, model_s, forwards)
 
 
 def merge(host: list[list[int]], proposals: list[tuple[Proposal, torch.Tensor]], k_buckets: Sequence[int], V: int,
-          device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+          device: torch.device, ahead: Mapping[int, list[int]] | None = None,
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """The host rows' tokens and each device drafter's proposal for its rows (``mine`` [B]) as one
-    block at the step's K: the smallest bucket that holds every proposal."""
+    block at the step's K: the smallest bucket that holds every proposal. ``ahead``: device rows'
+    grammar-forced tokens, kept with the drafter's proposal where it begins with them, else alone
+    (returned ``joined`` [B] bool: False where a row's forced tokens replaced its proposal)."""
     B = len(host)
-    width = max([*map(len, host), *(p.tokens.shape[1] for p, _ in proposals)])
+    ahead = ahead or {}
+    width = max([*map(len, host), *map(len, ahead.values()), *(p.tokens.shape[1] for p, _ in proposals)])
     k = next((kb for kb in k_buckets if kb >= width), width) if width else 0
     rows = torch.tensor([t + [0] * (k - len(t)) for t in host], dtype=torch.long).reshape(B, k)
     tokens = rows.to(device)  # [B, K]
@@ -127,4 +144,14 @@ def merge(host: list[list[int]], proposals: list[tuple[Proposal, torch.Tensor]],
             q = torch.where(mine.view(B, 1, 1), q_m, q if q is not None else torch.zeros_like(q_m))
     if q is None:
         q = torch.zeros(B, k, V, device=device)  # [B, K, V] nothing drafted
-    return tokens, q, n
+    joined = torch.ones(B, dtype=torch.bool, device=device)  # [B]
+    if ahead:  # on the device: which proposals begin with their row's forced tokens is known after the step's sync
+        f_n = torch.tensor([len(ahead.get(b, ())) for b in range(B)], device=device)  # [B]
+        f_tokens = torch.tensor([list(ahead.get(b, ())) + [0] * (k - len(ahead.get(b, ()))) for b in range(B)],
+                                dtype=torch.long, device=device)  # [B, K]  # fmt: skip
+        within = torch.arange(k, device=device) < f_n.unsqueeze(1)  # [B, K]
+        joined = ((tokens == f_tokens) | ~within).all(1) & (n >= f_n)  # [B]
+        tokens = torch.where(joined.unsqueeze(1), tokens, f_tokens)
+        n = torch.where(joined, n, f_n)
+        q = torch.where(joined.view(B, 1, 1), q, torch.nn.functional.one_hot(f_tokens, V).to(q.dtype))
+    return tokens, q, n, joined

@@ -148,7 +148,9 @@ class Processors:
         forced text's canonical tokens (llguidance's fast-forward tokens), proposed as free drafts."""
         out = {}
         for b, m in self.matchers.items():
-            if b < rows and (tokens := m.compute_ff_tokens()):
+            tokens = m.compute_ff_tokens() if b < rows else []
+            tokens = tokens[: next((i for i, t in enumerate(tokens) if t >= self.V), len(tokens))]  # the logits' ids only
+            if tokens:
                 out[b] = tokens
         return out
 

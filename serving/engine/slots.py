@@ -9,12 +9,13 @@ strings are applied here (``hit_stop``), and a finished slot becomes its ``Compl
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from serving.engine.drafters.base import PREDICTION
 from serving.engine.engine_settings import EngineConfig
 from serving.engine.request import Completion, Request, TokenLogprob, TokenOrigin
 from serving.engine.stats import RequestStats
@@ -140,6 +141,14 @@ def host_logprobs(lp, b: int, tokens: list[int], n: int) -> list[TokenLogprob]:
     ``StepLogprobs`` (``serving.engine.speculative``), with its ``n`` most likely alternatives."""
     chosen, ids, top = lp.chosen[b].tolist(), lp.top_ids[b, :, :n].tolist(), lp.top[b, :, :n].tolist()
     return [TokenLogprob(t, chosen[i], tuple(zip(ids[i], top[i]))) for i, t in enumerate(tokens)]
+
+
+def drafter_of(request: Request, drafters: Mapping[str, object], default: str) -> str:
+    """The drafter a request runs with: the one it names, else ``prediction`` when it carries a
+    prediction (and the engine has that drafter), else the engine's default."""
+    if request.drafter is not None:
+        return request.drafter
+    return PREDICTION if request.prediction and PREDICTION in drafters else default
 
 
 def check_fits(r: Request, config: EngineConfig, drafter_names: list[str], k_max: int) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from serving.engine.drafters.auto import AutoDrafter
 from serving.engine.drafters.base import PREDICTION, Drafter
+from serving.engine.drafters.grammar import GrammarDrafter
 from serving.engine.drafters.ngram import NgramDrafter
 from serving.engine.drafters.prediction import PredictionDrafter
 from serving.engine.drafters.suffix import SuffixDrafter
@@ -31,10 +32,14 @@ def register(ref: str, factory: Callable[..., Drafter]) -> None:
 AUTO = "auto"  # the per-step choice among the engine's other drafters
 
 
+GRAMMAR = "grammar"  # drafts what a request's grammar forces, nothing else
+
+
 def host_refs() -> tuple[str, ...]:
-    """The references a user names for a model-free drafter (``prediction`` is chosen by the
-    request's prediction field, not by name; ``auto`` drafts with the others)."""
-    return tuple(r for r in BUILT_IN if r not in (PREDICTION, AUTO))
+    """The model-free drafters that draft any request, as routing pools them (``prediction`` is
+    chosen by the request's prediction field, not by name; ``auto`` drafts with the others;
+    ``grammar`` drafts only requests with a grammar)."""
+    return tuple(r for r in BUILT_IN if r not in (PREDICTION, AUTO, GRAMMAR))
 
 
 def named_refs() -> tuple[str, ...]:
@@ -53,6 +58,7 @@ register("ngram", lambda s: NgramDrafter(k=s.ngram.k, min_n=s.ngram.min_n, max_n
 register("suffix", lambda s: SuffixDrafter(k=s.suffix.k, max_depth=s.suffix.max_tree_depth,
                                            max_cached_requests=s.suffix.max_cached_requests,
                                            max_spec_factor=s.suffix.max_spec_factor, min_token_prob=s.suffix.min_token_prob))  # fmt: skip
+register(GRAMMAR, lambda s: GrammarDrafter())
 register(PREDICTION, lambda s: PredictionDrafter(k=s.prediction.k, min_n=s.prediction.min_n, max_n=s.prediction.max_n,
                                                  confident_n=s.prediction.confident_n))  # fmt: skip
 register(AUTO, lambda s: AutoDrafter(s.auto.drafters, k=s.auto.k, prior_a=s.auto.prior_a, default_prior=s.auto.default_prior,
