@@ -128,3 +128,18 @@ def test_the_screenshot_script_captures_the_finished_page(served, tmp_path, caps
     out = tmp_path / "demo.png"
     assert shot.main(["--url", f"{served.url}/v1", "--drafter", "code", "--max-tokens", "8", "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "speedup" in capsys.readouterr().out
+
+
+def test_the_grammars_forced_tokens_get_their_own_colour(served):
+    """A JSON-schema answer with the ``grammar`` drafter: its accepted drafts are the grammar's
+    forced tokens, marked ``grammar`` (their own colour in the legend), and the text is the target
+    alone's under the same schema."""
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"}},
+              "required": ["answer", "ok"], "additionalProperties": False}  # fmt: skip
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
+    *_, run = demo.stream(served.client, served.model, PROMPT, "grammar", 48, fmt)
+    *_, alone = demo.stream(served.client, served.model, PROMPT, "none", 48, fmt)
+    assert run.done and run.text == alone.text and run.text.startswith('{"answer":')
+    html = demo.render_tokens(run)
+    assert html.count("class='tok grammar'") >= 3 and "tok grammar" not in demo.render_tokens(alone)
+    assert ".tok.grammar" in demo.CSS and "forced token" in demo.legend()

@@ -257,6 +257,19 @@ def test_a_logit_bias_ban_never_empties_the_grammars_choices(engines, tokenizer)
         assert out.token_ids == want.token_ids and out.token_ids[0] in opening
         assert out.finish_reason == "stop" and follows_schema(out.text), out.text
 
+
+@pytest.mark.integration
+def test_a_stop_string_cuts_the_json_as_it_cuts_any_text(engines):
+    """A stop string inside the constrained answer ends it there (``stop``, the text before the
+    string: cut JSON, as OpenAI cuts it), every drafter alike."""
+    engine, alone = engines
+    params = SamplingParams(grammar=json_schema_grammar(SCHEMA))
+    prompts = ragged_prompts(3, seed=88)
+    outs = engine.generate([Request(p, params, max_new_tokens=128, drafter=d, stop=('"color"',)) for p, d in zip(prompts, ["grammar", "small", "suffix"])])
+    wants = alone.generate([Request(p, params, max_new_tokens=128, stop=('"color"',)) for p in prompts])
+    for out, want in zip(outs, wants):
+        assert out.text == want.text and out.finish_reason == "stop" and out.text.startswith('{"ok":') and out.text.endswith(","), out.text
+
 @pytest.mark.integration
 def test_threshold_rows_never_accept_a_token_the_grammar_masks(tiny_target, tokenizer):
     """Threshold verification reads the masked p: a draft the grammar forbids (here "Q", which no

@@ -1025,7 +1025,7 @@ def _fuzzed_schemas(n: int, seed: int = 0) -> list:
 
 @pytest.mark.e2e
 def test_fuzzed_schemas_are_answered_or_refused_never_a_500_and_neighbours_finish(live):
-    """Schemas a client may send (valid, unsupported, malformed, over the size cap) beside valid
+    """500 schemas a client may send (valid, unsupported, malformed, over the size cap) beside valid
     requests: each is answered (200) or refused by name (400 naming response_format), never a
     500, and the neighbours' answers are unchanged."""
     import concurrent.futures
@@ -1033,7 +1033,7 @@ def test_fuzzed_schemas_are_answered_or_refused_never_a_500_and_neighbours_finis
     want = live.client.chat.completions.create(model=live.model, messages=CHAT, max_tokens=8, temperature=0).choices[0].message.content
     bodies = [{"model": live.model, "messages": CHAT, "max_tokens": 3, "temperature": 0,
                "response_format": {"type": "json_schema", "json_schema": {"name": "f", "schema": schema}}}
-              for schema in _fuzzed_schemas(60)]  # fmt: skip
+              for schema in _fuzzed_schemas(496)]  # fmt: skip  (500 with the four edge cases)
 
     def neighbour():
         return live.client.chat.completions.create(model=live.model, messages=CHAT, max_tokens=8, temperature=0).choices[0].message.content
@@ -1045,11 +1045,14 @@ def test_fuzzed_schemas_are_answered_or_refused_never_a_500_and_neighbours_finis
             return e.status_code, e.param
         return 200, None
 
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        fuzzed = [pool.submit(fuzz, body) for body in bodies]
-        neighbours = [pool.submit(neighbour) for _ in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:  # a valid neighbour after every 50 fuzzed bodies
+        fuzzed, neighbours = [], []
+        for i, body in enumerate(bodies):
+            fuzzed.append(pool.submit(fuzz, body))
+            if i % 50 == 25:
+                neighbours.append(pool.submit(neighbour))
         results = [f.result() for f in fuzzed]
-        assert all(n.result() == want for n in neighbours)
+        assert len(results) == 500 and len(neighbours) == 10 and all(n.result() == want for n in neighbours)
     assert {status for status, _ in results} <= {200, 400}, sorted({s for s, _ in results})
     assert all(param == "response_format" for status, param in results if status == 400)
     assert sum(status == 200 for status, _ in results) >= 10 and sum(status == 400 for status, _ in results) >= 10

@@ -32,7 +32,9 @@ ORIGINS = {  # origin -> (legend label, colour)
     "correction": ("target's correction", "#ffd6a5"),
     "bonus": ("target's bonus token", "#bde0fe"),
     "target": ("target alone", "#e9ecef"),
+    "grammar": ("the JSON grammar's forced token (a free draft)", "#e0c3fc"),
 }
+JSON_MODE = {"type": "json_object"}  # the page's JSON mode: OpenAI's response_format
 CSS = """
 .tokens { white-space: pre-wrap; font-family: ui-monospace, monospace; font-size: 14px; line-height: 1.6; }
 .tok { border-radius: 3px; }
@@ -55,13 +57,16 @@ class Run:
         return len(self.entries) / self.seconds if self.seconds else 0.0
 
 
-def stream(client: Any, model: str, prompt: str, draft: str | None, max_tokens: int) -> Iterator[Run]:
-    """Stream one greedy chat answer, yielding the run after each chunk (and once when done)."""
+def stream(client: Any, model: str, prompt: str, draft: str | None, max_tokens: int,
+           response_format: dict | None = None) -> Iterator[Run]:  # fmt: skip
+    """Stream one greedy chat answer, yielding the run after each chunk (and once when done).
+    ``response_format``: OpenAI's (JSON mode, a JSON schema), or None for free text."""
     run = Run(draft)
     started = time.perf_counter()
     extra = {"draft": draft} if draft is not None else {}
+    fmt = {"response_format": response_format} if response_format is not None else {}
     chunks = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
-                                            max_tokens=max_tokens, temperature=0, stream=True, extra_body=extra)  # fmt: skip
+                                            max_tokens=max_tokens, temperature=0, stream=True, extra_body=extra, **fmt)  # fmt: skip
     for chunk in chunks:
         choral = (chunk.model_extra or {}).get("choral") or {}
         text = chunk.choices[0].delta.content if chunk.choices else None
@@ -78,12 +83,15 @@ def stream(client: Any, model: str, prompt: str, draft: str | None, max_tokens: 
 
 
 def render_tokens(run: Run | None) -> str:
-    """The answer as HTML: one span per token, its class the token's origin."""
+    """The answer as HTML: one span per token, its class the token's origin (an accepted draft the
+    grammar forced: ``grammar``)."""
     if run is None:
         return "<div class='tokens'></div>"
     spans = []
     for e in run.entries:
         origin = e.get("origin") or "plain"
+        if origin == "draft" and e.get("drafter") == "grammar":
+            origin = "grammar"
         title = f"{origin}" + (f" ({e['drafter']})" if e.get("drafter") else "")
         drafter = f" data-drafter='{html.escape(e['drafter'], quote=True)}'" if e.get("drafter") else ""
         spans.append(f"<span class='tok {origin}' title='{html.escape(title, quote=True)}'{drafter}>"
@@ -120,16 +128,17 @@ def build_page(client: Any, model: str, drafters: list[str], max_tokens: int = 1
     """The Gradio page over an OpenAI client of a running ``serve``."""
     import gradio as gr
 
-    def run(prompt: str, drafter: str) -> Iterator[tuple[str, str, str]]:
+    def run(prompt: str, drafter: str, json_mode: bool = False) -> Iterator[tuple[str, str, str]]:
         if not prompt.strip():
             yield render_tokens(None), render_tokens(None), "Type a prompt first."
             return
         forced = None if drafter == ROUTED else drafter
         spec = None
-        for spec in stream(client, model, prompt, forced, max_tokens):
+        fmt = JSON_MODE if json_mode else None
+        for spec in stream(client, model, prompt, forced, max_tokens, fmt):
             yield render_tokens(spec), render_tokens(None), render_summary(spec, None)
         alone = None
-        for alone in stream(client, model, prompt, "none", max_tokens):  # after: two runs would share the cores
+        for alone in stream(client, model, prompt, "none", max_tokens, fmt):  # after: two runs would share the cores
             yield render_tokens(spec), render_tokens(alone), render_summary(spec, alone)
 
     with gr.Blocks(title="Choral: speculative decoding, live") as page:
@@ -140,13 +149,14 @@ def build_page(client: Any, model: str, drafters: list[str], max_tokens: int = 1
                                 value="Write a Python function that checks whether a string is a palindrome.")  # fmt: skip
             with gr.Column(scale=1):
                 drafter = gr.Dropdown([ROUTED, *drafters], value=ROUTED, label="drafter", elem_id="drafter")
+                json_mode = gr.Checkbox(False, label="JSON mode (response_format json_object)", elem_id="json")
                 go = gr.Button("Run", variant="primary", elem_id="run")
         gr.Markdown("**Speculative** (each token marked by how it came)")
         answer = gr.HTML(render_tokens(None), elem_id="answer")
         gr.Markdown("**Target alone**, run after it")
         alone = gr.HTML(render_tokens(None), elem_id="alone")
         summary = gr.Markdown(elem_id="summary")
-        go.click(run, [prompt, drafter], [answer, alone, summary])
+        go.click(run, [prompt, drafter, json_mode], [answer, alone, summary])
     return page
 
 
