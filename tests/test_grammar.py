@@ -78,7 +78,7 @@ def test_a_gguf_vocabularys_padding_rows_are_never_allowed_inside_a_string(token
     g = grammars_for(padded, 384)
     assert g.padding == list(range(n, n + 4))
     m = g.matcher(json_schema_grammar({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}))
-    assert m.consume_tokens(padded.encode('{"a":"', add_special_tokens=False))
+    assert m.consume_tokens(padded.encode('{"a": "', add_special_tokens=False))
     masked = apply_masks(torch.zeros(1, 1, 384), g.masks([(0, m, [])], 1, 1))  # [1, 1, V]
     assert torch.isfinite(masked[0, 0, :n]).sum() > 100  # any text goes in the string ...
     assert not torch.isfinite(masked[0, 0, n:]).any()  # ... but never a padding row
@@ -100,6 +100,23 @@ def test_masks_along_drafts_leave_the_matcher_where_it_was(tokenizer, kind):
     rows = apply_masks(torch.zeros(1, 4, 384), masks)[0]  # [4, V]
     assert all(torch.isfinite(rows[i, ids[1 + i]]) for i in range(4))  # each draft's own position allows the next token
     assert m.consume_tokens(ids[1:5]) and not m.is_error()
+
+
+@pytest.mark.unit
+def test_json_is_one_line_with_json_dumps_separators(tokenizer):
+    """The whitespace policy: ``", "`` and ``": "`` (as json.dumps writes, and as the models write
+    unconstrained), nothing else outside strings: no compact separators, no padding, no newlines."""
+    g = grammars_for(tokenizer, 384)
+
+    def accepted(text: str) -> bool:
+        m = g.matcher(json_schema_grammar(SCHEMA))
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()  # the whole text, and the grammar may end there
+
+    assert accepted(json.dumps({"ok": True, "color": "red", "n": 5}))
+    for bad in ('{"ok":true,"color":"red","n":5}', '{ "ok": true, "color": "red", "n": 5}',
+                '{"ok": true,\n"color": "red", "n": 5}', '{"ok": true, "color": "red", "n": 5} '):
+        assert not accepted(bad), bad
 
 
 @pytest.mark.unit
@@ -268,7 +285,7 @@ def test_a_stop_string_cuts_the_json_as_it_cuts_any_text(engines):
     outs = engine.generate([Request(p, params, max_new_tokens=128, drafter=d, stop=('"color"',)) for p, d in zip(prompts, ["grammar", "small", "suffix"])])
     wants = alone.generate([Request(p, params, max_new_tokens=128, stop=('"color"',)) for p in prompts])
     for out, want in zip(outs, wants):
-        assert out.text == want.text and out.finish_reason == "stop" and out.text.startswith('{"ok":') and out.text.endswith(","), out.text
+        assert out.text == want.text and out.finish_reason == "stop" and out.text.startswith('{"ok": ') and out.text.endswith(", "), out.text
 
 @pytest.mark.integration
 def test_threshold_rows_never_accept_a_token_the_grammar_masks(tiny_target, tokenizer):

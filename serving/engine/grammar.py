@@ -29,21 +29,25 @@ MAX_GRAMMAR_BYTES = 256 * 1024  # a schema larger than this is refused (it would
 CACHED_GRAMMARS = 64  # compiled grammars kept (one pristine matcher each, copied per request)
 
 
+SEPARATORS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}  # llguidance's x-guidance
+
+
 class GrammarError(ValueError):
     """A grammar (a JSON schema) that cannot be compiled, named with llguidance's reason."""
 
 
 def json_schema_grammar(schema: dict | None) -> str:
     """The llguidance grammar of a JSON schema (None: any JSON object, OpenAI's ``json_object``),
-    compact: no whitespace outside strings (``{"a":1,"b":[2,3]}``, so a model cannot pad an answer
-    with spaces or newlines until it runs out of tokens)."""
+    on one line with Python's ``json.dumps`` separators (``{"a": 1, "b": [2, 3]}``): the spacing the
+    models write unconstrained (forbidding the space after a comma sent the bundled Qwen into loops),
+    and no other whitespace, so a model cannot pad an answer until it runs out of tokens."""
     import llguidance
 
     text = json.dumps({"type": "object"} if schema is None else schema)
     if len(text) > MAX_GRAMMAR_BYTES:
         raise GrammarError(f"the JSON schema is {len(text)} bytes; at most {MAX_GRAMMAR_BYTES} are compiled")
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(text, overrides={"whitespace_flexible": False})
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(text, overrides=SEPARATORS)
     except ValueError as e:
         raise GrammarError(f"the JSON schema cannot be compiled: {e}") from None
     error = llguidance.LLMatcher.validate_grammar(grammar)
