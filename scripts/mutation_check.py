@@ -234,6 +234,20 @@ MUTANTS = [
     Mutant("threshold-on-exact-rows", "an exact request in a batch with a threshold one gets the threshold rule too",
            "serving/engine/sampling.py", "p.verification_threshold if p.lossy else 0.0 for p in params",
            "p.verification_threshold for p in params", THRESHOLD_TESTS),
+    # JSON schema under speculation (issue 72).
+    Mutant("grammar-mask-ignores-drafts", "every verified position is masked as the row's first (the drafts before it unseen)",
+           "serving/engine/grammar.py", "                llguidance.numpy.fill_next_token_bitmask(walker, bitmask, b * T + i + 1)\n",
+           "                llguidance.numpy.fill_next_token_bitmask(m, bitmask, b * T + i + 1)\n",
+           ("tests/test_grammar.py", "-k", "constrained_target or masks_along")),
+    Mutant("grammar-padding-allowed", "a GGUF vocabulary's [PAD<id>] rows are allowed inside a JSON string",
+           "serving/engine/grammar.py", "            if self.padding:\n", "            if False:\n",
+           ("tests/test_grammar.py", "-k", "padding")),
+    Mutant("forced-replace-not-join", "a grammar's forced tokens replace the row's drafter's proposal even where it begins with them",
+           "serving/engine/drafting.py", "if b not in routes and (host[b] or [])[: len(f)] != f:", "if b not in routes:",
+           ("tests/test_grammar.py", "-k", "carries_on")),
+    Mutant("tool-call-unclosed-counts", "a tool call the model opened and never closed is parsed as a call",
+           "serving/server/tools.py", 're.escape(OPEN) + r"\\s*(.*?)\\s*" + re.escape(CLOSE)',
+           're.escape(OPEN) + r"\\s*(.*?)\\s*(?:" + re.escape(CLOSE) + "|$)"', ("tests/test_tools.py", "-m", "unit")),
 ]
 
 

@@ -61,3 +61,16 @@ def test_check_json_served_validates_every_drafters_json_through_the_openai_clie
     assert report["prompts"] == 3 and report["streamed_equal"] == [True]
     for s in report["summary"].values():  # a tiny random model may run out of tokens inside a value: identity holds always
         assert s["identical_to_target_alone"] == 3
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_check_tools_served_calls_through_the_openai_client(models, tmp_path, monkeypatch):
+    """Two prompts (a named and a required choice: the tiny template has no tool format, so no auto)."""
+    _serving_env(monkeypatch)
+    _run("scripts/experiments/check_tools_served.py", ["--target", models["target"], "--draft", models["draft"], "--prompts", "2",
+                                                       "--drafters", "none,auto", "--max-tokens", "48",
+                                                       "--serve-arg", "engine.max_len=2048", "--out", str(tmp_path)])  # fmt: skip
+    s = json.loads((tmp_path / "tools_served.json").read_text())["summary"]
+    assert s["prompts"] == 2 and s["identical_to_target_alone"] == {"none": 2, "auto": 2}
+    assert s["by_choice"]["named"] == 1 and s["by_choice"]["required"] == 1

@@ -297,7 +297,9 @@ BAD = [
     ("completions", b'{"model": "MODEL", "prompt": "x", "max_tokens": true}', 400, "max_tokens"),
     ("completions", b'{"model": "MODEL", "prompt": "x", "max_tokens": 4, "stream": "yes"}', 400, "stream"),
     ("completions", {"logprobs": 6}, 400, "logprobs"),  # OpenAI's completions take 0..5
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tools"),
+    ("chat", {"functions": [{"name": "f", "parameters": {}}]}, 400, "functions"),  # OpenAI's deprecated form of tools
+    ("completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tools"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "always"}, 400, "tool_choice"),
     # The second round of probes (issue 61): an integer of 4,301+ digits was a 500 from int();
     # booleans and strings were read as numbers; OpenAI fields that change the answer were dropped.
     ("completions", b'{"model": "MODEL", "prompt": "x", "max_tokens": 4, "seed": ' + b"9" * 5000 + b"}", 400, "seed"),
@@ -995,6 +997,12 @@ def test_json_schema_and_json_mode_answers_parse_streamed_and_not(live):
         assert streamed == out.choices[0].message.content
         answers.add(streamed)
     assert len(answers) == 1  # greedy: every drafter gives the constrained target's answer
+    grammar = live.client.chat.completions.create(model=live.model, messages=CHAT, max_tokens=64, temperature=0,
+                                                  response_format=fmt, extra_body={"draft": "grammar"})  # fmt: skip
+    assert grammar.choices[0].message.content in answers and grammar.model_extra["choral"]["drafter_shares"].get("grammar")
+    metrics = live.request("GET", "/metrics")[1]
+    forced = [line for line in metrics.splitlines() if line.startswith("choral_grammar_forced_tokens_total")]
+    assert forced and float(forced[0].split()[-1]) > 0 and 'drafter="grammar"' in metrics
     obj = live.client.chat.completions.create(model=live.model, messages=CHAT, max_tokens=48, temperature=0,
                                               response_format={"type": "json_object"})  # fmt: skip
     if obj.choices[0].finish_reason == "stop":

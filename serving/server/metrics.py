@@ -38,6 +38,8 @@ class ServerMetrics:
                                      "by the request's draft", ["draft", "drafter"], registry=r)  # fmt: skip
         self.draft_choices = Counter("choral_draft_choices", "requests per draft; forced = chosen by the client",
                                      ["draft", "forced"], registry=r)  # fmt: skip
+        self.grammar_tokens = Counter("choral_grammar_forced_tokens", "answer tokens that were a JSON grammar's forced "
+                                      "tokens, drafted for free and accepted (response_format, tools)", registry=r)  # fmt: skip
         self.processor_requests = Counter("choral_processor_requests", "admitted requests that use a logits processor, by "
                                           "processor (logit_bias, repetition_penalty, frequency_penalty, presence_penalty, "
                                           "min_p); a request using several counts under each", ["processor"], registry=r)  # fmt: skip

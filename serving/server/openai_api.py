@@ -9,7 +9,7 @@ with the offending field in ``param``. Types are strict: a boolean is not a numb
 digits is not a number, and an integer of more digits than any field can hold is refused by the
 field it was sent in (Python would otherwise raise on its 4,301st digit). OpenAI fields the server
 does not implement are refused with a 400 naming the field unless they hold their no-op value
-(``NOT_IMPLEMENTED``: ``response_format``, tools, ``suffix``, ...), since silently dropping them
+(``NOT_IMPLEMENTED``: ``functions``, ``suffix``, ...; ``tools`` where a backend lacks them), since silently dropping them
 would change the answer or what the client reads; ``user``, ``metadata``, ``store`` and
 ``service_tier`` only label a request and are accepted and ignored, as are keys OpenAI does not
 define. The logits processors (``logit_bias``, the penalties, vLLM's ``min_p`` and
@@ -429,6 +429,8 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls (multi-turn tool use)
+    tool_call_id: StrictStr | None = None  # a tool message: the call it answers
 
     @field_validator("content")
     @classmethod
@@ -446,8 +448,27 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: StrictStr
+    arguments: StrictStr  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+ChatMessage.model_rebuild()
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
+    parallel_tool_calls: StrictBool | None = None  # with tools: several calls in one answer (default true)
     max_completion_tokens: StrictInt | None = None  # newer clients' name for max_tokens
     logprobs: StrictBool | None = None  # each token's logprob in choices[0].logprobs.content
     top_logprobs: StrictInt | None = None  # with logprobs=true: the N most likely tokens too (0..20)
@@ -471,8 +492,13 @@ class ChatCompletionRequest(_Sampling):
     def _messages(cls, v: list[ChatMessage]) -> list[ChatMessage]:
         if not v:
             raise ValueError("messages is empty: give at least one message")
-        for m in v:
+        for i, m in enumerate(v):
             m.text()
+            if m.role == "tool" and not m.tool_call_id:
+                raise ValueError(f"messages[{i}] is a tool message without tool_call_id: send the id of the call it "
+                                 "answers (the assistant's tool_calls[].id)")  # fmt: skip
+            if m.tool_calls and m.role != "assistant":
+                raise ValueError(f"messages[{i}] has tool_calls but role {m.role!r}: only an assistant's message calls tools")
         return v
 
     @field_validator("max_completion_tokens")
@@ -561,12 +587,15 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
 
 
-def completion_body(rid: str, model: str, text: str, finish_reason: str, usage: dict, choral: dict, chat: bool,
-                    logprobs: dict | None = None) -> dict:  # fmt: skip
-    """A whole response; ``logprobs``: the choice's (``serving.server.logprobs``), None when not asked for."""
+def completion_body(rid: str, model: str, text: str | None, finish_reason: str, usage: dict, choral: dict, chat: bool,
+                    logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:  # fmt: skip
+    """A whole response; ``logprobs``: the choice's (``serving.server.logprobs``), None when not asked
+    for; ``tool_calls``: the answer's calls (``serving.server.tools``)."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": logprobs}
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
+        if tool_calls:
+            choice["message"]["tool_calls"] = tool_calls
     else:
         choice["text"] = text
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
@@ -575,7 +604,7 @@ def completion_body(rid: str, model: str, text: str, finish_reason: str, usage: 
 
 def chunk_body(rid: str, model: str, created: int, chat: bool, *, text: str | None = None, role: bool = False,
                finish_reason: str | None = None, choral: dict | None = None, usage: dict | None = None,
-               logprobs: dict | None = None) -> dict:  # fmt: skip
+               logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:  # fmt: skip
     """One streamed chunk; ``text=None`` with ``usage`` set gives the final usage-only chunk;
     ``logprobs``: those of the tokens whose text the chunk carries."""
     body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
@@ -586,6 +615,8 @@ def chunk_body(rid: str, model: str, created: int, chat: bool, *, text: str | No
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
+            if tool_calls:  # each call whole, in one delta (OpenAI's stream may split the arguments; one piece is valid)
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
             choice["delta"] = delta
         else:
             choice["text"] = text or ""

@@ -436,6 +436,7 @@ class Scheduler:
         m.target_calls.labels(draft).inc(s.get("target_calls", 0))
         for drafter, share in s.get("drafter_shares", {}).items():
             m.drafter_steps.labels(draft, drafter).inc(round(share * s.get("target_calls", 0)))
+        m.grammar_tokens.inc(sum(1 for o in completion.origins or () if o.origin == "draft" and o.drafter == "grammar"))
         if s.get("drafted"):
             m.acceptance.labels(draft).observe(s["acceptance_rate"])
         if s.get("fallback"):

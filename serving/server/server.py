@@ -47,6 +47,10 @@ from serving.server.openai_api import (
 from serving.server.request_log import RequestLog
 from serving.server.scheduler import Engine, Failed, Finished, Routed, Scheduler, Ticket, Tokens
 from serving.server.serve_config import ServeConfig
+from serving.server.tools import (HERMES, NO_FORMAT, ToolError, Tools, chat_messages, finish_reason, may_open, parse_calls,
+                                  parse_tools, template_format, tool_grammar)  # fmt: skip
+
+TOOL_FIELDS = frozenset({"tools", "tool_choice"})  # OpenAI fields the chat endpoint implements here (serving.server.tools)
 
 log = logging.getLogger("choral.server")
 
@@ -205,15 +209,16 @@ class EngineServer:
                 self.metrics.requests.labels(endpoint, "503").inc()
                 return not_ready(self.error)
             body = parse_request(await read_body(http, self.cfg.max_body_bytes, self.cfg.body_timeout_s),
-                                 ChatCompletionRequest if chat else CompletionRequest)  # fmt: skip
+                                 ChatCompletionRequest if chat else CompletionRequest, TOOL_FIELDS if chat else frozenset())  # fmt: skip
             forced = self._forced_draft(http, body)
+            tools = self._tools(body) if chat else None
             if not await self._target_up():  # a stream would start 200 and then fail: answer 503 now
                 raise APIError(503, f"the target at {self.cfg.target_address} is unavailable; retry later",
                                code="target_unavailable")  # fmt: skip
             # Tokenizing a long prompt takes seconds: off the event loop, so /health and every
             # stream keep being served meanwhile.
-            encoded = await asyncio.to_thread(self._encode_request, body, chat)
-            ticket = self._ticket(body, forced, *encoded)
+            encoded = await asyncio.to_thread(self._encode_request, body, chat, tools)
+            ticket = self._ticket(body, forced, *encoded, tools=tools)
             self.scheduler.submit(ticket)
             first = await ticket.events.get()
             if isinstance(first, Failed):
@@ -224,7 +229,7 @@ class EngineServer:
         # Counted when the response ends (_Context.count), with the status the client saw last.
         context = _Context(endpoint, self.metrics, new_id("chatcmpl" if chat else "cmpl"), self.models.model_name, chat, body,
                            len(ticket.request.prompt_ids), first, ticket.forced_draft is not None,
-                           ticket.request.params.processors)  # fmt: skip
+                           ticket.request.params.processors, tools, self.tool_format)  # fmt: skip
         if body.stream:
             return StreamingResponse(self._stream(ticket, context), media_type="text/event-stream")
         return await self._collect(http, ticket, context)
@@ -235,14 +240,35 @@ class EngineServer:
         check_model(body.model, self.models.model_name)
         return self.scheduler.check_draft(requested_draft(http, body))
 
-    def _encode_request(self, body: Any, chat: bool) -> tuple[list[int], str, str, list[int] | None]:
+    def _encode_request(self, body: Any, chat: bool, tools: Tools | None = None) -> tuple[list[int], str, str, list[int] | None]:
         """(prompt ids, the text the router reads, the field to blame, prediction ids): the
         tokenizer's work, run in a worker thread."""
         with self._tokenizing:  # one at a time: a fast tokenizer may reconfigure itself inside encode
-            return *self._encode(body, chat), self._prediction(body)
+            return *self._encode(body, chat, tools), self._prediction(body)
+
+    @property
+    def tool_format(self) -> str:
+        return template_format(self.models.tokenizer)
+
+    def _tools(self, body: Any) -> Tools | None:
+        """The request's tools, checked (a 400 naming the field), or None without tools."""
+        try:
+            tools = parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+        except ToolError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        if tools is not None and tools.choice == "auto" and self.tool_format == NO_FORMAT:
+            raise APIError(400, "tool_choice='auto' needs a chat template with a tool-call format, and this model's has "
+                           "none: name the function in tool_choice, or send tool_choice='required'", param="tool_choice")  # fmt: skip
+        if tools is not None and tools.choice in ("required", "named") and body.json_schema[0]:
+            raise APIError(400, "response_format and a required or named tool_choice both constrain the answer: send one",
+                           param="response_format")  # fmt: skip
+        if tools is not None and tools.choice in ("required", "named") and self.cfg.role == "draft":
+            raise APIError(400, "a required or named tool_choice is not carried to a target service (role=draft); serve "
+                           "the target in this process (role fused), or send tool_choice='auto'", param="tool_choice")  # fmt: skip
+        return tools
 
     def _ticket(self, body: Any, forced: str | None, prompt_ids: list[int], route_text: str, param: str,
-                prediction: list[int] | None) -> Ticket:  # fmt: skip
+                prediction: list[int] | None, tools: Tools | None = None) -> Ticket:  # fmt: skip
         b = self.models
         reserve = b.reserve
         if prediction is not None and forced is None and PREDICTION in self.scheduler.drafter_names:
@@ -277,7 +303,7 @@ class EngineServer:
             params = SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=body.seed,
                                     verification=verification,
                                     verification_threshold=body.verification_threshold or self.cfg.verification_threshold,
-                                    grammar=self._grammar(body), **body.sampling_fields())  # fmt: skip
+                                    grammar=self._grammar(body, tools), **body.sampling_fields())  # fmt: skip
         except ValueError as e:  # the request's fields were checked against the same ranges: a guard
             raise sampling_error(e) from None
         if params.processors and self.cfg.role == "draft":
@@ -287,17 +313,19 @@ class EngineServer:
         return Ticket(request, route_text, asyncio.get_running_loop(), forced_draft=forced, stream=body.stream,
                       chat=isinstance(body, ChatCompletionRequest), timeout_s=self.cfg.request_timeout_s)  # fmt: skip
 
-    def _grammar(self, body: Any) -> str | None:
-        """The llguidance grammar of the request's response_format (compiled here, on the event
-        loop, so a schema that cannot compile is the client's 400 and never reaches the step)."""
+    def _grammar(self, body: Any, tools: Tools | None = None) -> str | None:
+        """The llguidance grammar of the request's response_format, or of its required or named
+        tool_choice (compiled here, on the event loop, so a schema that cannot compile is the
+        client's 400 and never reaches the step)."""
         wanted, schema = body.json_schema
-        if not wanted:
-            return None
+        param = "response_format" if wanted else "tools"
         try:
-            grammar = json_schema_grammar(schema)
-            grammars_for(self.models.tokenizer, self.models.engine.vocab_size).matcher(grammar)  # compiled and cached
+            grammar = json_schema_grammar(schema) if wanted else (
+                tool_grammar(tools, self.tool_format, self.models.tokenizer) if tools is not None else None)  # fmt: skip
+            if grammar is not None:
+                grammars_for(self.models.tokenizer, self.models.engine.vocab_size).matcher(grammar)  # compiled and cached
         except GrammarError as e:
-            raise APIError(400, f"response_format: {e}", param="response_format") from None
+            raise APIError(400, f"{param}: {e}", param=param) from None
         return grammar
 
     def _longest_token(self) -> int:
@@ -321,7 +349,7 @@ class EngineServer:
         text = body.prediction.text()[: max_len * self._longest_token()]
         return self.models.tokenizer.encode(text, add_special_tokens=False)[:max_len] if text else None
 
-    def _encode(self, body: Any, chat: bool) -> tuple[list[int], str, str]:
+    def _encode(self, body: Any, chat: bool, tools: Tools | None = None) -> tuple[list[int], str, str]:
         """Prompt token ids, the text the router reads, and the field to blame if it is too long.
         A text longer than max_len tokens of the longest token in the vocabulary cannot fit, and
         is refused without being tokenized; so is a stop string no answer could hold (each step
@@ -339,9 +367,13 @@ class EngineServer:
             raise APIError(400, f"{param}: {sum(map(len, texts))} characters cannot fit in max_len={self.models.max_len} "
                            "tokens; shorten the prompt", param=param, code="context_length_exceeded")  # fmt: skip
         if chat:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             try:
-                text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                messages = chat_messages(body.messages)
+            except ToolError as e:
+                raise APIError(400, str(e), param=e.param) from None
+            shown = tools.tools if tools is not None and tools.choice != "none" and self.tool_format == HERMES else None
+            try:
+                text = tok.apply_chat_template(messages, tools=shown, tokenize=False, add_generation_prompt=True)
             except Exception as e:
                 raise APIError(400, f"messages could not be rendered with the chat template: {e}", param="messages") from None
             users = [m["content"] for m in messages if m["role"] == "user"]
@@ -383,8 +415,9 @@ class EngineServer:
             else:  # text_offset: where each token's text starts, as a stream releases it
                 texts = token_texts(self.models.tokenizer, c.body.stops, out.token_ids, out.text)
                 logprobs = completion_logprobs(out.logprobs, self.token_strings, text_offsets(texts))
-        body = completion_body(c.id, c.model, out.text, out.finish_reason, usage(c.prompt_tokens, len(out.token_ids)),
-                               c.choral(out.stats), c.chat, logprobs)  # fmt: skip
+        content, calls = c.answer(out.text)
+        body = completion_body(c.id, c.model, content, finish_reason(out.finish_reason, c.tools, calls),
+                               usage(c.prompt_tokens, len(out.token_ids)), c.choral(out.stats), c.chat, logprobs, calls)  # fmt: skip
         return JSONResponse(body)
 
     async def _stream(self, ticket: Ticket, c: "_Context") -> AsyncIterator[bytes]:
@@ -417,6 +450,11 @@ class EngineServer:
                 return chat_logprobs(pending_lp, self.token_strings)
             return completion_logprobs(pending_lp, self.token_strings, text_offsets([e["text"] for e in entries], sent))
 
+        # A request with tools: text that may begin a call is held back (a template without a
+        # tool format answers a required or named choice in JSON alone: all of it), then parsed at
+        # the end into content and tool_calls, as the non-streamed answer is.
+        holding = c.calling and c.tool_format == NO_FORMAT
+        streamed = ""  # the content sent so far
         try:
             if c.chat:
                 yield chunk(role=True, text="")
@@ -425,9 +463,11 @@ class EngineServer:
                 if isinstance(event, Tokens):
                     push(event.ids, event.origins, event.logprobs)
                     delta = "".join(e["text"] for e in pending)
-                    if delta:
+                    holding = holding or (c.calling and may_open(streamed + delta) < len(streamed + delta))
+                    if delta and not holding:
                         logprobs = chunk_logprobs(pending)
                         yield chunk(text=delta, choral={"tokens": pending}, logprobs=logprobs)
+                        streamed += delta
                         pending, pending_lp = [], []
                 elif isinstance(event, Finished):
                     c.count(200)
@@ -437,9 +477,13 @@ class EngineServer:
                     push(out.token_ids[seen:], out.origins[seen:] if out.origins else None,
                          out.logprobs[seen:] if out.logprobs else None)  # fmt: skip
                     n_usage = usage(c.prompt_tokens, len(out.token_ids))
-                    tokens = fit_texts(pending, rest)
+                    tokens = fit_texts(pending, out.text[len(streamed):] if holding else rest)  # the unsent tokens' texts
                     logprobs = chunk_logprobs(tokens)
-                    yield chunk(text=rest if rest or not c.chat else None, finish_reason=out.finish_reason,
+                    content, calls = c.answer(out.text)
+                    if holding:  # what the held text holds: the rest of the content, and the calls
+                        rest = (content or "")[len(streamed):]
+                    yield chunk(text=rest if rest or not c.chat else None, tool_calls=calls,
+                                finish_reason=finish_reason(out.finish_reason, c.tools, calls),
                                 choral=c.choral(out.stats) | {"tokens": tokens}, logprobs=logprobs)  # fmt: skip
                     if c.body.include_usage:
                         yield chunk(usage=n_usage)
@@ -469,7 +513,20 @@ class _Context:
     routed: Routed
     forced: bool
     processors: tuple[str, ...] = ()  # the request's logits processors (SamplingParams.processors)
+    tools: Tools | None = None  # the request's tools (serving.server.tools)
+    tool_format: str = NO_FORMAT  # the chat template's tool-call format
     counted: bool = False
+
+    @property
+    def calling(self) -> bool:
+        """Whether the answer may hold tool calls (a stream then holds back text that may be one)."""
+        return self.tools is not None and self.tools.choice != "none"
+
+    def answer(self, text: str) -> tuple[str | None, list[dict]]:
+        """(content, tool_calls) of the answer's text."""
+        if not self.calling:
+            return text, []
+        return parse_calls(text, self.tools, self.tool_format)
 
     def count(self, status: int) -> None:
         """Count this request in ``choral_requests_total`` once, when its response ends."""
