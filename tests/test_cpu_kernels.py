@@ -857,3 +857,19 @@ def test_a_broken_kernel_build_fails_loudly_where_kernels_are_required(tmp_path,
         assert cpu_kernels._rowdot_ext.__wrapped__() is None  # without it: the fallback, with a warning
     finally:
         cpu_kernels._rowdot_ext.cache_clear()
+
+
+@pytest.mark.unit
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
+    """A process killed while building leaves torch's lock file, on which every later build waited
+    forever: one older than STALE_LOCK_S is removed, a fresh one (a build under way) is not."""
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    assert not cpu_kernels.clear_stale_lock(tmp_path) and lock.exists()
+    old = time.time() - cpu_kernels.STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    assert cpu_kernels.clear_stale_lock(tmp_path) and not lock.exists()
+    assert not cpu_kernels.clear_stale_lock(tmp_path)  # no lock: nothing to do

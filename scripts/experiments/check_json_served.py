@@ -10,7 +10,8 @@ answered as ``{"items": [...]}``) and generated ones (an invoice's vendor, date,
 a person's name, age and city; a meeting's date, time and attendees), each with its strict schema.
 ``serve`` runs with an untrained router over the bundled 0.5B draft (only its drafter names matter:
 each request forces its drafter with the ``draft`` body field), one request at a time, drafters
-interleaved per prompt. Writes ``json_served.json`` under ``--out``.
+interleaved per prompt. Writes ``json_served.json`` under ``--out`` (``json_served_from_N.json`` with
+``--start N``: the prompts after an earlier run's first N).
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ def write(rows: list[dict], args) -> dict:
               "streamed_equal": [r["streamed_equal"] for r in rows if "streamed_equal" in r], "summary": summary, "rows": rows}  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out / "json_served.json") as tmp:
+    name = "json_served.json" if not args.start else f"json_served_from_{args.start}.json"
+    with atomic_path(out / name) as tmp:
         tmp.write_text(json.dumps(result, indent=1) + "\n")
     return result
 
@@ -132,6 +134,7 @@ def main(argv=None) -> int:
     ap.add_argument("--target", default=TARGET)
     ap.add_argument("--draft", default=DRAFT)
     ap.add_argument("--prompts", type=int, default=50)
+    ap.add_argument("--start", type=int, default=0, help="skip the first prompts (a run that adds to an earlier one)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--streamed", type=int, default=5, help="prompts also sent streamed (with the 0.5B draft)")
     ap.add_argument("--serve-arg", action="append", default=[], help="an extra key=value for serve (repeatable)")
@@ -140,7 +143,7 @@ def main(argv=None) -> int:
 
     from serving.server.launch import serving_drafts
 
-    cases = prompts(args.prompts)
+    cases = prompts(args.prompts)[args.start :]
     rows = []
     with serving_drafts(args.target, {"draft": args.draft}, args.serve_arg) as (client, model):
         for i, (pid, text, schema) in enumerate(cases):

@@ -21,6 +21,7 @@ import functools
 import hashlib
 import logging
 import os
+import time
 import weakref
 from pathlib import Path
 from types import SimpleNamespace
@@ -62,12 +63,13 @@ def _rowdot_ext():
                                    "AVX2 or AVX-512 (unset it to run on the fallback)")  # fmt: skip
         return None
     try:
-        from torch.utils.cpp_extension import load_inline
+        from torch.utils.cpp_extension import get_default_build_root, load_inline
 
         source = ROWDOT_SOURCE.read_text()
         # -march=native code must not be reused on another CPU sharing the same cache folder.
         flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
         tag = hashlib.sha256((source + flags + torch.__version__).encode()).hexdigest()[:12]
+        clear_stale_lock(Path(get_default_build_root()) / f"choral_rowdot_{tag}")
         return load_inline(
             name=f"choral_rowdot_{tag}", cpp_sources=source, functions=["rowdot_linear", "rowdot_linear_w8a8", "rowdot_linear_w4a8", "rowdot_attention", "rowdot_rms_norm", "rowdot_rope_write", "rowdot_silu_mul", "rowdot_amx"],
             extra_cflags=["-O3", "-march=native", "-fno-fast-math", "-fopenmp"],
@@ -79,6 +81,25 @@ def _rowdot_ext():
                                    f"{exc}") from exc  # fmt: skip
         log.warning("choral: building the rowdot CPU kernel failed (%s); using MKL packed sgemm", exc)
         return None
+
+
+STALE_LOCK_S = 900.0  # a kernel build takes a minute or two on 2 cores; a lock this old has no builder left
+
+
+def clear_stale_lock(build_dir: Path, now: float | None = None) -> bool:
+    """Remove the build folder's ``lock`` when it is older than ``STALE_LOCK_S``: torch's build
+    lock holds no process id, and a process killed while building (a cancelled CI run) left one
+    that made every later process wait on it forever. Returns whether it removed one."""
+    lock = build_dir / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < STALE_LOCK_S:
+        return False
+    log.warning("choral: removing a stale kernel build lock (%s, %.0f s old: its builder is gone)", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def rowdot_available() -> bool:
