@@ -71,6 +71,9 @@ def test_check_tools_served_calls_through_the_openai_client(models, tmp_path, mo
     _run("scripts/experiments/check_tools_served.py", ["--target", models["target"], "--draft", models["draft"], "--prompts", "2",
                                                        "--drafters", "none,auto", "--max-tokens", "48",
                                                        "--serve-arg", "engine.max_len=2048", "--out", str(tmp_path)])  # fmt: skip
-    s = json.loads((tmp_path / "tools_served.json").read_text())["summary"]
+    report = json.loads((tmp_path / "tools_served.json").read_text())
+    s = report["summary"]
     assert s["prompts"] == 2 and s["identical_to_target_alone"] == {"none": 2, "auto": 2}
-    assert s["by_choice"]["named"] == 1 and s["by_choice"]["required"] == 1
+    # A tiny random model may run out of tokens inside an argument (no call then): any call it made is valid.
+    assert s["valid_arguments"] == s["called"] and [r["tool_choice"] for r in report["rows"]] == ["named", "required"]
+    assert all(a["finish_reason"] in ("stop", "length", "tool_calls") for r in report["rows"] for a in r["answers"].values())

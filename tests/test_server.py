@@ -186,7 +186,7 @@ def test_health_is_503_until_loaded_then_models_lists_drafts(live, model_dirs):
     assert live.request("GET", "/health") == (200, '{"status":"ok"}')
     [model] = live.client.models.list().data
     assert model.id == model_dirs["target"].name  # the folder's name: /v1/models never shows a filesystem path
-    assert model.model_extra["choral"]["drafts"] == ["code", "chat", "ngram", "suffix", "auto", "prediction", "none"]
+    assert model.model_extra["choral"]["drafts"] == ["code", "chat", "ngram", "suffix", "grammar", "auto", "prediction", "none"]
 
 
 @pytest.mark.e2e
@@ -298,7 +298,6 @@ BAD = [
     ("completions", b'{"model": "MODEL", "prompt": "x", "max_tokens": 4, "stream": "yes"}', 400, "stream"),
     ("completions", {"logprobs": 6}, 400, "logprobs"),  # OpenAI's completions take 0..5
     ("chat", {"functions": [{"name": "f", "parameters": {}}]}, 400, "functions"),  # OpenAI's deprecated form of tools
-    ("completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tools"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "always"}, 400, "tool_choice"),
     # The second round of probes (issue 61): an integer of 4,301+ digits was a 500 from int();
     # booleans and strings were read as numbers; OpenAI fields that change the answer were dropped.
