@@ -19,7 +19,7 @@ import json
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,15 +44,23 @@ def json_schema_grammar(schema: dict | None) -> str:
     import llguidance
 
     text = json.dumps({"type": "object"} if schema is None else schema)
-    if len(text) > MAX_GRAMMAR_BYTES:
-        raise GrammarError(f"the JSON schema is {len(text)} bytes; at most {MAX_GRAMMAR_BYTES} are compiled")
+    return checked("the JSON schema", text, lambda: llguidance.LLMatcher.grammar_from_json_schema(text, overrides=SEPARATORS))
+
+
+def checked(what: str, source: str, build: Callable[[], str]) -> str:
+    """``build()``'s llguidance grammar of ``source`` (``what``: how an error names it), validated:
+    a source over ``MAX_GRAMMAR_BYTES`` or one llguidance cannot compile is a ``GrammarError``."""
+    import llguidance
+
+    if len(source) > MAX_GRAMMAR_BYTES:
+        raise GrammarError(f"{what} is {len(source)} bytes; at most {MAX_GRAMMAR_BYTES} are compiled")
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(text, overrides=SEPARATORS)
+        grammar = build()
     except ValueError as e:
-        raise GrammarError(f"the JSON schema cannot be compiled: {e}") from None
+        raise GrammarError(f"{what} cannot be compiled: {e}") from None
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
-        raise GrammarError(f"the JSON schema cannot be compiled: {error}")
+        raise GrammarError(f"{what} cannot be compiled: {error}")
     return grammar
 
 

@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from serving.engine.grammar import MAX_GRAMMAR_BYTES, SEPARATORS, GrammarError
+from serving.engine.grammar import SEPARATORS, checked
 
 HERMES, NO_FORMAT = "hermes", "none"
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -160,18 +160,10 @@ def tool_grammar(tools: Tools, fmt: str, tokenizer: Any) -> str | None:
         many = {"type": "array", "items": _call_schema(tools), "minItems": 1, **({} if tools.parallel else {"maxItems": 1})}
         return json_schema_grammar(many)
     schema = json.dumps({**_call_schema(tools), "x-guidance": SEPARATORS})
-    if len(schema) > MAX_GRAMMAR_BYTES:
-        raise GrammarError(f"the tools' schemas are {len(schema)} bytes; at most {MAX_GRAMMAR_BYTES} are compiled")
     call = f'{_tag(tokenizer, OPEN)} "\\n" %json {schema} "\\n" {_tag(tokenizer, CLOSE)}'
     start = 'call ("\\n" call)*' if tools.parallel and tools.choice == "required" else "call"
-    try:
-        grammar = llguidance.grammar_from("lark", f"%llguidance {{}}\nstart: {start}\ncall: {call}\n")
-    except ValueError as e:
-        raise GrammarError(f"the tools' parameters cannot be compiled: {e}") from None
-    error = llguidance.LLMatcher.validate_grammar(grammar)
-    if error:
-        raise GrammarError(f"the tools' parameters cannot be compiled: {error}")
-    return grammar
+    lark = f"%llguidance {{}}\nstart: {start}\ncall: {call}\n"
+    return checked("the tools' grammar (their parameters' schemas)", lark, lambda: llguidance.grammar_from("lark", lark))
 
 
 def _tag(tokenizer: Any, tag: str) -> str:
