@@ -47,7 +47,7 @@ class Drafts:
     q: torch.Tensor  # [B, K, V] the distributions the tokens were drawn from
     n: torch.Tensor  # [B] long: real draft tokens per row, the rest of K is padding
     budgets: list[int]  # [B] each row's budget after a goodput cap
-    proposers: dict[int, str]  # row -> who proposed its tokens when not its own drafter ("grammar", or auto's choice)
+    proposers: dict[int, str]  # row -> who proposed its tokens when not its own drafter (auto's choice; the grammar: ``forced``)
     routed: set[int]  # rows whose routing drafter (auto) chose this step's drafter: it hears the verdict
     forced: torch.Tensor  # [B] bool: rows whose drafts are the grammar's forced tokens alone
     model_s: float = 0.0  # time of the device drafters' forwards
@@ -146,9 +146,9 @@ def merge(host: list[list[int]], proposals: list[tuple[Proposal, torch.Tensor]],
         q = torch.zeros(B, k, V, device=device)  # [B, K, V] nothing drafted
     joined = torch.ones(B, dtype=torch.bool, device=device)  # [B]
     if ahead:  # on the device: which proposals begin with their row's forced tokens is known after the step's sync
-        f_n = torch.tensor([len(ahead.get(b, ())) for b in range(B)], device=device)  # [B]
-        f_tokens = torch.tensor([list(ahead.get(b, ())) + [0] * (k - len(ahead.get(b, ()))) for b in range(B)],
-                                dtype=torch.long, device=device)  # [B, K]  # fmt: skip
+        rows_f = [list(ahead.get(b, ())) for b in range(B)]
+        f_n = torch.tensor([len(f) for f in rows_f], device=device)  # [B]
+        f_tokens = torch.tensor([f + [0] * (k - len(f)) for f in rows_f], dtype=torch.long, device=device)  # [B, K]
         within = torch.arange(k, device=device) < f_n.unsqueeze(1)  # [B, K]
         joined = ((tokens == f_tokens) | ~within).all(1) & (n >= f_n)  # [B]
         tokens = torch.where(joined.unsqueeze(1), tokens, f_tokens)

@@ -4,10 +4,10 @@ A row with a grammar (``SamplingParams.grammar``: an llguidance grammar, e.g. fr
 ``json_schema_grammar``) holds a matcher: the grammar's parser state after the row's committed
 tokens. A step's verify masks the target's logits at each of its K + 1 positions with the tokens
 the grammar allows there after the drafts before that position (a copy of the matcher walks the
-drafts: ``Grammars.masks``). A draft token the grammar forbids then has p = 0 and is rejected by the acceptance rule like any other; the residual
-and bonus draws come from the masked p, so the output is distributed exactly as the constrained
-target alone (greedy: the same tokens). Only ``commit`` moves a matcher: the step's committed
-tokens, never a rejected draft.
+drafts: ``Grammars.masks``). A draft token the grammar forbids then has p = 0 and is rejected by
+the acceptance rule like any other; the residual and bonus draws come from the masked p, so the
+output is distributed exactly as the constrained target alone (greedy: the same tokens). Only
+``commit`` moves a matcher: the step's committed tokens, never a rejected draft.
 
 llguidance was picked over xgrammar: no dependencies (xgrammar pulls triton), cheap matcher copies
 and forced-token computation (docs/experiments/grammar-libraries.md).

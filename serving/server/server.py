@@ -259,10 +259,10 @@ class EngineServer:
         if tools is not None and tools.choice == "auto" and self.tool_format == NO_FORMAT:
             raise APIError(400, "tool_choice='auto' needs a chat template with a tool-call format, and this model's has "
                            "none: name the function in tool_choice, or send tool_choice='required'", param="tool_choice")  # fmt: skip
-        if tools is not None and tools.choice in ("required", "named") and body.json_schema[0]:
+        if tools is not None and tools.constrained and body.json_schema[0]:
             raise APIError(400, "response_format and a required or named tool_choice both constrain the answer: send one",
                            param="response_format")  # fmt: skip
-        if tools is not None and tools.choice in ("required", "named") and self.cfg.role == "draft":
+        if tools is not None and tools.constrained and self.cfg.role == "draft":
             raise APIError(400, "a required or named tool_choice is not carried to a target service (role=draft); serve "
                            "the target in this process (role fused), or send tool_choice='auto'", param="tool_choice")  # fmt: skip
         return tools

@@ -53,6 +53,11 @@ class Tools:
     parallel: bool
 
     @property
+    def constrained(self) -> bool:
+        """Whether the answer must call (``required``, a named function): a grammar makes it."""
+        return self.choice in ("required", "named")
+
+    @property
     def allowed(self) -> list[str]:
         return [self.named] if self.named else list(self.functions)
 
@@ -150,7 +155,7 @@ def tool_grammar(tools: Tools, fmt: str, tokenizer: Any) -> str | None:
     """The llguidance grammar the answer must follow (``required`` and named choices), or None."""
     import llguidance
 
-    if tools.choice in ("none", "auto"):
+    if not tools.constrained:
         return None
     if fmt == NO_FORMAT:
         from serving.engine.grammar import json_schema_grammar
