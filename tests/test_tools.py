@@ -86,6 +86,37 @@ def test_calls_are_parsed_from_closed_tags_of_known_functions():
 
 
 @pytest.mark.unit
+def test_calls_written_as_json_that_end_the_answer_are_calls():
+    # Qwen2.5-Coder answers auto in a ```json fence, not in tags; llama.cpp reads these too.
+    tools = parse_tools(TOOLS, "auto", None)
+    call = '{\n  "name": "get_weather",\n  "arguments": {"city": "Oslo", "days": 2}\n}'
+    fenced = f"```json\n{call}\n```"
+    for text, content in [(fenced, None), (f"Checking.\n{fenced}\n", "Checking.\n"), (call, None),
+                          (f"{fenced}\n```\n" + '[{"name": "get_time", "arguments": {"zone": "UTC"}}]\n```', None)]:
+        got, calls = parse_calls(text, tools, HERMES)
+        assert got == content and calls and calls[0]["function"]["name"] == "get_weather", text
+        assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo", "days": 2}
+    assert len(parse_calls(f"{fenced}\n{fenced}", tools, HERMES)[1]) == 2
+    assert len(parse_calls(f"{fenced}\n{fenced}", parse_tools(TOOLS, "auto", False), HERMES)[1]) == 1  # not parallel: one
+    for text in [f"{fenced}\nThat is how you would call it.", f"Example: {fenced}",  # not the answer's end, not a line's start
+                 fenced.replace("get_weather", "rm_rf"), "```python\nprint(1)\n```", '{"name": "get_weather"']:
+        assert parse_calls(text, tools, HERMES) == (text, []), text
+
+
+@pytest.mark.unit
+def test_a_stream_holds_back_exactly_what_may_still_be_a_call():
+    call = '```json\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n```'
+    for before in ["", "Sure.\n"]:
+        text = before + call
+        for n in range(len(text) + 1):  # every prefix a stream may have seen: the call's part is held
+            assert may_open(text[:n]) == min(n, len(before)), (text[:n], may_open(text[:n]))
+    code = "Here:\n```python\nprint('hi')\n```\nDone."
+    assert may_open(code) == len(code) and may_open("Here:\n```") == 6  # a code fence is held only until it shows its language
+    assert may_open(code[:-5]) == len(code) - 9  # a closing fence: another block, a call, may follow
+    assert may_open("It is 4.") == 8 and may_open('{"nam') == 0 and may_open('{"a": 1}') == 8
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("fmt", [HERMES, NO_FORMAT])
 def test_a_required_choices_grammar_admits_the_schemas_calls_only(tokenizer, fmt):
     from serving.engine.grammar import grammars_for

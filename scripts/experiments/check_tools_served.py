@@ -86,6 +86,20 @@ def valid_call(call, tools: list[dict]) -> bool:
     return call.function.name in schemas and follows(args, schemas[call.function.name])
 
 
+def streamed(client, model: str, messages: list, tools: list, choice, max_tokens: int, draft: str) -> tuple:
+    """(content, [[name, arguments]]) of a streamed answer, assembled from its deltas as a client does."""
+    content, calls = "", {}
+    for chunk in client.chat.completions.create(model=model, messages=messages, tools=tools, tool_choice=choice, stream=True,
+                                                max_tokens=max_tokens, temperature=0, extra_body={"draft": draft}):  # fmt: skip
+        delta = chunk.choices[0].delta if chunk.choices else None
+        content += (delta.content or "") if delta else ""
+        for c in (delta.tool_calls or []) if delta else []:
+            entry = calls.setdefault(c.index, ["", ""])
+            entry[0] += c.function.name or ""
+            entry[1] += c.function.arguments or ""
+    return content or None, [calls[i] for i in sorted(calls)]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=TARGET)
@@ -122,6 +136,9 @@ def main(argv=None) -> int:
                                      "tokens": r.usage.completion_tokens, "seconds": time.perf_counter() - started}  # fmt: skip
                 if d == drafters[0]:
                     calls = m.tool_calls or []
+            if kind == "auto":  # streamed too: held-back text and calls assembled from the deltas
+                row["streamed_identical"] = streamed(client, model, messages, tools, choice, args.max_tokens, drafters[-1]) == (
+                    row["answers"][drafters[-1]]["content"], row["answers"][drafters[-1]]["calls"])
             ref = row["answers"][drafters[0]]
             row["identical"] = {d: a["content"] == ref["content"] and [c[0] for c in a["calls"]] == [c[0] for c in ref["calls"]]
                                 and [json.loads(c[1]) for c in a["calls"]] == [json.loads(c[1]) for c in ref["calls"]]
@@ -143,6 +160,7 @@ def main(argv=None) -> int:
                 "called": sum(bool(r["answers"][drafters[0]]["calls"]) for r in rows),
                 "valid_arguments": sum(r["answers"][drafters[0]]["valid"] and bool(r["answers"][drafters[0]]["calls"]) for r in rows),
                 "by_choice": {k: sum(bool(r["answers"][drafters[0]]["calls"]) for r in rows if r["tool_choice"] == k) for k in CHOICES},
+                "streamed_identical": f"{sum(r.get('streamed_identical', False) for r in rows)}/{sum('streamed_identical' in r for r in rows)}",
                 "second_turn_completed": sum(bool(r.get("second_turn", {}).get(drafters[0], {}).get("content")) for r in rows),
                 "second_turn_identical": sum(len({json.dumps(v) for v in r["second_turn"].values()}) == 1 for r in rows if "second_turn" in r),
                 "identical_to_target_alone": {d: sum(r["identical"][d] for r in rows) for d in drafters},
@@ -156,7 +174,7 @@ def main(argv=None) -> int:
             a = row["answers"][drafters[0]]
             print(f"{i}: {kind} -> {a['calls'] or a['content']!r:.120} valid={a['valid']} identical={row['identical']}", flush=True)
     print(json.dumps(summary, indent=1))
-    ok = summary["valid_arguments"] == summary["called"] and all(v == len(rows) for v in summary["identical_to_target_alone"].values())
+    ok = summary["streamed_identical"].split("/")[0] == summary["streamed_identical"].split("/")[1] and summary["valid_arguments"] == summary["called"] and all(v == len(rows) for v in summary["identical_to_target_alone"].values())
     return 0 if ok else 1
 
 

@@ -453,7 +453,8 @@ class EngineServer:
         # A request with tools: text that may begin a call is held back (a template without a
         # tool format answers a required or named choice in JSON alone: all of it), then parsed at
         # the end into content and tool_calls, as the non-streamed answer is.
-        holding = c.calling and c.tool_format == NO_FORMAT
+        whole = c.calling and c.tool_format == NO_FORMAT
+        holding = whole
         streamed = ""  # the content sent so far
         try:
             if c.chat:
@@ -463,7 +464,8 @@ class EngineServer:
                 if isinstance(event, Tokens):
                     push(event.ids, event.origins, event.logprobs)
                     delta = "".join(e["text"] for e in pending)
-                    holding = holding or (c.calling and may_open(streamed + delta) < len(streamed + delta))
+                    # Recomputed each time: a fence that turns out not to be a call is sent.
+                    holding = whole or (c.calling and may_open(streamed + delta) < len(streamed + delta))
                     if delta and not holding:
                         logprobs = chunk_logprobs(pending)
                         yield chunk(text=delta, choral={"tokens": pending}, logprobs=logprobs)
@@ -477,9 +479,10 @@ class EngineServer:
                     push(out.token_ids[seen:], out.origins[seen:] if out.origins else None,
                          out.logprobs[seen:] if out.logprobs else None)  # fmt: skip
                     n_usage = usage(c.prompt_tokens, len(out.token_ids))
+                    content, calls = c.answer(out.text)
+                    holding = holding or bool(calls)
                     tokens = fit_texts(pending, out.text[len(streamed):] if holding else rest)  # the unsent tokens' texts
                     logprobs = chunk_logprobs(tokens)
-                    content, calls = c.answer(out.text)
                     if holding:  # what the held text holds: the rest of the content, and the calls
                         rest = (content or "")[len(streamed):]
                     yield chunk(text=rest if rest or not c.chat else None, tool_calls=calls,

@@ -26,6 +26,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import regex
+
 from serving.engine.grammar import SEPARATORS, checked
 
 HERMES, NO_FORMAT = "hermes", "none"
@@ -180,8 +182,11 @@ def _tag(tokenizer: Any, tag: str) -> str:
 
 def parse_calls(text: str, tools: Tools, fmt: str) -> tuple[str | None, list[dict]]:
     """(content, tool_calls) of an answer. Hermes: each closed ``<tool_call>`` block whose JSON
-    names a function of the request; the text before the first block is the content (None if
-    blank, else as written: a stream has sent it). No format: the whole answer is the named function's arguments, or the required list."""
+    names a function of the request; failing those, calls written as JSON that ends the answer (a
+    fenced ```json block, several, or the whole answer; models tuned for code answer so, as llama.cpp
+    also reads them). The text before the first call is the content (None if blank, else as
+    written: a stream has sent it). No format: the whole answer is the named function's arguments,
+    or the required list. Without ``parallel_tool_calls`` only the first call counts."""
     if tools.choice == "none":
         return text, []
     if fmt == NO_FORMAT:
@@ -195,17 +200,48 @@ def parse_calls(text: str, tools: Tools, fmt: str) -> tuple[str | None, list[dic
         return None, [_call(n, a) for n, a in pairs]
     calls, first = [], None
     for m in re.finditer(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), text, flags=re.S):
-        try:
-            value = json.loads(m.group(1))
-        except json.JSONDecodeError:
-            continue
-        if isinstance(value, dict) and value.get("name") in tools.functions and isinstance(value.get("arguments", {}), dict):
-            calls.append(_call(value["name"], value.get("arguments", {})))
+        found = _calls(m.group(1), tools)
+        if found:
+            calls += found
             first = m.start() if first is None else first
+    if not calls:
+        first, calls = _json_calls(text, tools)
     if not calls:
         return text, []
     content = text[:first]  # as written (a stream sent it so), None when blank
-    return (content if content.strip() else None), calls
+    return (content if content.strip() else None), calls if tools.parallel else calls[:1]
+
+
+def _calls(body: str, tools: Tools) -> list[dict]:
+    """The calls a JSON text holds: one ``{"name", "arguments"}`` of a request's function, or a list
+    of them; [] when it is anything else."""
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError:
+        return []
+    values = value if isinstance(value, list) and value else [value]
+    ok = all(isinstance(v, dict) and v.get("name") in tools.functions and isinstance(v.get("arguments", {}), dict)
+             for v in values)  # fmt: skip
+    return [_call(v["name"], v.get("arguments", {})) for v in values] if ok else []
+
+
+_FENCE = re.compile(r"```(?:json|JSON)?[ \t]*\n(.*?)\n?[ \t]*```", flags=re.S)
+
+
+def _json_calls(text: str, tools: Tools) -> tuple[int | None, list[dict]]:
+    """(where the calls begin, the calls) when the answer ends with calls written as JSON: the whole
+    answer, or fenced blocks with only blank text between them and after the last."""
+    if text.strip()[:1] in ("{", "["):
+        calls = _calls(text, tools)
+        return (None, []) if not calls else (len(text) - len(text.lstrip()), calls)
+    blocks = list(_FENCE.finditer(text))
+    calls, first, end = [], None, len(text.rstrip())
+    for m in reversed(blocks):  # the blocks that end the answer, from the last one back
+        found = _calls(m.group(1), tools)
+        if not found or m.end() != end or (m.start() > 0 and text[m.start() - 1] != "\n"):
+            break
+        calls, first, end = found + calls, m.start(), len(text[: m.start()].rstrip())
+    return first, calls
 
 
 def _call(name: str, arguments: Any) -> dict:
@@ -221,16 +257,24 @@ def finish_reason(reason: str, tools: Tools | None, calls: list[dict]) -> str:
     return "stop" if tools.choice == "named" else "tool_calls"
 
 
+# How a call written as JSON begins (``_json_calls``): a fence at a line's start, or the answer's
+# first character. A stream holds text back from such a start while it may still be a call.
+_OPENS = (regex.compile(r"```(?:json|JSON)?[ \t]*\n\s*\[?\s*\{\s*\"name\"\s*:"), regex.compile(r"\s*\[?\s*\{\s*\"name\"\s*:"))
+
+
 def may_open(text: str) -> int:
-    """Where in ``text`` a call may have begun (``OPEN`` or a prefix of it at the end); len(text)
-    when none: a stream sends content up to there and holds the rest back."""
+    """Where in ``text`` a call may have begun (``OPEN``, a prefix of it at the end, or the start of
+    a call written as JSON that the text so far does not rule out); len(text) when none: a stream
+    sends content up to there and holds the rest back."""
     at = text.find(OPEN)
-    if at >= 0:
-        return at
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if text.endswith(OPEN[:n]):
-            return len(text) - n
-    return len(text)
+    if at < 0:
+        at = next((len(text) - n for n in range(min(len(OPEN) - 1, len(text)), 0, -1) if text.endswith(OPEN[:n])), len(text))
+    if _OPENS[1].match(text, partial=True):
+        return 0
+    for m in re.finditer(r"(?:^|\n)(`)", text[:at]):
+        if _OPENS[0].match(text, m.start(1), partial=True):
+            return m.start(1)
+    return at
 
 
 def _short(value: Any, limit: int = 80) -> str:
