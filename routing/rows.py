@@ -8,7 +8,9 @@ Shards are separate files that ``merge`` joins (deduplicated by key, sorted by k
 
 Each line carries ``crc32``, the checksum of the rest of its row (its JSON with sorted keys): a
 byte flipped on disk (a digit of a measured speed, say) is refused with the file and line named,
-instead of training a router on it. Rows written before the field existed are read as they are.
+instead of training a router on it. Rows written before the field existed are read as they are,
+but a file is checked as a whole: one whose rows carry checksums refuses a row without one, and a
+key one byte from ``crc32`` is refused as a damaged checksum, not read as an older row.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ TIMING_FIELDS = (
 
 Key = tuple[str, str, str, int]
 CHECKSUM = "crc32"  # the field holding a line's checksum
+_TAIL = f', "{CHECKSUM}": "????????"}}'.encode()  # how every line ends ("?": a hex digit of the checksum)
 
 
 def encode_row(row: dict) -> bytes:
@@ -45,15 +48,26 @@ def encode_row(row: dict) -> bytes:
 
 def decode_row(line: bytes) -> dict:
     """The row of one line, its checksum checked (and dropped); ``ValueError`` if it does not match."""
+    return _decode(line)[0]
+
+
+def _decode(line: bytes) -> tuple[dict, bool]:
+    """(the row, whether its line carried a checksum)."""
     row = json.loads(line)
     if not isinstance(row, dict):
         raise ValueError("not a JSON object")
     stored = row.pop(CHECKSUM, None)
+    # A byte changed inside the checksum's own field ("crc32" -> "crc3r", or "\\rc32": an escape)
+    # would read as a row written before checksums, unchecked: a line that ends one byte away from
+    # how ``encode_row`` ends every line is that damage.
+    tail = line.rstrip(b"\r\n")[-len(_TAIL) :]
+    if stored is None and len(tail) == len(_TAIL) and sum(t != b"?"[0] and a != t for a, t in zip(tail, _TAIL)) <= 1:
+        raise ValueError(f"its {CHECKSUM} field is damaged ({tail.decode(errors='replace')!r})")
     if stored is not None:
         body = json.dumps(row, sort_keys=True)
         if f"{zlib.crc32(body.encode()):08x}" != stored:
             raise ValueError(f"its {CHECKSUM} {stored} does not match its content")
-    return row
+    return row, stored is not None
 
 
 def row_key(row: dict) -> Key:
@@ -68,12 +82,16 @@ def read_rows(path: str | Path, *, repair: bool = False) -> list[dict]:
         return []
     data = path.read_bytes()
     end = data.rfind(b"\n") + 1  # everything after the last newline is an unfinished write
-    rows = []
+    rows, checked = [], None  # checked: whether the file's rows carry checksums (all must, or none)
     for lineno, line in enumerate(data[:end].splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            row = decode_row(line)
+            row, has = _decode(line)
+            if checked is not None and has != checked:
+                raise ValueError(f"{'it has' if has else 'it has no'} {CHECKSUM} where the file's first row "
+                                 f"{'has none' if has else 'has one'}: the file's rows are checked as a whole")  # fmt: skip
+            checked = has
             row_key(row)
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(

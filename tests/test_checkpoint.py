@@ -19,12 +19,28 @@ def checkpoint(folder, files=FILES):
     return folder
 
 
-def test_an_intact_checkpoint_verifies_and_one_without_a_manifest_is_unchecked(tmp_path):
+def test_an_intact_checkpoint_verifies_and_one_without_a_manifest_is_refused_unless_asked(tmp_path):
     assert verify(checkpoint(tmp_path / "last")) is True
     listed = json.loads((tmp_path / "last" / "manifest.json").read_text())["files"]
     assert sorted(listed) == sorted(FILES)
     (tmp_path / "old").mkdir()
-    assert verify(tmp_path / "old") is False
+    with pytest.raises(CheckpointError, match="manifest.json.*output.resume_unchecked=true"):
+        verify(tmp_path / "old")
+    assert verify(tmp_path / "old", unchecked=True) is False
+
+
+def test_a_deleted_manifest_is_refused_on_resume_or_resumed_unchecked_by_name(tmp_path):
+    # A flipped byte in a checkpoint whose manifest was deleted would otherwise load unnoticed.
+    checkpoint(tmp_path / "last")
+    (tmp_path / "last" / "manifest.json").unlink()
+    (tmp_path / "last" / "state" / "scheduler.bin").write_bytes(b"schex")
+    with pytest.raises(CheckpointError, match=r"last has no manifest\.json"):
+        resumable(tmp_path)
+    said = []
+    assert resumable(tmp_path, log=said.append, unchecked=True) == tmp_path / "last"
+    assert len(said) == 1 and "UNCHECKED" in said[0] and "output.resume_unchecked=true" in said[0]
+    checkpoint(tmp_path / "previous")  # a checked one to fall back to is taken first
+    assert resumable(tmp_path, log=said.append) == tmp_path / "previous" and "no manifest.json" in said[-1]
 
 
 @pytest.mark.parametrize("name", sorted(FILES))

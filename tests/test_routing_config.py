@@ -159,6 +159,41 @@ def test_a_flipped_byte_in_a_collected_row_is_refused_with_its_line(tmp_path):
     assert read_rows(path) == [row("p1", speedup=1.25)]
 
 
+def test_every_single_byte_damage_of_a_checksummed_row_is_refused_or_changes_nothing(tmp_path):
+    """Each byte of a row's line (its checksum's key included) replaced by each other byte value:
+    the file is refused, or it reads back the same rows (a space turned into a tab, say); never
+    a changed row read as an older unchecked one."""
+    path = tmp_path / "rows.jsonl"
+    store = RowStore(path)
+    store.append(row("p1", speedup=1.25))
+    first = path.read_bytes()
+    store.append(row("p2", speedup=1.5))
+    for good, start in [(first, 0), (path.read_bytes(), len(first))]:  # a file of one row; the second row of two
+        path.write_bytes(good)
+        want = read_rows(path)
+        damaged = bytearray(good)
+        changed = 0
+        for i in range(start, len(good) - 1):  # the line, its newline kept
+            for value in range(256):
+                if value == good[i]:
+                    continue
+                damaged[i] = value
+                path.write_bytes(bytes(damaged))
+                try:
+                    got = read_rows(path)
+                except ValueError:
+                    continue
+                finally:
+                    damaged[i] = good[i]
+                assert got == want, (i, bytes([value]), got)
+                changed += 1
+        assert changed < 256 * 4  # only whitespace-like bytes may read back as the same rows
+    legacy = tmp_path / "mixed.jsonl"  # a row without a checksum beside checksummed ones
+    legacy.write_bytes(first + (json.dumps(row("p3")) + "\n").encode())
+    with pytest.raises(ValueError, match=r"mixed.jsonl:2 .*has no crc32 where the file's first row has one"):
+        read_rows(legacy)
+
+
 def test_merge_dedupes_by_key_and_sorts(tmp_path, capsys):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text("".join(json.dumps(r) + "\n" for r in [row("p2", x=1), row("p1", x=2)]))

@@ -23,6 +23,7 @@ from serving.engine import EngineSettings, Request, load_engine
 from serving.engine.request import TokenLogprob
 from serving.server import cli_serve
 from serving.server.app import create_app
+from serving.server.connections import uvicorn_config
 from serving.server.serve_config import ServeConfig
 from serving.server.server import EngineServer, load_models
 from serving.tools import cli_generate
@@ -49,7 +50,7 @@ class LiveServer:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn_config(self.app, self.cfg, host="127.0.0.1", port=port))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         while not self.server.started:

@@ -94,14 +94,19 @@ def write_manifest(folder: Path) -> None:
     write_json_atomic(folder / MANIFEST, {"format": 1, "files": files})
 
 
-def verify(folder: Path) -> bool:
-    """Check ``folder`` against its manifest. True when it matches, False when it has none (written
-    before checkpoints carried one: nothing to check); ``CheckpointError`` naming the first file
-    that is missing, of another size or another content, or a manifest that does not parse."""
+def verify(folder: Path, *, unchecked: bool = False) -> bool:
+    """Check ``folder`` against its manifest. True when it matches; ``CheckpointError`` naming the
+    first file that is missing, of another size or another content, or a manifest that does not
+    parse. A folder without a manifest (deleted, or written before checkpoints carried one) cannot
+    be checked: refused, unless ``unchecked`` (``output.resume_unchecked``), then False."""
     folder = Path(folder)
     path = folder / MANIFEST
     if not path.is_file():
-        return False
+        if unchecked:
+            return False
+        raise CheckpointError(f"{folder} has no {MANIFEST}, so nothing says its files are the ones written (a flipped "
+                              "byte would load): resume from another checkpoint, or pass output.resume_unchecked=true "
+                              "to resume it unchecked")  # fmt: skip
     try:
         listed = json.loads(path.read_text())["files"]
         if not isinstance(listed, dict) or not all(
@@ -136,7 +141,7 @@ def keep_previous(final: Path) -> None:
     if not final.exists():
         return
     try:
-        verify(final)
+        verify(final, unchecked=True)  # one of ours always has a manifest; an older one is kept as it was
     except CheckpointError:
         shutil.rmtree(final, ignore_errors=True)
         return
@@ -145,10 +150,11 @@ def keep_previous(final: Path) -> None:
     os.replace(final, previous)
 
 
-def resumable(run_dir: Path, log=print) -> Path | None:
+def resumable(run_dir: Path, log=print, *, unchecked: bool = False) -> Path | None:
     """The checkpoint folder ``--resume`` loads: ``last/`` when it verifies, else ``previous/``
     when that does (``log`` says why last/ was passed over), else None when neither exists. A
-    damaged checkpoint with no good one to fall back to raises ``CheckpointError``."""
+    damaged checkpoint, or one without a manifest, with no good one to fall back to raises
+    ``CheckpointError``; ``unchecked`` resumes one without a manifest, and ``log`` says so."""
     run_dir = Path(run_dir)
     recover(run_dir / "last")
     damaged = None
@@ -157,10 +163,12 @@ def resumable(run_dir: Path, log=print) -> Path | None:
         if not (folder / "progress.json").is_file() and not (folder / MANIFEST).is_file():
             continue
         try:
-            verify(folder)
+            checked = verify(folder, unchecked=unchecked)
         except CheckpointError as e:
             damaged = damaged or e
             continue
+        if not checked:
+            log(f"{folder} has no {MANIFEST}: resuming it UNCHECKED (output.resume_unchecked=true)")
         if damaged is not None:
             log(f"{damaged}; resuming from {folder} instead")
         return folder

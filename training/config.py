@@ -179,6 +179,9 @@ class OutputConfig:
     keep_previous: bool = field(default=True, metadata=doc(
         "keep the checkpoint before last/ as previous/, which --resume falls back to when last/ is damaged "
         "(up to three checkpoints' disk while one is being saved)"))
+    resume_unchecked: bool = field(default=False, metadata=doc(
+        "--resume a checkpoint that has no manifest.json (deleted, or from before manifests): its files "
+        "cannot be checked, so it is refused unless this is true; the log then says it resumed unchecked"))
     wandb: Literal["off", "offline", "online"] = field(default="off", metadata=doc(
         "Weights & Biases logging of what metrics.json holds (training/metric_logging.py; the choral[wandb] "
         "extra): offline writes a run under <dir>/wandb to `wandb sync` later, online uploads it"))

@@ -278,7 +278,7 @@ class TrainDraftRecipe:
     def _load_checkpoint(self) -> None:
         """``--resume``: the last complete last/ (model, optimizer, schedule, RNG, progress), if any,
         checked against its manifest first; a damaged last/ falls back to previous/."""
-        if (folder := resumable(self.out_dir, log=self.accelerator.print)) is None:
+        if (folder := resumable(self.out_dir, log=self.accelerator.print, unchecked=self.cfg.output.resume_unchecked)) is None:
             return
         saved = read_progress_file(folder)
         try:

@@ -168,6 +168,7 @@ def start_local_server(router: str | None, overrides: list[str]) -> tuple[str, A
 
     from serving.config import load_config
     from serving.server.app import create_app
+    from serving.server.connections import uvicorn_config
     from serving.server.launch import free_port
     from serving.server.serve_config import ServeConfig
     from serving.server.server import EngineServer
@@ -179,8 +180,7 @@ def start_local_server(router: str | None, overrides: list[str]) -> tuple[str, A
         Router.create({"draft": "qwen2.5-coder-0.5b-instruct"}, "qwen2.5-coder-1.5b-instruct").save(router)
     port = free_port()
     cfg = load_config(ServeConfig, None, [f"router={router}", f"port={port}", "log_level=warning", *overrides])
-    server = uvicorn.Server(uvicorn.Config(create_app(EngineServer(cfg), cfg), host="127.0.0.1", port=port,
-                                           log_level="warning"))  # fmt: skip
+    server = uvicorn.Server(uvicorn_config(create_app(EngineServer(cfg), cfg), cfg, host="127.0.0.1"))
     threading.Thread(target=server.run, name="choral-demo-serve", daemon=True).start()
     return f"http://127.0.0.1:{port}/v1", server
 

@@ -163,6 +163,7 @@ def _serve_http(cfg: ServeConfig) -> int:
     import uvicorn
 
     from serving.server.app import create_app
+    from serving.server.connections import uvicorn_config
 
     if cfg.backend == "vllm":
         from serving.server.vllm_backend import FleetServer
@@ -179,7 +180,7 @@ def _serve_http(cfg: ServeConfig) -> int:
         server.should_exit = True
 
     app = create_app(backend, cfg, on_load_error)
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level))
+    server = uvicorn.Server(uvicorn_config(app, cfg))
     server.run()
     if failed:
         CLI.fail(f"loading failed: {type(failed[0]).__name__}: {failed[0]}")

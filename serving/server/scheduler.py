@@ -41,6 +41,7 @@ from serving.engine.drafters.base import NONE
 from serving.engine.drafters.registry import AUTO
 from serving.engine.goodput import per_token_acceptance
 from serving.engine.request import Fallback
+from serving.server.admission import FairQueue
 from serving.server.metrics import ServerMetrics
 from serving.server.openai_api import APIError
 from serving.server.serve_config import RoutingSettings
@@ -142,6 +143,7 @@ class Ticket:
     stream: bool = False
     chat: bool = True  # the prompt came as chat messages (for the request log)
     timeout_s: float = 300.0
+    client: str = "addr:unknown"  # who sent it (serving.server.admission.client_id): its line in the fair queue
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrived: float = field(default_factory=time.perf_counter)
     # Set on the scheduler thread:
@@ -170,6 +172,7 @@ class Scheduler:
         *,
         max_batch_size: int = 8,
         queue_limit: int = 64,
+        per_client_limit: int | None = None,
         unavailable: tuple[type[BaseException], ...] = (),
         routing: RoutingSettings | None = None,
         request_log: Any = None,
@@ -191,6 +194,8 @@ class Scheduler:
         self.metrics = metrics or ServerMetrics()
         self.max_batch_size = max_batch_size
         self.queue_limit = queue_limit
+        # Requests routed and waiting for a slot, a line per client (None: no per-client limit).
+        self.waiting = FairQueue(queue_limit, per_client_limit if per_client_limit is not None else queue_limit + max_batch_size)
         self.unavailable = unavailable
         self.routing = routing or RoutingSettings()
         self._explore_rng = random.Random(self.routing.explore_seed)
@@ -234,11 +239,12 @@ class Scheduler:
     def _run(self) -> None:
         while not self._stopping:
             try:
-                self._drain_inbox(block=not self.engine.has_unfinished_requests())
+                self._drain_inbox(block=not self.engine.has_unfinished_requests() and not len(self.waiting))
                 self._expire()
                 if self.engine.has_unfinished_requests():
                     self._step()
-                self.metrics.queue_depth.set(self.engine.num_waiting)
+                self._feed()  # slots freed by the step, or by cancels and timeouts
+                self.metrics.queue_depth.set(self.engine.num_waiting + len(self.waiting))
                 self.metrics.running.set(self.engine.num_running)
             except Exception as e:
                 # A dead scheduler thread would leave every request hanging: fail what is in
@@ -246,7 +252,7 @@ class Scheduler:
                 log.exception("scheduler loop failed")
                 for ticket in list(self._tickets.values()):
                     self._fail(ticket, APIError(500, f"internal error: {type(e).__name__}: {e}"), "error")
-        for ticket in list(self._tickets.values()):
+        for ticket in [*self._tickets.values(), *self.waiting]:
             self._fail(ticket, APIError(503, "the server is shutting down"), "shutdown")
 
     def _drain_inbox(self, block: bool) -> None:
@@ -275,7 +281,7 @@ class Scheduler:
         routed = [i for i, t in enumerate(tickets) if t.forced_draft is None]
         occupancy = 1
         if self.routing.load_aware:  # the batch these requests join: what runs and waits, and themselves
-            load = self.engine.num_running + self.engine.num_waiting
+            load = self.engine.num_running + self.engine.num_waiting + len(self.waiting)
             occupancy = max(1, min(self.max_batch_size, load + len(routed)))
         # A seeded sampled request is routed as if alone: its drafter and K shape its draws, which must
         # not depend on what else is in the batch (the engine never caps its K for the same reason).
@@ -303,31 +309,41 @@ class Scheduler:
             if choice is not None and ticket.forced_draft is None:
                 draft = self._explore(draft)
                 ticket.explored = draft != choice.draft
-            if not self._has_room():
-                self._fail(ticket, APIError(
-                    429, f"the server is full: {self.queue_limit} requests are already waiting for a slot "
-                    "(queue_limit); retry later", code="queue_full"), "rejected")  # fmt: skip
+            free = self.max_batch_size - self.engine.num_running - self.engine.num_waiting
+            if (why := self.waiting.refusal(ticket.client, free)) is not None:
+                self._fail(ticket, APIError(429, why, code="rate_limit_exceeded" if "per_client" in why else "queue_full"),
+                           "rejected")  # fmt: skip
                 continue
             ticket.request.drafter = draft  # the row drafts with it inside the shared batch
             if draft == AUTO and choice is not None:  # the router's predictions are auto's priors
                 ticket.request.drafter_priors = self._priors(choice)
             if choice is not None and ticket.forced_draft is None and draft == choice.draft != NONE:
                 self._apply_choice(ticket.request, choice)  # an explored drafter drafts the engine's K
-            ticket.choice, ticket.occupancy = choice, routed_at(ticket)
+            ticket.choice, ticket.occupancy, ticket.draft = choice, routed_at(ticket), draft
+            self.waiting.push(ticket)
+            ticket.send(Routed(draft, choice, ticket.request.k, ticket.explored))
+            self._feed()  # at once while slots are free: the queue limit counts only what really waits
+
+    def _feed(self) -> None:
+        """Start waiting requests while the engine has free slots, in the fair queue's order: the
+        engine's own queue stays empty, so who runs next is decided here."""
+        while self.engine.num_running + self.engine.num_waiting < self.max_batch_size:
+            ticket = self.waiting.pop()
+            if ticket is None:
+                return
             try:
                 ticket.request_id = self.engine.add_request(ticket.request)
             except ValueError as e:
+                self.waiting.ended(ticket)
                 self._fail(ticket, APIError(400, str(e), param="max_tokens"), "rejected")
                 continue
-            ticket.draft = draft
             self._tickets[ticket.request_id] = ticket
-            self.metrics.draft_choices.labels(draft, str(ticket.forced_draft is not None).lower()).inc()
+            self.metrics.draft_choices.labels(ticket.draft, str(ticket.forced_draft is not None).lower()).inc()
             for processor in ticket.request.params.processors:
                 self.metrics.processor_requests.labels(processor).inc()
             if ticket.explored:
-                self.metrics.explored.labels(choice.draft).inc()
+                self.metrics.explored.labels(ticket.choice.draft).inc()
             self.metrics.prompt_tokens.inc(len(ticket.request.prompt_ids))
-            ticket.send(Routed(draft, choice, ticket.request.k, ticket.explored))
 
     def _priors(self, choice: Any) -> dict[str, float]:
         """The router's predicted acceptance of each drafter as the per-token acceptance ``auto``
@@ -369,12 +385,6 @@ class Scheduler:
             if floor > 0:
                 request.fallback = Fallback(min_acceptance=floor, after_drafted=self.routing.fallback_after,
                                             confidence=self.routing.fallback_confidence)
-
-    def _has_room(self) -> bool:
-        """A request may join if the engine has a free slot for it or fewer than ``queue_limit``
-        requests wait beyond the free slots."""
-        free = self.max_batch_size - self.engine.num_running
-        return self.engine.num_waiting < free or self.engine.num_waiting - free < self.queue_limit
 
     def _step(self) -> None:
         started = time.perf_counter()
@@ -427,6 +437,7 @@ class Scheduler:
 
     def _finish(self, ticket: Ticket, completion: Completion, now: float) -> None:
         self._tickets.pop(ticket.request_id, None)
+        self.waiting.ended(ticket)
         ticket.done = True
         s, m, draft = completion.stats, self.metrics, ticket.draft
         m.generated_tokens.labels(draft).inc(len(completion.token_ids))
@@ -472,17 +483,23 @@ class Scheduler:
             log.exception("could not write the request log's row")
 
     def _cancel(self, ticket: Ticket) -> None:
-        if ticket.done or ticket.request_id is None:
+        if ticket.done or not (self._release(ticket) or self.waiting.remove(ticket)):
             return
-        self.engine.abort_request(ticket.request_id)
-        self._tickets.pop(ticket.request_id, None)
         ticket.done = True
         self.metrics.finished.labels("cancelled").inc()
 
+    def _release(self, ticket: Ticket) -> bool:
+        """Free a started request's slot (and its client's count); False if it had not started."""
+        if ticket.request_id is None or ticket.request_id not in self._tickets:
+            return False
+        self.engine.abort_request(ticket.request_id)
+        self._tickets.pop(ticket.request_id, None)
+        self.waiting.ended(ticket)
+        return True
+
     def _fail(self, ticket: Ticket, error: APIError, reason: str) -> None:
-        if ticket.request_id is not None and not ticket.done:
-            self.engine.abort_request(ticket.request_id)
-            self._tickets.pop(ticket.request_id, None)
+        if not ticket.done and not self._release(ticket):
+            self.waiting.remove(ticket)
         ticket.done = True
         self.metrics.finished.labels(reason).inc()
         ticket.send(Failed(error))
@@ -496,7 +513,7 @@ class Scheduler:
 
     def _expire(self) -> None:
         now = time.perf_counter()
-        for ticket in list(self._tickets.values()):
+        for ticket in [*self._tickets.values(), *self.waiting]:
             if now - ticket.arrived > ticket.timeout_s:
                 self._fail(ticket, APIError(
                     504, f"the request did not finish within request_timeout_s={ticket.timeout_s:g} s",

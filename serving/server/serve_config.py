@@ -144,6 +144,16 @@ class ServeConfig:
         "model id that clients send and /v1/models lists; default: the target reference"))
     queue_limit: int = field(default=64, metadata=doc(
         "requests that may wait for a slot; beyond that new ones get HTTP 429"))
+    per_client_limit: int = field(default=32, metadata=doc(
+        "requests one client may have running and waiting together; beyond that its new ones get HTTP 429 "
+        "naming this limit. A client is its own API key, else its address; the next free slot goes to the "
+        "client with the fewest running (serving/server/admission.py)"))
+    idle_timeout_s: float = field(default=15.0, metadata=doc(
+        "a connection that sends no request within this many seconds (after opening, or after its last "
+        "answer) is closed"))
+    max_connections: int = field(default=1024, metadata=doc(
+        "open connections (and requests in flight) beyond which new requests get HTTP 503 (uvicorn's "
+        "limit_concurrency)"))
     api_key: str | None = field(default=None, metadata=doc(
         "like vLLM's --api-key: every route but /health and /metrics needs 'Authorization: Bearer KEY' "
         "(the openai client's api_key); default: the CHORAL_API_KEY environment variable, else no key"))
@@ -189,6 +199,12 @@ class ServeConfig:
             raise ValueError(f"max_body_bytes={self.max_body_bytes} must be >= 1024")
         if self.queue_limit < 0:
             raise ValueError(f"queue_limit={self.queue_limit} must be >= 0")
+        if self.per_client_limit < 1:
+            raise ValueError(f"per_client_limit={self.per_client_limit} must be >= 1 (requests a client may hold)")
+        if self.idle_timeout_s <= 0:
+            raise ValueError(f"idle_timeout_s={self.idle_timeout_s} must be > 0")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections={self.max_connections} must be >= 1")
         if self.body_timeout_s <= 0:
             raise ValueError(f"body_timeout_s={self.body_timeout_s} must be > 0")
         if self.request_timeout_s <= 0:

@@ -36,6 +36,7 @@ from serving.engine.loader import load_engine
 from serving.engine.models import load_tokenizer
 from serving.engine.grammar import GrammarError, grammars_for, json_schema_grammar
 from serving.engine.sampling import SamplingParams
+from serving.server.admission import client_id
 from serving.server.detokenize import IncrementalDetokenizer, fit_texts, token_texts
 from serving.server.http import check_model, json_error, not_ready, read_body, requested_draft, wait_disconnect
 from serving.server.logprobs import TokenStrings, chat_logprobs, completion_logprobs, text_offsets
@@ -146,6 +147,7 @@ class EngineServer:
         self.ready = False
         self.error: str | None = None
         self.started = int(time.time())
+        self.api_key = cfg.resolved_api_key()  # the one key every client sends: it names no client
 
     @property
     def model_name(self) -> str:
@@ -178,7 +180,7 @@ class EngineServer:
                                          target_weights=self.cfg.engine.target_weights, draft_refs=models.router.draft_refs,
                                          draft_weights=self.cfg.engine.drafts_weights())  # fmt: skip
             scheduler = Scheduler(models.engine, models.router, self.metrics, max_batch_size=self.cfg.engine.max_batch_size,
-                                  queue_limit=self.cfg.queue_limit, unavailable=models.unavailable, routing=self.cfg.routing,
+                                  queue_limit=self.cfg.queue_limit, per_client_limit=self.cfg.per_client_limit, unavailable=models.unavailable, routing=self.cfg.routing,
                                   request_log=request_log)  # fmt: skip
             scheduler.start()
             self.token_strings = TokenStrings(models.tokenizer)  # logprobs' token texts and bytes, cached
@@ -219,6 +221,7 @@ class EngineServer:
             # stream keep being served meanwhile.
             encoded = await asyncio.to_thread(self._encode_request, body, chat, tools)
             ticket = self._ticket(body, forced, *encoded, tools=tools)
+            ticket.client = client_id(http.headers, http.client.host if http.client else None, self.api_key)  # its fair-queue line
             self.scheduler.submit(ticket)
             first = await ticket.events.get()
             if isinstance(first, Failed):
