@@ -40,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--weights", default="q4", help="target_weights and draft_weights")
-    ap.add_argument("--profile", default="runs/workload-q4/step-profile/profile.json",
+    ap.add_argument("--drafts", default="ngram=ngram,suffix=suffix",
+                    help="NAME=REF,... the engine's drafters beside none (a model reference, ngram, suffix, auto)")
+    ap.add_argument("--profile", default="none",
                     help="profile_step.py output: the table for shapes not timed (none: no table)")
     ap.add_argument("--phases", action="store_true",
                     help="also time the target's forwards by shape and the verify's probabilities and accept/reject")
@@ -53,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [p for group in zip(*[load_family(f, "test", args.per_family) for f in FAMILIES]) for p in group]
     settings = EngineSettings(target_weights=args.weights, draft_weights=args.weights, max_batch_size=args.batch, k=4,
                               step_k="goodput")  # fmt: skip
-    loaded = load_engine(settings, args.target, {"ngram": "ngram", "suffix": "suffix", "none": None})
+    drafts = dict(pair.split("=", 1) for pair in args.drafts.split(","))
+    loaded = load_engine(settings, args.target, {**drafts, "none": None})
     engine, tok = loaded.engine, loaded.tokenizer
     table = None
     if args.profile != "none":
