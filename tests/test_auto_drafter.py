@@ -172,23 +172,26 @@ def test_one_rows_record_never_steers_another(tiny_target, tiny_draft, tokenizer
 @pytest.mark.integration
 def test_a_model_drafter_that_skipped_steps_drafts_as_if_it_never_had(tiny_target, tiny_draft, tokenizer):
     """After skipped steps the catch-up reads what the row committed, so the next draft's q is the
-    one a drafter that read every token would give."""
+    one a drafter that read every token would give; the prompt is read on the first draft only."""
     prompt = ragged_prompts(1, seed=53)[0]
     answer = hf_greedy(tiny_target, prompt, 40)
-    runs = {}
-    for skip in (False, True):
+    runs, prefills = {}, {}
+    for skip in (False, True, "late", "never"):
         drafter = ModelDrafter(tiny_draft)
         engine = SpeculativeEngine(tiny_target, tokenizer, config=EngineConfig(max_batch_size=2, max_len=128, k=4),
                                    drafters={"small": drafter})  # fmt: skip
-        if skip:  # the row drafts on its first step only, then none until the last
+        if skip:  # True: the row drafts on its first step only, then none until the last; late: none until then
             calls = {"n": 0}
             real = engine.k_policy.row_k
 
-            def row_k(slot, real=real):
+            def row_k(slot, real=real, first=skip is True, last=30 if skip != "never" else 10**6):
                 calls["n"] += 1
-                return real(slot) if calls["n"] in (1,) or len(slot.generated) >= 30 else 0
+                return real(slot) if (first and calls["n"] == 1) or len(slot.generated) >= last else 0
 
             engine.k_policy.row_k = row_k
+        prefill = drafter.runner.prefill
+        prefills[skip] = []
+        drafter.runner.prefill = lambda ids, r, *a, prefill=prefill, seen=prefills[skip]: seen.append(ids.shape[1]) or prefill(ids, r, *a)
         qs = []
         propose = drafter.propose_rows
 
@@ -202,9 +205,12 @@ def test_a_model_drafter_that_skipped_steps_drafts_as_if_it_never_had(tiny_targe
         [out] = engine.generate([Request(prompt, max_new_tokens=40, drafter="small")])
         assert out.token_ids == answer
         runs[skip] = dict(qs)
-    late = [n for n in runs[True] if n >= len(prompt) + 30]
-    assert late, "the skipping row drafted again"
-    for n in late:
-        if n in runs[False]:
-            torch.testing.assert_close(runs[True][n], runs[False][n], rtol=1e-4, atol=1e-5)
-    assert any(n in runs[False] for n in late), "no step of the two runs drafted at the same length"
+    # The draft reads the prompt once, when the row first drafts; a row that never drafts never reads it.
+    assert prefills == {False: [len(prompt)], True: [len(prompt)], "late": [len(prompt)], "never": []}
+    for skipping in (True, "late"):
+        late = [n for n in runs[skipping] if n >= len(prompt) + 30]
+        assert late, "the skipping row drafted again"
+        for n in late:
+            if n in runs[False]:
+                torch.testing.assert_close(runs[skipping][n], runs[False][n], rtol=1e-4, atol=1e-5)
+        assert any(n in runs[False] for n in late), "no step of the two runs drafted at the same length"

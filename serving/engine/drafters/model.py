@@ -8,8 +8,11 @@ its highest cache row, and scatters the proposals back. Three model drafters wit
 each cost three 2-row drafts, not three full-batch ones. Two drafter names for one model share
 one ``ModelDrafter`` (one cache): a row drafts with one name only.
 
-A row need not draft every step (``auto`` drafts some steps with a copy drafter, a goodput cap
-may skip a step). Each cache row keeps ``seen``, how many leading positions its cache holds for
+A row's prompt is read into its cache row the first time the row drafts, not when it starts (the
+same prefill call over the same prompt, later): under load a goodput cap may never let a row draft,
+and a request ``auto`` serves with the copy drafters alone never needs it, so neither pays a draft
+prefill it will not use. A row need not draft every step (``auto`` drafts some steps with a copy
+drafter, a goodput cap may skip a step). Each cache row keeps ``seen``, how many leading positions its cache holds for
 the row's committed tokens, and ``length``, the row's committed tokens (both on the host, from
 ``start`` and ``observe``: no device read). ``draft_half`` needs positions 0..n-3 in the cache
 (it feeds x_{n-2} and x_{n-1} itself), so a row behind by g tokens first reads them, the
@@ -53,12 +56,14 @@ class ModelDrafter(BatchDrafter):
         self.owner: list[int | None] = []  # cache row -> the engine slot it drafts for
         self.seen: list[int] = []  # cache row -> leading positions its cache holds for the row's tokens
         self.length: list[int] = []  # cache row -> the row's committed tokens (prompt + generated)
+        self.deferred: list[torch.Tensor | None] = []  # cache row -> its prompt [1, L], until the row first drafts
         self._fed: dict[int, tuple[int, int]] = {}  # cache row -> (n, forwards) of the step it drafted
 
     def bind(self, *, batch_size: int, max_len: int, vocab_size: int) -> None:
         self.runner = ModelRunner(self.model, batch_size=batch_size, max_len=max_len, vocab_size=vocab_size)
         self.owner = [None] * batch_size
         self.seen, self.length = [0] * batch_size, [0] * batch_size
+        self.deferred = [None] * batch_size
 
     @property
     def device(self) -> torch.device:
@@ -67,9 +72,10 @@ class ModelDrafter(BatchDrafter):
     def start(self, row: int, ctx: RowContext) -> None:
         r = self.owner.index(None)  # the lowest free cache row: keeps the draft's bucket small
         self.owner[r] = row
-        ids = torch.tensor([list(ctx.prompt)], dtype=torch.long, device=self.runner.device)  # [1, L]
-        self.runner.prefill(ids, r)
-        self.seen[r] = self.length[r] = ids.shape[1]
+        # Counted as read (the prices of catching up, auto's and goodput's, are what they were with an
+        # eager prefill); read on the row's first draft (``_catch_up``).
+        self.deferred[r] = torch.tensor([list(ctx.prompt)], dtype=torch.long, device=self.runner.device)  # [1, L]
+        self.seen[r] = self.length[r] = len(ctx.prompt)
         self._fed.pop(r, None)
 
     def observe(self, row: int, new_tokens: Sequence[int], hidden=None) -> None:
@@ -88,6 +94,7 @@ class ModelDrafter(BatchDrafter):
         if row in self.owner:
             r = self.owner.index(row)
             self.owner[r] = None
+            self.deferred[r] = None
             self._fed.pop(r, None)
 
     def gap(self, row: int) -> int:
@@ -134,6 +141,9 @@ class ModelDrafter(BatchDrafter):
         rows' decode-state tokens, in cache-row order). Each row reads its gap alone, as its
         prefill did, in CATCH_UP widths: what it holds never depends on the other rows."""
         for r in own:
+            if self.deferred[r] is not None:  # the row's first draft: its prompt first, as start would have
+                self.runner.prefill(self.deferred[r], r)
+                self.deferred[r] = None
             for width in catch_up_chunks(self.length[r] - 2 - self.seen[r]):
                 positions = (self.seen[r] + torch.arange(width, device=tokens.device)).clamp(max=self.runner.max_len - 1)  # [W]
                 ids = tokens[r].gather(0, positions.clamp(max=tokens.shape[1] - 1))  # [W] past the gap: rewritten later
