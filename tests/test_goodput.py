@@ -76,3 +76,35 @@ def test_step_costs_measured_then_profiled_then_the_nearest_narrower_shape():
     assert bare.step_ms(4, 2, model_budget=4) == pytest.approx(120.0 + 2 * 15.0)
     assert bare.step_ms(4, 2, model_budget=1) == pytest.approx(120.0 + 15.0)  # one forward: the budget is 1
     assert bare.step_ms(4, 2, model_budget=0) == 120.0
+
+
+def test_a_drafter_no_row_has_tried_is_priced_by_its_pooled_record_starting_optimistic():
+    """Without a router's prediction a row is priced with its drafter's record over the engine's
+    recent steps: it starts optimistic, so a first step drafts (a low start would cap every row at 0,
+    and the drafter would never show what it accepts), then follows what the drafter's rows accepted."""
+    import torch
+
+    from serving.engine import Request
+    from serving.engine.drafters.base import Drafter
+    from serving.engine.engine_settings import EngineConfig
+    from serving.engine.k_policy import POOL_START, KPolicy
+    from serving.engine.slots import Slot
+    from serving.engine.stats import RequestStats
+
+    class Small(Drafter):
+        kind, host, k, owns_rows = "model", False, None, True
+
+    config = EngineConfig(max_batch_size=1, max_len=64, k=4, step_k="goodput")
+    policy = KPolicy(config, {"small": Small()})
+    slot = Slot(0, Request([1, 2, 3]), 3, torch.Generator(), [4], [], RequestStats(), 0.0, "small")
+    step = StepCosts()
+    for width, ms in {1: 65.0, 2: 67.0, 3: 69.0, 5: 73.0}.items():
+        step.observe(1, width, ms)
+    step.observe_draft(1, 1, 20.0)  # a draft forward: K tokens cost K of these
+    assert policy.pooled_a("small") == POOL_START
+    assert policy.cap([slot], [4], None, step)[0] >= 3  # 0.8 a token: about 3 tokens for 130-150 ms beat 1 for 65
+    for _ in range(200):  # its rows then reject most first drafts
+        policy.after_step(slot, 4, 4, 0)
+    assert policy.pooled_a("small") < 0.1 and policy.cap([slot], [4], None, step) == [0] and policy.cut == {0}
+    slot.prior_a, slot.routed_prior = 0.95, True  # a router's prediction prices its own request
+    assert policy.cap([slot], [4], None, step)[0] >= 3

@@ -495,6 +495,7 @@ class SpeculativeEngine:
             proposer = (GRAMMAR if grammar else d.proposers.get(b, slot.drafter)) if drafted else NONE
             slot.origins += step_origins(proposer, drafted, accepted, new)
             slot.stats.record_step(drafted, accepted, new, times["draft"], times["target"], drafter=proposer)
+            slot.stats.capped_steps += b in d.capped
             if b in d.routed and not grammar:  # a routing drafter: the verdict on its choice
                 self.drafters[slot.drafter].settle(b, drafted, accepted)
             self.k_policy.after_step(slot, d.budgets[b], drafted, accepted)

@@ -52,6 +52,7 @@ class Drafts:
     forced: torch.Tensor  # [B] bool: rows whose drafts are the grammar's forced tokens alone
     model_s: float = 0.0  # time of the device drafters' forwards
     forwards: int = 0  # device forwards run
+    capped: frozenset[int] = frozenset()  # rows whose budget the goodput cap lowered this step (load)
 
 
 def distinct(drafters: Mapping[str, Drafter]) -> list[Drafter]:
@@ -67,6 +68,7 @@ def draft(drafters: Mapping[str, Drafter], slots: Sequence[Slot | None], state: 
     never rejected where the grammar allows one token only)."""
     B = len(slots)
     budgets = policy.cap(slots, list(budgets), None, step_costs)  # before proposing: a row capped at 0 proposes nothing
+    capped = set(policy.cut)
     host: list[list[int] | None] = [None] * B  # row -> tokens already proposed on the host
     routes: dict[int, Drafter] = {}  # row -> the device drafter that drafts it this step
     proposers: dict[int, str] = {}
@@ -92,6 +94,7 @@ def draft(drafters: Mapping[str, Drafter], slots: Sequence[Slot | None], state: 
         if not drafter.host and not drafter.routes:
             routes[b] = drafter
     budgets = policy.cap(slots, budgets, [None if t is None else len(t) for t in host], step_costs)
+    capped |= policy.cut
     host = [None if t is None else t[: budgets[b]] for b, t in enumerate(host)]
     alone = [False] * B  # rows drafted by their grammar alone
     for b, f in ahead.items():  # host rows join here, device rows in ``merge``
@@ -114,7 +117,7 @@ def draft(drafters: Mapping[str, Drafter], slots: Sequence[Slot | None], state: 
     tokens, q, n, joined = merge([t or [] for t in host], proposals, config.k_buckets, vocab_size, device,
                                  {b: f for b, f in ahead.items() if b in routes})  # fmt: skip
     forced_only = torch.tensor(alone, device=device) | ~joined  # [B]
-    return Drafts(tokens, q, n, budgets, proposers, routed, forced_only, model_s, forwards)
+    return Drafts(tokens, q, n, budgets, proposers, routed, forced_only, model_s, forwards, frozenset(capped))
 
 
 def merge(host: list[list[int]], proposals: list[tuple[Proposal, torch.Tensor]], k_buckets: Sequence[int], V: int,

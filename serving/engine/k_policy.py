@@ -20,10 +20,18 @@ from serving.engine.goodput import StepCosts, expected_from_counts, per_token_ac
 from serving.engine.slots import Slot
 
 
+# The pooled prior of a drafter (``KPolicy.pooled_a``): where it starts (in-family drafts and copy
+# drafters on their own text measured 0.7-0.9 per token), how many tokens that start weighs, and the
+# decay per verdict (about the last thousand drafted tokens count).
+POOL_START, POOL_WEIGHT, POOL_DECAY = 0.8, 16.0, 0.999
+
+
 class KPolicy:
     def __init__(self, config: EngineConfig, drafters: Mapping[str, Drafter]) -> None:
         self.config, self.drafters = config, drafters
         # Where each request's K starts; with "auto" every request then moves its own K.
+        self.cut: set[int] = set()  # the rows whose budget the last cap lowered (a step's "why" in the stats)
+        self._pool: dict[str, tuple[float, float]] = {}  # drafter -> (accepted, tested) draft tokens, decaying
         self.k_start = float(config.k_buckets[len(config.k_buckets) // 2] if config.k == "auto" else config.k)
 
     def row_k(self, slot: Slot | None) -> int:
@@ -44,13 +52,26 @@ class KPolicy:
 
     def prior(self, slot: Slot) -> None:
         """step_k goodput: the row's per-token acceptance before its own record, from the router's
-        predicted acceptance when the request carries one."""
+        predicted acceptance when the request carries one (else its drafter's pooled record, read
+        at each cap: ``pooled_a``)."""
         if slot.request.expected_acceptance is not None and self.config.step_k == "goodput":
             k = max(1, self.row_k(slot))
             slot.prior_a = float(per_token_acceptance(torch.tensor([float(slot.request.expected_acceptance)]), k))
+            slot.routed_prior = True
+
+    def pooled_a(self, drafter: str) -> float:
+        """The drafter's per-token acceptance over the engine's recent steps (every row it drafted),
+        smoothed towards an optimistic start (``POOL_START``): a prior that began low would cap every
+        row at 0, and a drafter that never drafts never shows it was better than its prior."""
+        hits, trials = self._pool.get(drafter, (0.0, 0.0))
+        return (hits + POOL_WEIGHT * POOL_START) / (trials + POOL_WEIGHT)
 
     def after_step(self, slot: Slot, budget: int, drafted: int, accepted: int) -> None:
-        """k: auto moves the request's own K by its own verdict (Hugging Face's heuristic)."""
+        """k: auto moves the request's own K by its own verdict (Hugging Face's heuristic); the
+        drafter's pooled record (``pooled_a``) counts the verdict, older steps decaying."""
+        if drafted:
+            hits, trials = self._pool.get(slot.drafter, (0.0, 0.0))
+            self._pool[slot.drafter] = (POOL_DECAY * hits + accepted, POOL_DECAY * trials + min(accepted + 1, drafted))
         if self.config.k == "auto" and budget:
             lo, hi = self.config.k_buckets[0], self.config.k_buckets[-1]
             slot.k_value = min(hi, slot.k_value + 2) if accepted == drafted else max(lo, slot.k_value - 1)
@@ -61,6 +82,7 @@ class KPolicy:
         ms. ``proposed[b]``: the length of a proposal already made for row b (a host drafter's,
         known once proposed), else None: its budget is then an upper bound, so a cap of 0 stays 0
         and the proposals need not be made. Seeded sampled rows keep theirs."""
+        self.cut = set()
         if self.config.step_k != "goodput":
             return k_rows
         keep = [slot is not None and slot.request.params.seeded_sampling for slot in slots]
@@ -74,10 +96,13 @@ class KPolicy:
             if drafter is not None and drafter.owns_rows:
                 model_budget = max(model_budget, budget)
             st = slot.stats
-            expected.append(expected_from_counts(st.accepted_at, st.drafted_at, budget, slot.prior_a))
+            prior = slot.prior_a if slot.routed_prior else self.pooled_a(slot.drafter)
+            expected.append(expected_from_counts(st.accepted_at, st.drafted_at, budget, prior))
             fixed.append(keep[b])
         B = len(slots)
         cap = plan_cap(expected, fixed, lambda c: step_costs.step_ms(B, c, model_budget), self.config.k_buckets)
         if cap is None:
             return k_rows
-        return [k if keep[b] else min(k, cap) for b, k in enumerate(k_rows)]
+        out = [k if keep[b] else min(k, cap) for b, k in enumerate(k_rows)]
+        self.cut = {b for b, (k, c) in enumerate(zip(k_rows, out)) if c < k}
+        return out

@@ -39,6 +39,7 @@ class Slot:
     fell_back_at: int | None = None  # tokens generated when the row switched to the target alone
     routed_drafter: str | None = None  # the drafter the request started with, when it fell back
     prior_a: float = PRIOR_A  # per-token acceptance expected before the row's own record (step_k goodput)
+    routed_prior: bool = False  # prior_a is the router's prediction (else the drafter's pooled record prices the row)
     logprobs: list[TokenLogprob] | None = None  # [len(generated)] when the request asks for logprobs
 
     @property

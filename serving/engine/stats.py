@@ -20,6 +20,7 @@ class RequestStats:
     total_time_s: float = 0.0
     prefill_reused: bool = False  # the target's prefill was a row's kept one (EngineConfig.reuse_prefill), its time charged
     k_used: list[int] = field(default_factory=list)  # K of each step, for adaptive K
+    capped_steps: int = 0  # steps whose K the goodput cap lowered (step_k goodput: the batch's load)
     drafter_steps: dict[str, int] = field(default_factory=dict)  # drafter whose proposal a step verified -> steps
 
     def record_step(self, k: int, n_accepted: int, n_new: int, draft_s: float, target_s: float, drafter: str | None = None) -> None:
@@ -65,6 +66,7 @@ class RequestStats:
             "tokens_per_second": self.new_tokens / self.total_time_s if self.total_time_s else 0.0,
             "mean_k": sum(self.k_used) / len(self.k_used) if self.k_used else 0.0,
             "drafts": sum(1 for k in self.k_used if k),  # steps that verified a proposal (vLLM's num_drafts)
+            "capped_steps": self.capped_steps,  # steps whose K the load lowered (step_k goodput)
             # Which drafter's proposal each step verified ("none": nothing drafted), as shares of the steps.
             "drafter_shares": {d: n / calls for d, n in sorted(self.drafter_steps.items())},
         }

@@ -76,26 +76,32 @@ def warmup(engine: SpeculativeEngine) -> None:
 
 
 def time_steps(engine: SpeculativeEngine) -> None:
-    """Seed ``engine.step_costs`` with one timed forward of every verify width and of each device
-    drafter's one-token step, at every batch bucket (after a throwaway forward per bucket), so
-    step_k goodput prices every width it may choose from the first request on. A remote target is
-    timed by its steps only."""
+    """Seed ``engine.step_costs`` with timed forwards (the median of three) of every verify width
+    and of each device drafter's one-token step, at every batch bucket (after a throwaway forward
+    per bucket), so step_k goodput prices every width it may choose from the first request on. A
+    remote target is timed by its steps only."""
     if not isinstance(engine.verifier, LocalVerifier):
         return
     runners, widths = [d for d in distinct(engine.drafters) if d.owns_rows], verify_widths(engine)
+
+    def median_ms(run, reps: int = 3) -> float:
+        # The median of a few: one timed forward on a busy 2-core machine was off by 1.5x now and then,
+        # and a cap chosen on such a price costs the whole batch until serving steps correct it.
+        times = []
+        for _ in range(reps):
+            started = time.perf_counter()
+            run()
+            synchronize(engine.device)
+            times.append(1e3 * (time.perf_counter() - started))
+        return sorted(times)[len(times) // 2]
+
     for rows in engine.config.batch_buckets:
         engine.verifier.warmup(widths[:1], rows)
         for w in widths:
-            started = time.perf_counter()
-            engine.verifier.warmup((w,), rows)
-            synchronize(engine.device)
-            engine.step_costs.observe(rows, w, 1e3 * (time.perf_counter() - started))
+            engine.step_costs.observe(rows, w, median_ms(lambda: engine.verifier.warmup((w,), rows)))
         for runner in runners:
             runner.warmup(rows, (1,))
-            started = time.perf_counter()
-            runner.warmup(rows, (1,))
-            synchronize(engine.device)
-            engine.step_costs.observe_draft(rows, 1, 1e3 * (time.perf_counter() - started))
+            engine.step_costs.observe_draft(rows, 1, median_ms(lambda: runner.warmup(rows, (1,))))
 
 
 def row_costs(engine: SpeculativeEngine, models: tuple[str, ...] = (), reps: int = 5) -> RowCosts:

@@ -33,6 +33,9 @@ class ServerMetrics:
                                     ["draft"], registry=r)  # fmt: skip
         self.drafts = Counter("choral_spec_decode_drafts", "proposals verified (steps in which a request drafted), by drafter",
                               ["draft"], registry=r)  # fmt: skip
+        self.capped_steps = Counter("choral_load_capped_steps", "steps of finished requests whose K the engine lowered "
+                                    "for the batch's load (engine.step_k goodput: the K that maximises the batch's "
+                                    "expected tokens per second), by draft", ["draft"], registry=r)  # fmt: skip
         self.drafter_steps = Counter("choral_drafter_steps", "steps of finished requests by the drafter whose proposal "
                                      "the step verified (none: nothing drafted); auto's requests spread over several, "
                                      "by the request's draft", ["draft", "drafter"], registry=r)  # fmt: skip

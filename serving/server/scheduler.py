@@ -445,6 +445,7 @@ class Scheduler:
         m.accepted_tokens.labels(draft).inc(s.get("accepted", 0))
         m.drafts.labels(draft).inc(s.get("drafts", 0))
         m.target_calls.labels(draft).inc(s.get("target_calls", 0))
+        m.capped_steps.labels(draft).inc(s.get("capped_steps", 0))
         for drafter, share in s.get("drafter_shares", {}).items():
             m.drafter_steps.labels(draft, drafter).inc(round(share * s.get("target_calls", 0)))
         m.grammar_tokens.inc(sum(1 for o in completion.origins or () if o.origin == "draft" and o.drafter == "grammar"))

@@ -560,6 +560,8 @@ class _Context:
             "predicted_speedup": choice.predicted_speedup.get(draft) if choice else None,
             "suggested_k": choice.k if choice and not self.routed.explored else None,  # for the router's own drafter
             "k": self.routed.k if self.routed.k is not None else round(stats.get("mean_k", 0.0), 2),  # router's K, or engine's mean
+            # Why K was lower than asked: steps the engine capped it for the batch's load (engine.step_k goodput).
+            "load_capped_steps": stats.get("capped_steps", 0),
             "occupancy": choice.occupancy if choice else None,  # the batch the router chose for
             "router_choice": choice.draft if choice else None,
             "explored": self.routed.explored,  # routing.explore drew another drafter than router_choice
