@@ -77,3 +77,16 @@ def test_check_tools_served_calls_through_the_openai_client(models, tmp_path, mo
     # A tiny random model may run out of tokens inside an argument (no call then): any call it made is valid.
     assert s["valid_arguments"] == s["called"] and [r["tool_choice"] for r in report["rows"]] == ["named", "required"]
     assert all(a["finish_reason"] in ("stop", "length", "tool_calls") for r in report["rows"] for a in r["answers"].values())
+
+
+@pytest.mark.e2e
+def test_probe_admission_refuses_the_hog_past_its_limit_and_closes_idle_connections(models, tmp_path, monkeypatch):
+    _serving_env(monkeypatch)
+    _run("scripts/experiments/probe_admission.py", ["--target", models["target"], "--draft", models["draft"], "--hog", "40",
+                                                    "--idle", "50", "--max-tokens", "4", "--serve-arg", "engine.max_len=2048",
+                                                    "--serve-arg", "per_client_limit=8", "--serve-arg", "idle_timeout_s=1",
+                                                    "--out", str(tmp_path)])  # fmt: skip
+    r = json.loads((tmp_path / "admission_probe.json").read_text())["results"]
+    assert r["hog_served"] + r["hog_refused"] == 40 and r["hog_refused"] >= 40 - 8 and "per_client_limit=8" in r["hog_refusal"][1]
+    assert r["others_refused"] == 0 and r["identical_to_alone"] == 10
+    assert r["idle"]["closed_by_server"] == 50 and r["idle"]["request_while_open"]

@@ -93,7 +93,8 @@ def draft(drafters: Mapping[str, Drafter], slots: Sequence[Slot | None], state: 
             host[b] = drafter.propose(b, slot.tokens, budgets[b])[: budgets[b]]
         if not drafter.host and not drafter.routes:
             routes[b] = drafter
-    budgets = policy.cap(slots, budgets, [None if t is None else len(t) for t in host], step_costs)
+    # Priced again with what each row now proposes: a host proposal's length, a model's forwards.
+    budgets = policy.cap(slots, budgets, [None if t is None else len(t) for t in host], step_costs, set(routes))
     capped |= policy.cut
     host = [None if t is None else t[: budgets[b]] for b, t in enumerate(host)]
     alone = [False] * B  # rows drafted by their grammar alone

@@ -77,7 +77,7 @@ class KPolicy:
             slot.k_value = min(hi, slot.k_value + 2) if accepted == drafted else max(lo, slot.k_value - 1)
 
     def cap(self, slots: Sequence[Slot | None], k_rows: list[int], proposed: Sequence[int | None] | None,
-            step_costs: StepCosts) -> list[int]:  # fmt: skip
+            step_costs: StepCosts, model_rows: set[int] | None = None) -> list[int]:  # fmt: skip
         """step_k goodput: the budgets capped at the K that maximises the batch's expected tokens per
         ms. ``proposed[b]``: the length of a proposal already made for row b (a host drafter's,
         known once proposed), else None: its budget is then an upper bound, so a cap of 0 stays 0
@@ -93,7 +93,8 @@ class KPolicy:
             known = proposed[b] if proposed is not None else None
             budget = known if known is not None else k_rows[b]
             drafter = self.drafters.get(slot.drafter)
-            if drafter is not None and drafter.owns_rows:
+            # A model drafts the row: its own drafter, or (``model_rows``, once known) auto's choice.
+            if (b in model_rows) if model_rows is not None else (drafter is not None and drafter.owns_rows):
                 model_budget = max(model_budget, budget)
             st = slot.stats
             prior = slot.prior_a if slot.routed_prior else self.pooled_a(slot.drafter)
