@@ -566,10 +566,11 @@ def test_goodput_with_auto_k_leaves_a_capped_rows_k_alone(tiny_target, tiny_draf
     """A row capped to no proposal learned nothing about its drafter: "auto" K must not grow it as
     if every draft had been accepted. Six capped steps, then steps that pay: the first proposal is
     the K every request starts at."""
-    config = EngineConfig(max_batch_size=1, max_len=128, k="auto", step_k="goodput")
+    config = EngineConfig(max_batch_size=2, max_len=128, k="auto", step_k="goodput")
     engine = SpeculativeEngine(tiny_target, tokenizer, config=config, drafters={"small": tiny_draft})
     engine.step_costs = FrozenCosts(lambda rows, width: 1.0 if width == 1 else 1e6)
-    engine.add_request(Request(ragged_prompts(1, seed=5)[0], max_new_tokens=40, drafter="small"))
+    for prompt in ragged_prompts(2, seed=5):  # two rows: a row alone keeps its K
+        engine.add_request(Request(prompt, max_new_tokens=40, drafter="small"))
     for _ in range(6):
         engine.step()
     engine.step_costs = FrozenCosts(lambda rows, width: 1.0)

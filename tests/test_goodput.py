@@ -94,17 +94,20 @@ def test_a_drafter_no_row_has_tried_is_priced_by_its_pooled_record_starting_opti
     class Small(Drafter):
         kind, host, k, owns_rows = "model", False, None, True
 
-    config = EngineConfig(max_batch_size=1, max_len=64, k=4, step_k="goodput")
+    config = EngineConfig(max_batch_size=2, max_len=64, k=4, step_k="goodput")
     policy = KPolicy(config, {"small": Small()})
     slot = Slot(0, Request([1, 2, 3]), 3, torch.Generator(), [4], [], RequestStats(), 0.0, "small")
+    assert policy.cap([slot, None], [4, 0], None, StepCosts()) == [4, 0]  # a row alone keeps its K
+    other = Slot(1, Request([1, 2]), 2, torch.Generator(), [4], [], RequestStats(), 0.0, "small")
     step = StepCosts()
     for width, ms in {1: 65.0, 2: 67.0, 3: 69.0, 5: 73.0}.items():
-        step.observe(1, width, ms)
-    step.observe_draft(1, 1, 20.0)  # a draft forward: K tokens cost K of these
+        step.observe(2, width, ms)
+    step.observe_draft(2, 1, 20.0)  # a draft forward: K tokens cost K of these
     assert policy.pooled_a("small") == POOL_START
-    assert policy.cap([slot], [4], None, step)[0] >= 3  # 0.8 a token: about 3 tokens for 130-150 ms beat 1 for 65
+    assert policy.cap([slot, other], [4, 4], None, step)[0] >= 3  # 0.8 a token: about 6 tokens for 130-150 ms beat 2 for 65
     for _ in range(200):  # its rows then reject most first drafts
         policy.after_step(slot, 4, 4, 0)
-    assert policy.pooled_a("small") < 0.1 and policy.cap([slot], [4], None, step) == [0] and policy.cut == {0}
-    slot.prior_a, slot.routed_prior = 0.95, True  # a router's prediction prices its own request
-    assert policy.cap([slot], [4], None, step)[0] >= 3
+    assert policy.pooled_a("small") < 0.1 and policy.cap([slot, other], [4, 4], None, step) == [0, 0] and policy.cut == {0, 1}
+    for s in (slot, other):  # a router's prediction prices its own request
+        s.prior_a, s.routed_prior = 0.95, True
+    assert policy.cap([slot, other], [4, 4], None, step)[0] >= 3

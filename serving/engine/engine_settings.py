@@ -191,11 +191,12 @@ class EngineSettings:
     compile_backend: str | None = field(default=None, metadata=doc(
         "torch.compile backend of the step shapes (inductor, neuron), or auto for the device's; "
         "null: eager. Compiled shapes are warmed up at load"))
-    step_k: Literal["rows", "goodput"] = field(default="rows", metadata=doc(
-        "rows: each row drafts its own K and a step verifies at the longest proposal's bucket; goodput: each "
-        "step caps the rows' proposals (not a seeded sampled row's) at the K that maximises the batch's expected tokens per ms, from "
-        "each row's acceptance so far and measured step times (in a full batch one row's long proposal makes "
-        "every row pay); outputs unchanged"))
+    step_k: Literal["rows", "goodput"] = field(default="goodput", metadata=doc(
+        "rows: each row drafts its own K and a step verifies at the longest proposal's bucket; goodput: a step "
+        "of two or more rows caps their proposals (not a seeded sampled row's) at the K that maximises the batch's "
+        "expected tokens per ms, from each row's acceptance so far (else its drafter's recent record) and step "
+        "times measured at load and while serving (in a full batch one row's long proposal makes every row pay; "
+        "a row alone keeps its K); outputs unchanged"))
     cuda_graphs: bool = field(default=False, metadata=doc(
         "on CUDA, capture every step shape (rows, width) as a CUDA graph at load and replay it: a small "
         "batch's step on a GPU is bound by kernel launches (eager or with compile_backend)"))
