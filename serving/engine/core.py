@@ -498,7 +498,7 @@ class SpeculativeEngine:
             slot.stats.capped_steps += b in d.capped
             if b in d.routed and not grammar:  # a routing drafter: the verdict on its choice
                 self.drafters[slot.drafter].settle(b, drafted, accepted)
-            self.k_policy.after_step(slot, d.budgets[b], drafted, accepted, proposer)
+            self.k_policy.after_step(slot, d.budgets[b], drafted, accepted)
             try:
                 # Stop strings first: a step that also reaches the length limit must still cut at the stop.
                 stopped = hit_stop(slot, before, self.tokenizer)

@@ -94,7 +94,7 @@ def draft(drafters: Mapping[str, Drafter], slots: Sequence[Slot | None], state: 
         if not drafter.host and not drafter.routes:
             routes[b] = drafter
     # Priced again with what each row now proposes: a host proposal's length, a model's forwards.
-    budgets = policy.cap(slots, budgets, [None if t is None else len(t) for t in host], step_costs, set(routes), proposers)
+    budgets = policy.cap(slots, budgets, [None if t is None else len(t) for t in host], step_costs, set(routes))
     capped |= policy.cut
     host = [None if t is None else t[: budgets[b]] for b, t in enumerate(host)]
     alone = [False] * B  # rows drafted by their grammar alone
