@@ -218,7 +218,9 @@ def _build_engines(cfg: CollectConfig, settings: EngineSettings) -> dict[str, Sp
     if resolve_device(settings.device).type == "cuda" and "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # one GPU per process under accelerate launch
     drafts = dict(cfg.drafts) | ({NONE: None} if cfg.baseline else {})
-    engine = load_engine(settings, cfg.target, drafts).engine
+    # Each drafter is measured at its K: a goodput cap would lower K by how many of its rows share a
+    # step, and the router would learn the collection's batch instead of the drafter.
+    engine = load_engine(dataclasses.replace(settings, step_k="rows"), cfg.target, drafts).engine
     warm = engine.tokenizer.encode("Hello world", add_special_tokens=False) or [0]
     for name in drafts:
         engine.generate([Request(warm, max_new_tokens=4, drafter=name)] * settings.max_batch_size)

@@ -147,8 +147,8 @@ MUTANTS = [
            "serving/engine/drafters/suffix.py", "        return self.cache.propose(self._request[row], k)[0]\n",
            "        return self.cache.propose(self._request[min(self._request)], k)[0]\n", ROW_TESTS),
     Mutant("draft-prefill-slot-row", "a draft model prefills the engine slot's cache row instead of its own draft row",
-           "serving/engine/drafters/model.py", "        self.runner.prefill(ids, r)\n",
-           "        self.runner.prefill(ids, row)\n", ROW_TESTS),
+           "serving/engine/drafters/model.py", "                self.runner.prefill(self.deferred[r], r)\n",
+           "                self.runner.prefill(self.deferred[r], self.owner[r])\n", ROW_TESTS),
     Mutant("fallback-leaks-draft-row", "a fallback switches the row to the target alone before stopping its drafter "
            "(the drafter is never told: its draft row is never freed)", "serving/engine/fallback.py",
            "    stop_drafter()\n    slot.routed_drafter, slot.drafter = slot.drafter, NONE\n",

@@ -256,7 +256,8 @@ def test_a_prediction_drafts_past_the_engines_k_up_to_its_own(tiny_target, token
     ngram row beside it keeps the engine's k of 2; both stay the target's own output."""
     from serving.engine.engine_settings import EngineSettings, PredictionSettings
 
-    settings = EngineSettings(k=2, k_buckets=(2, 4, 8), max_batch_size=2, max_len=96, prediction=PredictionSettings(k=8))
+    settings = EngineSettings(k=2, k_buckets=(2, 4, 8), max_batch_size=2, max_len=96, prediction=PredictionSettings(k=8),
+                              step_k="rows")  # each row's own K, not a load cap: what this test is about
     config = settings.engine_config(draft=True)
     assert config.k_max == 8 and config.verify_widths == (3,)
     engine = SpeculativeEngine(tiny_target, tokenizer, config=config,

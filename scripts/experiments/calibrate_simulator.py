@@ -142,7 +142,8 @@ def serve_and_load(arch: str, target: Path, draft: Path, router: Path, out: Path
     models and settings (distributed: through the still-running target server, so the gRPC round
     trip is measured, not assumed) and stop it. Returns (load test JSON, profile)."""
     http = free_port()
-    common = [f"engine.max_batch_size={a.batch}", f"engine.k={a.k}", "log_level=warning", "engine.device=cpu"]
+    # step_k rows: the simulator models a server that verifies K every step (goodput would cap it by load).
+    common = [f"engine.max_batch_size={a.batch}", f"engine.k={a.k}", "engine.step_k=rows", "log_level=warning", "engine.device=cpu"]
     procs = []
     grpc_address = None
     try:
@@ -196,7 +197,7 @@ def measure_profile(target: Path, draft: Path, load: dict, a: argparse.Namespace
     tok = load_tokenizer(str(target))
     cpu = torch.device("cpu")
     d_model = load_model(str(draft), dtype="float32", device=cpu)
-    settings = EngineSettings(device="cpu", max_batch_size=a.batch, k=a.k)
+    settings = EngineSettings(device="cpu", max_batch_size=a.batch, k=a.k, step_k="rows")
     widths = settings.engine_config(draft=True).step_widths
     if grpc_address:  # the draft keeps its fp32 numerics on the kernels, as the target would
         prepare_kernels(settings, [d_model], [], widths)

@@ -453,11 +453,7 @@ class EngineServer:
                 return chat_logprobs(pending_lp, self.token_strings)
             return completion_logprobs(pending_lp, self.token_strings, text_offsets([e["text"] for e in entries], sent))
 
-        # A request with tools: text that may begin a call is held back (a template without a
-        # tool format answers a required or named choice in JSON alone: all of it), then parsed at
-        # the end into content and tool_calls, as the non-streamed answer is.
-        whole = c.calling and c.tool_format == NO_FORMAT
-        holding = whole
+        holding = c.holds("")  # text that may begin a tool call waits for the end (``_Context.holds``)
         streamed = ""  # the content sent so far
         try:
             if c.chat:
@@ -467,8 +463,7 @@ class EngineServer:
                 if isinstance(event, Tokens):
                     push(event.ids, event.origins, event.logprobs)
                     delta = "".join(e["text"] for e in pending)
-                    # Recomputed each time: a fence that turns out not to be a call is sent.
-                    holding = whole or (c.calling and may_open(streamed + delta) < len(streamed + delta))
+                    holding = c.holds(streamed + delta)  # recomputed: a fence that is not a call goes out
                     if delta and not holding:
                         logprobs = chunk_logprobs(pending)
                         yield chunk(text=delta, choral={"tokens": pending}, logprobs=logprobs)
@@ -527,6 +522,12 @@ class _Context:
     def calling(self) -> bool:
         """Whether the answer may hold tool calls (a stream then holds back text that may be one)."""
         return self.tools is not None and self.tools.choice != "none"
+
+    def holds(self, text: str) -> bool:
+        """Whether a stream holds back what it has of the answer (``text``): with tools, from where a
+        call may begin (a template without a tool format answers a required or named choice in JSON
+        alone: all of it); the end parses it into content and tool_calls, as a whole answer is."""
+        return self.calling and (self.tool_format == NO_FORMAT or may_open(text) < len(text))
 
     def answer(self, text: str) -> tuple[str | None, list[dict]]:
         """(content, tool_calls) of the answer's text."""
