@@ -248,6 +248,20 @@ MUTANTS = [
     Mutant("tool-call-unclosed-counts", "a tool call the model opened and never closed is parsed as a call",
            "serving/server/tools.py", 're.escape(OPEN) + r"\\s*(.*?)\\s*" + re.escape(CLOSE)',
            're.escape(OPEN) + r"\\s*(.*?)\\s*(?:" + re.escape(CLOSE) + "|$)"', ("tests/test_tools.py", "-m", "unit")),
+    Mutant("fenced-example-counts", "JSON followed by more text (an example) is parsed as a call",
+           "serving/server/tools.py", "if not found or m.end() != end or", "if not found or", ("tests/test_tools.py", "-m", "unit")),
+    Mutant("fair-queue-fifo", "the next free slot goes to the oldest line, not the client with the fewest running",
+           "serving/server/admission.py", "key=lambda c: (self._running.get(c, 0), self._served.get(c, -1))",
+           "key=lambda c: 0", ("tests/test_admission.py", "-m", "unit")),
+    Mutant("missing-manifest-resumes", "a checkpoint whose manifest was deleted resumes unchecked without the flag",
+           "training/checkpoint.py", "        if unchecked:\n            return False\n", "        return False\n",
+           ("tests/test_checkpoint.py",)),
+    Mutant("damaged-checksum-key-legacy", "a row whose checksum field was damaged reads as an unchecked older row",
+           "routing/rows.py", "a != t for a, t in zip(tail, _TAIL)) <= 1:", "a != t for a, t in zip(tail, _TAIL)) <= -1:",
+           ("tests/test_routing_config.py", "-k", "single_byte")),
+    Mutant("lone-row-capped", "goodput caps a row alone in its step (the 0.5B lost its batch-1 gain so)",
+           "serving/engine/k_policy.py", "if sum(slot is not None for slot in slots) < 2:", "if False:",
+           ("tests/test_goodput.py",)),
 ]
 
 

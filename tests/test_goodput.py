@@ -97,7 +97,6 @@ def test_a_drafter_no_row_has_tried_is_priced_by_its_pooled_record_starting_opti
     config = EngineConfig(max_batch_size=2, max_len=64, k=4, step_k="goodput")
     policy = KPolicy(config, {"small": Small()})
     slot = Slot(0, Request([1, 2, 3]), 3, torch.Generator(), [4], [], RequestStats(), 0.0, "small")
-    assert policy.cap([slot, None], [4, 0], None, StepCosts()) == [4, 0]  # a row alone keeps its K
     other = Slot(1, Request([1, 2]), 2, torch.Generator(), [4], [], RequestStats(), 0.0, "small")
     step = StepCosts()
     for width, ms in {1: 65.0, 2: 67.0, 3: 69.0, 5: 73.0}.items():
@@ -108,6 +107,7 @@ def test_a_drafter_no_row_has_tried_is_priced_by_its_pooled_record_starting_opti
     for _ in range(200):  # its rows then reject most first drafts
         policy.after_step(slot, 4, 4, 0)
     assert policy.pooled_a("small") < 0.1 and policy.cap([slot, other], [4, 4], None, step) == [0, 0] and policy.cut == {0, 1}
+    assert policy.cap([slot, None], [4, 0], None, step) == [4, 0]  # alone it keeps its K even so
     for s in (slot, other):  # a router's prediction prices its own request
         s.prior_a, s.routed_prior = 0.95, True
     assert policy.cap([slot, other], [4, 4], None, step)[0] >= 3
