@@ -90,3 +90,14 @@ def test_probe_admission_refuses_the_hog_past_its_limit_and_closes_idle_connecti
     assert r["hog_served"] + r["hog_refused"] == 40 and r["hog_refused"] >= 40 - 8 and "per_client_limit=8" in r["hog_refusal"][1]
     assert r["others_refused"] == 0 and r["identical_to_alone"] == 10
     assert r["idle"]["closed_by_server"] == 50 and r["idle"]["request_while_open"]
+
+
+@pytest.mark.e2e
+def test_bench_load_sweeps_concurrency_per_fresh_server_and_compares_with_the_target_alone(models, tmp_path, monkeypatch):
+    _serving_env(monkeypatch)
+    _run("scripts/experiments/bench_load.py", ["--target", models["target"], "--draft", models["draft"], "--systems",
+                                               "choral:none,choral:draft", "--concurrency", "1,3", "--per-client", "1",
+                                               "--prompts", "3", "--max-tokens", "4", "--batch", "2", "--out", str(tmp_path)])  # fmt: skip
+    s = json.loads((tmp_path / "load_bench.json").read_text())["summary"]
+    assert set(s) == {"choral:none C=1", "choral:none C=3", "choral:draft C=1", "choral:draft C=3"}
+    assert s["choral:draft C=3"]["identical"] == "3/3" and all(v["tokens_per_s"] > 0 for v in s.values())
