@@ -137,7 +137,7 @@ class SpeculativeEngine:
             self.enable_compile(config.compile_backend)
         if config.cuda_graphs:
             self.enable_cuda_graphs()
-        if config.step_k == "goodput" and self.drafting:
+        if config.step_k == "goodput" and self.drafting and config.max_batch_size > 1:  # a lone row is never capped
             self.time_steps()
         for routing in [d for d in distinct(self.drafters) if d.routes]:
             routing.price(self.row_costs(routing.model_costs_needed), self.verify_widths())

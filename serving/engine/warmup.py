@@ -76,7 +76,7 @@ def warmup(engine: SpeculativeEngine) -> None:
 
 
 def time_steps(engine: SpeculativeEngine) -> None:
-    """Seed ``engine.step_costs`` with timed forwards (the median of three) of every verify width
+    """Seed ``engine.step_costs`` with timed forwards (the faster of two) of every verify width
     and of each device drafter's one-token step, at every batch bucket (after a throwaway forward
     per bucket), so step_k goodput prices every width it may choose from the first request on. A
     remote target is timed by its steps only."""
@@ -84,24 +84,25 @@ def time_steps(engine: SpeculativeEngine) -> None:
         return
     runners, widths = [d for d in distinct(engine.drafters) if d.owns_rows], verify_widths(engine)
 
-    def median_ms(run, reps: int = 3) -> float:
-        # The median of a few: one timed forward on a busy 2-core machine was off by 1.5x now and then,
-        # and a cap chosen on such a price costs the whole batch until serving steps correct it.
+    def faster_of_two(run, reps: int = 2) -> float:
+        # The faster of two: one timed forward on a busy 2-core machine was off by 1.5x now and then
+        # (always slower), and a cap chosen on such a price costs the whole batch until serving
+        # steps correct it.
         times = []
         for _ in range(reps):
             started = time.perf_counter()
             run()
             synchronize(engine.device)
             times.append(1e3 * (time.perf_counter() - started))
-        return sorted(times)[len(times) // 2]
+        return min(times)
 
     for rows in engine.config.batch_buckets:
         engine.verifier.warmup(widths[:1], rows)
         for w in widths:
-            engine.step_costs.observe(rows, w, median_ms(lambda: engine.verifier.warmup((w,), rows)))
+            engine.step_costs.observe(rows, w, faster_of_two(lambda: engine.verifier.warmup((w,), rows)))
         for runner in runners:
             runner.warmup(rows, (1,))
-            engine.step_costs.observe_draft(rows, 1, median_ms(lambda: runner.warmup(rows, (1,))))
+            engine.step_costs.observe_draft(rows, 1, faster_of_two(lambda: runner.warmup(rows, (1,))))
 
 
 def row_costs(engine: SpeculativeEngine, models: tuple[str, ...] = (), reps: int = 5) -> RowCosts:
