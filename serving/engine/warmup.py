@@ -75,6 +75,18 @@ def warmup(engine: SpeculativeEngine) -> None:
     synchronize(engine.device)
 
 
+def fastest_ms(device, run, reps: int) -> float:
+    """The fastest of ``reps`` timed calls of ``run``, in ms (the device synchronized after each):
+    what the shape costs when nothing else runs."""
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        run()
+        synchronize(device)
+        times.append(1e3 * (time.perf_counter() - started))
+    return min(times)
+
+
 def time_steps(engine: SpeculativeEngine) -> None:
     """Seed ``engine.step_costs`` with timed forwards (the faster of two) of every verify width
     and of each device drafter's one-token step, at every batch bucket (after a throwaway forward
@@ -84,17 +96,11 @@ def time_steps(engine: SpeculativeEngine) -> None:
         return
     runners, widths = [d for d in distinct(engine.drafters) if d.owns_rows], verify_widths(engine)
 
-    def faster_of_two(run, reps: int = 2) -> float:
-        # The faster of two: one timed forward on a busy 2-core machine was off by 1.5x now and then
-        # (always slower), and a cap chosen on such a price costs the whole batch until serving
-        # steps correct it.
-        times = []
-        for _ in range(reps):
-            started = time.perf_counter()
-            run()
-            synchronize(engine.device)
-            times.append(1e3 * (time.perf_counter() - started))
-        return min(times)
+    # The faster of two: one timed forward on a busy 2-core machine was off by 1.5x now and then
+    # (always slower), and a cap chosen on such a price costs the whole batch until serving steps
+    # correct it.
+    def faster_of_two(run) -> float:
+        return fastest_ms(engine.device, run, 2)
 
     for rows in engine.config.batch_buckets:
         engine.verifier.warmup(widths[:1], rows)
@@ -112,26 +118,20 @@ def row_costs(engine: SpeculativeEngine, models: tuple[str, ...] = (), reps: int
     priced as a local one of one ms per token, the drafts as measured."""
     from serving.engine.drafters.model import CATCH_UP
 
-    def fastest_ms(run) -> float:
+    def fastest(run) -> float:
         run()  # a throwaway: the first call of a shape may build it
-        times = []
-        for _ in range(reps):
-            started = time.perf_counter()
-            run()
-            synchronize(engine.device)
-            times.append(1e3 * (time.perf_counter() - started))
-        return min(times)
+        return fastest_ms(engine.device, run, reps)
 
     widths = verify_widths(engine)
     if isinstance(engine.verifier, LocalVerifier):
-        verify = [[w, fastest_ms(lambda w=w: engine.verifier.warmup((w,), 1))] for w in widths]
+        verify = [[w, fastest(lambda w=w: engine.verifier.warmup((w,), 1))] for w in widths]
     else:
         verify = [[w, float(w)] for w in widths]
     model = {}
     for name in models:
         runner = engine.drafters[name].runner
-        one = [[w, fastest_ms(lambda w=w: runner.warmup((w,), last_only=True, rows=1))] for w in (1, 2)]
+        one = [[w, fastest(lambda w=w: runner.warmup((w,), last_only=True, rows=1))] for w in (1, 2)]
         ids = torch.zeros(1, max(CATCH_UP), dtype=torch.long, device=runner.device)
-        model[name] = one + [[w, fastest_ms(lambda w=w: runner.extend(ids[:, :w], torch.arange(w, device=runner.device)[None], 0))]
+        model[name] = one + [[w, fastest(lambda w=w: runner.extend(ids[:, :w], torch.arange(w, device=runner.device)[None], 0))]
                              for w in CATCH_UP if w <= engine.config.max_len]  # fmt: skip
     return RowCosts(verify=verify, model=model, host={n: 0.02 for n, d in engine.drafters.items() if d.host})
