@@ -33,7 +33,7 @@ def test_the_next_slot_goes_to_the_client_with_the_fewest_running():
     for h in hog:
         assert q.refusal("hog") is None
         q.push(h)
-    assert "per_client_limit=5" in q.refusal("hog") and q.refusal("a") is None
+    assert q.refusal("hog")[0] == "rate_limit_exceeded" and "per_client_limit=5" in q.refusal("hog")[1] and q.refusal("a") is None
     assert q.pop() is hog[0] and q.pop() is hog[1]  # nobody else waits: the hog runs two
     a, b = item("a", 0), item("b", 0)
     q.push(a), q.push(b)
@@ -46,7 +46,7 @@ def test_the_next_slot_goes_to_the_client_with_the_fewest_running():
     assert q.remove(hog[4]) and not q.remove(hog[4]) and q.held("hog") == 4 and list(q) == [hog[3]]
     q2 = FairQueue(queue_limit=1, per_client_limit=5)
     q2.push(item("x", 0))
-    assert "queue_limit=1" in q2.refusal("y")
+    assert q2.refusal("y")[0] == "queue_full" and "queue_limit=1" in q2.refusal("y")[1]
 
 
 class SlotEngine:

@@ -54,15 +54,16 @@ class FairQueue:
         """The client's requests running and waiting."""
         return self._running.get(client, 0) + len(self._lines.get(client, ()))
 
-    def refusal(self, client: str, free: int = 0) -> str | None:
-        """Why a new request of ``client`` is refused (a 429's message), or None when it may wait
-        (``free``: the engine's free slots, which it takes at once whatever the queue holds)."""
+    def refusal(self, client: str, free: int = 0) -> tuple[str, str] | None:
+        """Why a new request of ``client`` is refused, as a 429's (code, message), or None when it
+        may wait (``free``: the engine's free slots, which it takes at once whatever the queue holds)."""
         if self.held(client) >= self.per_client_limit:
-            return (f"client {client} already has {self.held(client)} requests running or waiting (per_client_limit="
-                    f"{self.per_client_limit}); wait for one to finish, or raise serve.per_client_limit")  # fmt: skip
+            return "rate_limit_exceeded", (f"client {client} already has {self.held(client)} requests running or waiting "
+                                           f"(per_client_limit={self.per_client_limit}); wait for one to finish, or raise "
+                                           "serve.per_client_limit")  # fmt: skip
         if self._size >= self.queue_limit + max(0, free):
-            return (f"the server is full: {self._size} requests are already waiting for a slot (queue_limit="
-                    f"{self.queue_limit}); retry later")  # fmt: skip
+            return "queue_full", (f"the server is full: {self._size} requests are already waiting for a slot (queue_limit="
+                                  f"{self.queue_limit}); retry later")  # fmt: skip
         return None
 
     def push(self, item: Any) -> None:

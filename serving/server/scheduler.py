@@ -193,7 +193,6 @@ class Scheduler:
         self.router = router
         self.metrics = metrics or ServerMetrics()
         self.max_batch_size = max_batch_size
-        self.queue_limit = queue_limit
         # Requests routed and waiting for a slot, a line per client (None: no per-client limit).
         self.waiting = FairQueue(queue_limit, per_client_limit if per_client_limit is not None else queue_limit + max_batch_size)
         self.unavailable = unavailable
@@ -311,8 +310,7 @@ class Scheduler:
                 ticket.explored = draft != choice.draft
             free = self.max_batch_size - self.engine.num_running - self.engine.num_waiting
             if (why := self.waiting.refusal(ticket.client, free)) is not None:
-                self._fail(ticket, APIError(429, why, code="rate_limit_exceeded" if "per_client" in why else "queue_full"),
-                           "rejected")  # fmt: skip
+                self._fail(ticket, APIError(429, why[1], code=why[0]), "rejected")
                 continue
             ticket.request.drafter = draft  # the row drafts with it inside the shared batch
             if draft == AUTO and choice is not None:  # the router's predictions are auto's priors
